@@ -1,0 +1,23 @@
+"""The engine's config section (`engine:` in configs/*.yaml)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    max_batch: int = 64  # decode slots: rows generated together
+    max_len: int = 2048  # KV cache length per row (prompt + response), capped by the model's context
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    device: str = "cpu"
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
+
+    def validate(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"engine.max_batch must be >= 1, got {self.max_batch}")
+        if self.max_len < 2:
+            raise ValueError(f"engine.max_len must be >= 2, got {self.max_len}")
+        if self.threads < 0:
+            raise ValueError(f"engine.threads must be >= 0, got {self.threads}")

@@ -1,0 +1,96 @@
+"""Rotary position embeddings: inverse frequencies for the RoPE variants of Llama / Qwen configs.
+
+Knows the `rope_type`s `default`, `linear`, `llama3` and `yarn` (as Hugging Face defines them) and
+turns positions into `(cos, sin)`. Does not know about attention or caches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(kw_only=True)
+class RopeSpec:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    params: dict = field(default_factory=dict)  # the scaling fields of the HF config
+
+    SUPPORTED = ("default", "linear", "llama3", "yarn")
+
+
+def inverse_frequencies(spec: RopeSpec, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq [head_dim/2] float32, attention_factor)."""
+    dim = head_dim
+    inv_freq = 1.0 / (spec.theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    p = spec.params
+    if spec.rope_type == "default":
+        return inv_freq.float(), 1.0
+    if spec.rope_type == "linear":
+        return (inv_freq / p["factor"]).float(), 1.0
+    if spec.rope_type == "llama3":
+        return _llama3(inv_freq, p).float(), 1.0
+    if spec.rope_type == "yarn":
+        return _yarn(spec.theta, dim, p, max_position_embeddings)
+    raise ValueError(
+        f"rope_type {spec.rope_type!r} is not supported; supported: {', '.join(RopeSpec.SUPPORTED)}"
+    )
+
+
+def _llama3(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(base: float, dim: int, p: dict, max_pos: int) -> tuple[torch.Tensor, float]:
+    original = p.get("original_max_position_embeddings") or max_pos
+    factor = p.get("factor") or max_pos / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attention_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, T] -> cos, sin [B, T, head_dim] in `dtype`."""
+    freqs = positions.unsqueeze(-1).float() * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+    return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, D]; cos, sin [B, T, D] (the half-rotation layout of HF Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)

@@ -1,0 +1,284 @@
+"""Pretrain a tiny Llama-style model from scratch on a synthetic task, on CPU, in minutes.
+
+The result is the starting policy of the tiny RL config: a Hugging Face folder (config.json,
+model.safetensors, tokenizer files) plus `pretrain_summary.json`, written atomically (built in
+`OUT.tmp`, then renamed). Training is supervised next-token prediction on the task's reference
+responses: the loss counts response tokens (and `<eos>`), not the prompt, whose digits are
+random. Batches hold up to `batch_tokens` padded tokens; problems are drawn in pools, sorted by
+length and cut into batches of similar lengths, so the long tail costs little padding.
+
+    python -m pipeline.pretrain --out checkpoints/tiny [--steps N --seed S ...]
+
+Every field of `PretrainConfig` is a flag (`hidden_size` -> `--hidden-size`). This module knows
+nothing about RL; accuracy is measured with the plain greedy decoder of `pipeline.tasks.eval`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.checkpoint import save_checkpoint
+from engine.model import Transformer
+from engine.model_config import ModelConfig
+from pipeline.tasks import TASKS, Problem, get_task
+from pipeline.tasks.eval import evaluate
+from pipeline.tasks.tokenizer import build_tokenizer
+
+IGNORE = -100  # target id that the loss skips
+
+
+@dataclass(kw_only=True)
+class PretrainConfig:
+    task: str = "arith"
+    seed: int = 0
+    steps: int = 600
+    batch_tokens: int = 4096  # rows x longest row, padding included
+    pool_size: int = 1024  # problems sorted by length together to form batches
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    hidden_size: int = 192
+    intermediate_size: int = 512
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 6
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    init_std: float = 0.02
+    threads: int = 2
+    eval_problems: int = 200  # held-out test problems for the final greedy accuracy
+    log_every: int = 25
+
+    def validate(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task: unknown task {self.task!r}; available: {', '.join(sorted(TASKS))}")
+        positive = (
+            "steps", "batch_tokens", "pool_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "threads", "log_every",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "eval_problems"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not self.init_std > 0:
+            raise ValueError(f"init_std must be > 0, got {self.init_std}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.batch_tokens < self.max_position_embeddings:
+            raise ValueError(
+                f"batch_tokens ({self.batch_tokens}) must be >= max_position_embeddings "
+                f"({self.max_position_embeddings}) so that any one problem fits in a batch"
+            )
+
+
+def build_model(cfg: PretrainConfig, tokenizer) -> Transformer:
+    model_cfg = ModelConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Transformer(model_cfg)
+    for name, p in model.named_parameters():
+        if p.dim() == 2:  # Linear and (tied) embedding weights; norms keep their ones
+            torch.nn.init.normal_(p, std=cfg.init_std)
+    return model
+
+
+def encode_example(tokenizer, problem: Problem) -> tuple[list[int], int]:
+    """[bos] + prompt + response + [eos] as ids, and the prompt's length in tokens (with bos)."""
+    prompt = tokenizer(problem.prompt).input_ids
+    response = tokenizer(problem.response, add_special_tokens=False).input_ids
+    return prompt + response + [tokenizer.eos_token_id], len(prompt)
+
+
+def collate(examples: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> inputs [B, T-1] (right-padded) and targets [B, T-1]: the next token, IGNORE outside responses."""
+    T = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)  # [B, T]
+    targets = torch.full((len(examples), T), IGNORE, dtype=torch.long)  # [B, T]
+    for b, (seq, prompt_len) in enumerate(examples):
+        ids[b, : len(seq)] = torch.tensor(seq)
+        targets[b, prompt_len : len(seq)] = ids[b, prompt_len : len(seq)]
+    return ids[:, :-1], targets[:, 1:]
+
+
+def length_bucketed(examples: list[tuple[list[int], int]], batch_tokens: int) -> list[list[tuple[list[int], int]]]:
+    """Cut examples, sorted by length, into batches of at most batch_tokens padded tokens."""
+    batches: list[list[tuple[list[int], int]]] = [[]]
+    for ex in sorted(examples, key=lambda e: len(e[0])):
+        if batches[-1] and (len(batches[-1]) + 1) * len(ex[0]) > batch_tokens:
+            batches.append([])
+        batches[-1].append(ex)
+    return batches
+
+
+def train_batches(cfg: PretrainConfig, tokenizer) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """An endless stream of (inputs, targets) from the task's train split, in a seeded order."""
+    task, rng, start = get_task(cfg.task), random.Random(f"pretrain:{cfg.seed}"), 0
+    while True:
+        problems = task.make_problems("train", cfg.pool_size, cfg.seed, start=start)
+        start += cfg.pool_size
+        examples = [encode_example(tokenizer, p) for p in problems]
+        assert all(len(ids) <= cfg.max_position_embeddings for ids, _ in examples)
+        batches = length_bucketed(examples, cfg.batch_tokens)
+        rng.shuffle(batches)
+        for batch in batches:
+            yield collate(batch, tokenizer.pad_token_id)
+
+
+def lr_at(cfg: PretrainConfig, step: int) -> float:
+    """Linear warmup, then cosine from lr down to lr * min_lr_ratio at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def train(cfg: PretrainConfig, model: Transformer, tokenizer) -> list[float]:
+    """Runs cfg.steps optimizer steps; returns the loss of each step."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+    model.train()
+    losses: list[float] = []
+    batches = train_batches(cfg, tokenizer)
+    t0 = t_log = time.perf_counter()
+    tokens = 0
+    for step in range(cfg.steps):
+        inputs, targets = next(batches)  # [B, T]
+        for group in opt.param_groups:
+            group["lr"] = lr_at(cfg, step)
+        positions = torch.arange(inputs.shape[1]).expand_as(inputs)  # [B, T]
+        logits = model(inputs, positions).logits  # [B, T, V]
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        losses.append(loss.item())
+        tokens += int((inputs != tokenizer.pad_token_id).sum())
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            now = time.perf_counter()
+            window = losses[-cfg.log_every :]
+            print(
+                f"step {step + 1}/{cfg.steps} loss {sum(window) / len(window):.4f} lr {lr_at(cfg, step):.2e} "
+                f"tokens/s {tokens / (now - t_log):.0f} elapsed {now - t0:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+            t_log, tokens = now, 0
+    return losses
+
+
+def pretrain(cfg: PretrainConfig, out: str | Path) -> dict:
+    """Trains, evaluates and writes the model folder `out` atomically; returns the summary."""
+    cfg.validate()
+    out = Path(out)
+    t0 = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    tokenizer = build_tokenizer()
+    model = build_model(cfg, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}", file=sys.stderr)
+    losses = train(cfg, model, tokenizer)
+    train_s = time.perf_counter() - t0
+
+    accuracy = None
+    if cfg.eval_problems:
+        problems = get_task(cfg.task).make_problems("test", cfg.eval_problems, cfg.seed)
+        accuracy = evaluate(model, tokenizer, problems)
+        print(f"held-out greedy accuracy: {accuracy:.3f} on {len(problems)} {cfg.task}/test problems", file=sys.stderr)
+
+    tail = losses[-min(len(losses), cfg.log_every) :]
+    summary = {
+        "steps": cfg.steps,
+        "parameters": n_params,
+        "initial_loss": losses[0],
+        "final_loss": sum(tail) / len(tail),  # mean over the last log window
+        "heldout_accuracy": accuracy,
+        "heldout_problems": cfg.eval_problems,
+        "train_seconds": round(train_s, 1),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "config": dataclasses.asdict(cfg),
+    }
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_checkpoint(model, tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "pretrain_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return summary
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[PretrainConfig, Path]:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.pretrain", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="model folder to write")
+    for f in dataclasses.fields(PretrainConfig):
+        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default, metavar=f.name.upper())
+    args = vars(parser.parse_args(argv))
+    out = args.pop("out")
+    cfg = PretrainConfig(**args)
+    try:
+        cfg.validate()
+    except ValueError as e:
+        parser.error(str(e))
+    return cfg, out
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, out = parse_args(argv)
+    torch.set_num_threads(cfg.threads)
+    summary = pretrain(cfg, out)
+    print(
+        f"wrote {out}: {summary['parameters'] / 1e6:.2f}M parameters, {summary['steps']} steps, "
+        f"final loss {summary['final_loss']:.4f}, held-out accuracy {summary['heldout_accuracy']}, "
+        f"{summary['seconds']:.0f}s"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Tasks: problems with verifiable answers and their rewards.
+
+A `Task` bundles a problem generator and an exact-answer reward. `Problem` records flow from
+here to the rollout stage; the reward is a pure function of a response text and the answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipeline.tasks import arith
+from pipeline.tasks.arith import Problem
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    make_problems: Callable[..., list[Problem]]  # (split, num, seed, *, start=0) -> problems
+    reward: Callable[[str, str], float]  # (response text, answer) -> reward
+
+
+TASKS = {"arith": Task(name="arith", make_problems=arith.make_problems, reward=arith.reward)}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; available: {', '.join(sorted(TASKS))}")
+    return TASKS[name]
+
+
+__all__ = ["Problem", "TASKS", "Task", "get_task"]
