@@ -68,7 +68,8 @@ def prompt_key(prompt_id: str | int) -> int:
 
 def row_keys(seed: int, step: int, prompts: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
     """prompts, samples [N] int64 -> [N] int64 key of each (prompt, sample) stream."""
-    base = mix64(torch.tensor([seed * _GOLDEN + step], dtype=torch.long) ^ _GOLDEN)
+    seed_t, step_t = torch.tensor([seed], dtype=torch.long), torch.tensor([step], dtype=torch.long)
+    base = mix64(mix64(seed_t ^ _GOLDEN) + step_t * _GOLDEN)
     return mix64(mix64(base.to(prompts.device) ^ prompts) + samples * _GOLDEN)
 
 

@@ -48,11 +48,10 @@ def greedy_generate(model: Transformer, prompts: list[list[int]], eos_id: int, m
         keep = [slot for slot, d in enumerate(done) if not d]
         if not keep:
             break
-        for new, old in enumerate(keep):  # keep is increasing, so no live row is overwritten
-            if new != old:
-                cache.move_row(old, new)
-        rows = [rows[s] for s in keep]
         n = len(keep)
+        if keep != list(range(n)):
+            cache.move_rows(torch.tensor(keep, device=device), torch.arange(n, device=device))
+        rows = [rows[s] for s in keep]
         slots = cache.lengths[:n].unsqueeze(1).clone()  # [n, 1] each row's next position
         tokens = next_tok[keep].unsqueeze(1)  # [n, 1]
         mask = causal_mask(slots, length=int(slots.max()) + 1)  # [n, 1, S]

@@ -1,0 +1,68 @@
+"""Shared pieces of the benchmarks: prompts, timing, and the `--json` output convention.
+
+Every bench prints a human table and, with `--json`, a last line holding one JSON object whose
+`ratio` maps each batch size to ours / baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+BENCH_PROMPTS = [
+    "Explain why the sky is blue in a few sentences.",
+    "Write a short poem about the sea.",
+    "What is the capital of France, and what is it known for?",
+    "Give three tips for learning to program.",
+    "Describe how a bicycle works.",
+    "Why do leaves change colour in autumn?",
+    "Summarise the plot of Romeo and Juliet.",
+    "How does a refrigerator keep food cold?",
+    "What are prime numbers? Give examples.",
+    "Tell me a fun fact about octopuses.",
+    "How do airplanes stay in the air?",
+    "What is photosynthesis?",
+    "Write a haiku about autumn.",
+    "What causes earthquakes?",
+    "Explain the rules of chess briefly.",
+    "Why is exercise good for health?",
+]
+
+
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    """n prompt token lists, chat-formatted when the tokenizer has a template."""
+    out = []
+    for i in range(n):
+        text = BENCH_PROMPTS[i % len(BENCH_PROMPTS)]
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer(text)["input_ids"]
+        out.append(list(ids))
+    return out
+
+
+def timed(fn, repeat: int = 1):
+    """Runs fn `repeat` times; returns (last result, best seconds)."""
+    best, result = float("inf"), None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - t)
+    return result, best
+
+
+def parse_batches(text: str) -> list[int]:
+    try:
+        batches = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--batch expects comma-separated integers like 1,8; got {text!r}") from None
+    if not batches or min(batches) < 1:
+        raise ValueError(f"--batch needs positive batch sizes, got {text!r}")
+    return batches
+
+
+def emit_json(obj: dict) -> None:
+    print(json.dumps(obj, sort_keys=True))

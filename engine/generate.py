@@ -1,0 +1,130 @@
+"""`python -m engine.generate`: rollouts for a JSONL file of prompts, written as JSONL.
+
+Input lines are `{"id": ..., "prompt": "..."}` (other fields are carried through untouched);
+output lines carry `id, sample, prompt_tokens, tokens, text, logprobs, finish_reason`. The
+model folder's tokenizer turns text into ids and back; `--chat` applies its chat template. The
+engine itself sees only token ids. Progress goes to stderr, with a one-line summary at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.engine import RolloutEngine
+from engine.sampling import SamplingParams
+from engine.types import Request
+
+
+def read_prompts(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file {path} not found")
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); expected {{\"id\": ..., \"prompt\": \"...\"}}") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or "id" not in row:
+            raise ValueError(f"{path}:{lineno}: expected an object with \"id\" and a string \"prompt\", got {line[:80]!r}")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path} holds no prompts")
+    ids = [str(r["id"]) for r in rows]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: prompt ids must be unique (they key the sampling noise)")
+    return rows
+
+
+def encode(tokenizer, text: str, chat: bool) -> list[int]:
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("--chat was given but the tokenizer has no chat template")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if not isinstance(ids, list) else ids)
+    return list(tokenizer(text)["input_ids"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine.generate", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="HF model folder (config.json, safetensors, tokenizer)")
+    p.add_argument("--prompts", required=True, help='JSONL with {"id": ..., "prompt": "..."} lines')
+    p.add_argument("--out", required=True, help="output JSONL")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step", type=int, default=0, help="RL step (part of the noise key)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    return p
+
+
+def run(args: argparse.Namespace) -> str:
+    from transformers import AutoTokenizer
+
+    rows = read_prompts(args.prompts)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, step=args.step,
+    )
+    cfg = EngineConfig(max_batch=args.max_batch, max_len=args.max_len, dtype=args.dtype, threads=args.threads)
+    engine = RolloutEngine.from_pretrained(args.model, cfg)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    stops = tuple(engine.model.config.eos_ids) or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
+    params = SamplingParams(**{**params.__dict__, "stop_token_ids": stops})
+    requests = [Request(prompt_id=str(r["id"]), prompt=encode(tokenizer, r["prompt"], args.chat), n=args.n) for r in rows]
+    bar = tqdm(total=len(requests) * args.n, desc="rollouts", unit="seq", file=sys.stderr, disable=None)
+
+    def progress(done: int) -> None:
+        bar.update(done - bar.n)
+
+    rollouts = engine.generate(requests, params, progress=progress)
+    bar.close()
+    out = Path(args.out)
+    tmp = out.with_name(out.name + ".tmp")
+    with tmp.open("w") as f:
+        for ro in rollouts:
+            f.write(json.dumps({
+                "id": ro.prompt_id, "sample": ro.sample, "prompt_tokens": ro.prompt_tokens, "tokens": ro.tokens,
+                "text": tokenizer.decode(ro.tokens, skip_special_tokens=True), "logprobs": ro.logprobs,
+                "finish_reason": ro.finish_reason,
+            }) + "\n")
+    os.replace(tmp, out)
+    s = engine.last_stats
+    return (
+        f"{len(rollouts)} rollouts, {s.new_tokens} tokens in {s.wall_s:.2f}s: {s.tokens_per_s:.1f} tok/s "
+        f"(prefill {s.prefill_s:.2f}s, decode {s.decode_s:.2f}s, {len(s.batch_sizes)} steps) -> {out}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        summary = run(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
