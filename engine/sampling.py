@@ -73,16 +73,25 @@ def row_keys(seed: int, step: int, prompts: torch.Tensor, samples: torch.Tensor)
     return mix64(mix64(base.to(prompts.device) ^ prompts) + samples * _GOLDEN)
 
 
-def gumbel(keys: torch.Tensor, positions: torch.Tensor, vocab: int | torch.Tensor) -> torch.Tensor:
-    """keys [N], positions [N] -> Gumbel noise [N, V] (float32); `vocab` may be an id tensor [V]."""
+def uniform(keys: torch.Tensor, positions: torch.Tensor, vocab: int | torch.Tensor) -> torch.Tensor:
+    """keys [N], positions [N] -> uniforms in (0, 1) [N, V] (float32); `vocab` may be an id tensor [V]."""
     ids = torch.arange(vocab, device=keys.device) if isinstance(vocab, int) else vocab
     site = mix64(keys ^ mix64(positions + _GOLDEN))  # [N], fully mixed per (row, position)
     # Per token one multiply-xorshift-multiply round suffices: site is already uniform and
     # each step is a bijection in the token id, so a row's V draws are distinct.
     x = (site.unsqueeze(-1) ^ (ids * _VOCAB_MUL)) * _M1  # [N, V]
     x = (x ^ _shr(x, 29)) * _M2
-    u = (_shr(x, 40).float() + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 bits
-    return u.log_().neg_().log_().neg_()
+    return (_shr(x, 40).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits
+
+
+def gumbel(keys: torch.Tensor, positions: torch.Tensor, vocab: int | torch.Tensor) -> torch.Tensor:
+    """keys [N], positions [N] -> Gumbel noise [N, V] (float32); `vocab` may be an id tensor [V]."""
+    return uniform(keys, positions, vocab).log_().neg_().log_().neg_()
+
+
+def derive_keys(keys: torch.Tensor, salt: int) -> torch.Tensor:
+    """Independent key streams for other uses of randomness (e.g. rejection sampling's coins)."""
+    return mix64(keys ^ mix64(torch.tensor([salt], dtype=torch.long, device=keys.device)))
 
 
 def mask_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

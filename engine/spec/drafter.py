@@ -1,0 +1,92 @@
+"""The Drafter protocol: what the engine asks of a drafter, and what it tells it.
+
+Each decode step the engine hands the drafter a `DraftContext` for its active rows (slots
+0..b-1) and gets back a `DraftTree` (possibly empty for some rows). Around that, it keeps the
+drafter informed: rows admitted (with the prompt's target features, for model drafters), the
+verdict of each verify pass (with the target features of root and nodes), rows moved when the
+batch is compacted, and rollouts finished (for drafters that learn from sibling responses).
+Hooks a drafter does not need are inherited as no-ops from `DrafterBase`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.sampling import SamplingParams
+from engine.spec.tree import DraftTree
+from engine.spec.verify import Verdict
+
+
+@dataclass(kw_only=True)
+class DraftShape:
+    depth: int = 6  # levels below the root
+    topk: int = 1  # children expanded per node (1 = chain)
+    verify_tokens: int = 8  # nodes kept for verification
+
+
+@dataclass
+class DraftContext:
+    roots: torch.Tensor  # [b] each row's last sampled token (not yet in the KV cache)
+    positions: torch.Tensor  # [b] response index of the root; depth-d nodes sit at positions + d
+    keys: torch.Tensor  # [b] noise keys (engine.sampling.row_keys) of each row
+    responses: torch.Tensor  # [b, max_new] tokens generated so far; responses[r, generated[r]-1] == roots[r]
+    generated: torch.Tensor  # [b]
+    prompts: list[torch.Tensor]  # per row: prompt token ids
+    prompt_ids: list[str]  # per row: rows of one prompt (a GRPO group) share it
+    params: SamplingParams
+    shape: DraftShape
+
+
+class Drafter(Protocol):
+    name: str
+    feature_layers: tuple[int, ...]  # target layers whose outputs the drafter needs; () = none
+
+    def reset(self, max_batch: int, params: SamplingParams) -> None: ...
+
+    def admit(self, slot: int, prompt: torch.Tensor, features: torch.Tensor | None) -> None: ...
+
+    def propose(self, ctx: DraftContext) -> DraftTree: ...
+
+    def update(self, verdict: Verdict, features: torch.Tensor | None) -> None: ...
+
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None: ...
+
+    def finish(self, prompt_id: str, tokens: list[int]) -> None: ...
+
+
+class DrafterBase:
+    """No-op hooks; subclasses override what they use.
+
+    Hook arguments:
+      admit(slot, prompt [P], features [P, F] or None): a row starts in `slot`; features are the
+        target's features at every prompt position (None when feature_layers is () and the
+        drafter does not want the final hidden states: see `wants_features`).
+      update(verdict, features [b, 1+N, F] or None): after a verify pass over [root, nodes].
+      move_rows(src [R], dst [R]): row src now lives in slot dst (batch compaction).
+      finish(prompt_id, tokens): a rollout of that prompt finished with these response tokens.
+    """
+
+    name = "base"
+    feature_layers: tuple[int, ...] = ()
+    wants_features = False
+
+    def reset(self, max_batch: int, params: SamplingParams) -> None:
+        pass
+
+    def admit(self, slot: int, prompt: torch.Tensor, features: torch.Tensor | None) -> None:
+        pass
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        return DraftTree.empty(ctx.roots.shape[0], ctx.roots.device)
+
+    def update(self, verdict: Verdict, features: torch.Tensor | None) -> None:
+        pass
+
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        pass
+
+    def finish(self, prompt_id: str, tokens: list[int]) -> None:
+        pass

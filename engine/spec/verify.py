@@ -1,0 +1,75 @@
+"""Coupled verification: accept the draft child that equals the target's own sample.
+
+The target's token at every tree node is computed with the noise-indexed sampler (same keys as
+autoregressive decoding). Walking from the root, a node is *accepted* when its token equals the
+target's sample at its parent and its parent was accepted; siblings carry distinct tokens, so
+the accepted nodes form one path. The target's sample after the deepest accepted node is
+emitted too: the *bonus* token when the path ends in an accepted leaf, the *correction* when a
+node had no matching child. Every emitted token is exactly the token autoregressive decoding
+would have produced, so speculation changes speed, never tokens.
+
+Pure functions of tensors; the sampler and the model live elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Verdict:
+    accepted: torch.Tensor  # [B, N] bool: nodes on the accepted path
+    num_accepted: torch.Tensor  # [B]
+    last_index: torch.Tensor  # [B] index in [root, nodes] of the deepest accepted entry (0 = root)
+    path: torch.Tensor  # [B, N] accepted node indices in depth order, then -1
+    tokens: torch.Tensor  # [B, N + 1] emitted tokens: accepted nodes, then bonus / correction
+    num_emitted: torch.Tensor  # [B] = num_accepted + 1
+
+    @property
+    def next_token(self) -> torch.Tensor:  # [B] the bonus / correction: the next root
+        return self.tokens.gather(1, self.num_accepted.unsqueeze(1)).squeeze(1)
+
+
+def accepted_nodes(match: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """match [B, N] (node agrees with the verifier at its parent) -> accepted [B, N].
+
+    A node is accepted when it matches and its parent (or the root) is accepted.
+    """
+    B, N = match.shape
+    root = torch.ones(B, 1, dtype=torch.bool, device=match.device)
+    acc = match & (parents < 0)
+    for _ in range(N):
+        new = match & torch.cat([root, acc], 1).gather(1, parents + 1)
+        if torch.equal(new, acc):
+            break
+        acc = new
+    return acc
+
+
+def verdict_from_accepted(accepted: torch.Tensor, tokens: torch.Tensor, next_token_at: torch.Tensor) -> Verdict:
+    """accepted [B, N]; tokens [B, N] node tokens; next_token_at [B, 1+N] the token emitted
+    after each entry of [root, nodes] if it is the deepest accepted one."""
+    B, N = accepted.shape
+    idx = torch.arange(N, device=accepted.device).expand(B, N)
+    num = accepted.sum(1)
+    # Topological order: accepted nodes in index order are the path in depth order.
+    path = torch.where(accepted, idx, N + idx).argsort(1)
+    path = torch.where(idx < num.unsqueeze(1), path, -1)
+    last = torch.where(num > 0, path.gather(1, (num - 1).clamp(min=0).unsqueeze(1)).squeeze(1) + 1, 0)
+    out = torch.zeros(B, N + 1, dtype=torch.long, device=accepted.device)
+    out[:, :N] = torch.where(path >= 0, tokens.gather(1, path.clamp(min=0)), 0)
+    out.scatter_(1, num.unsqueeze(1), next_token_at.gather(1, last.unsqueeze(1)))
+    return Verdict(accepted, num, last, path, out, num + 1)
+
+
+def coupled_verify(
+    tokens: torch.Tensor,  # [B, N] draft tokens
+    parents: torch.Tensor,  # [B, N] parent index, -1 = root
+    valid: torch.Tensor,  # [B, N] bool
+    target: torch.Tensor,  # [B, 1+N] the target's sample at the root and at every node
+) -> Verdict:
+    at_parent = target.gather(1, parents + 1)  # [B, N] target's sample where the node's parent is
+    match = valid & (tokens == at_parent)
+    return verdict_from_accepted(accepted_nodes(match, parents), tokens, target)

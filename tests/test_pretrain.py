@@ -1,0 +1,104 @@
+"""Tiny-model pretraining: the loss falls, the folder is a standard HF folder, greedy eval is greedy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.checkpoint import load_checkpoint
+from pipeline.pretrain import PretrainConfig, build_model, collate, encode_example, parse_args, pretrain
+from pipeline.tasks.arith import make_problems
+from pipeline.tasks.eval import evaluate, greedy_generate
+from pipeline.tasks.tokenizer import build_tokenizer
+
+TINY = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    batch_tokens=1024, pool_size=256, warmup_steps=5, lr=1e-2, threads=1, log_every=10,
+)
+
+
+def test_a_few_steps_reduce_the_loss_and_the_folder_loads_in_transformers(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "tiny"
+    summary = pretrain(PretrainConfig(steps=40, eval_problems=8, **TINY), out)
+    assert summary["final_loss"] < summary["initial_loss"] - 0.5
+    assert 0.0 <= summary["heldout_accuracy"] <= 1.0
+    assert json.loads((out / "pretrain_summary.json").read_text())["steps"] == 40
+    assert not (tmp_path / "tiny.tmp").exists()
+
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = torch.tensor([tok("123+45\n").input_ids])  # [1, T]
+    ours = load_checkpoint(out)
+    with torch.no_grad():
+        expected = ours(ids, torch.arange(ids.shape[1])[None]).logits
+        torch.testing.assert_close(hf(ids).logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_generate_equals_argmax_decoding_without_cache():
+    torch.manual_seed(0)
+    tok = build_tokenizer()
+    model = build_model(PretrainConfig(init_std=0.5, **TINY), tok).eval()  # large init: varied argmaxes
+    prompts = [tok(p.prompt).input_ids for p in make_problems("test", 16, seed=5)]
+    max_new = 30
+    got = greedy_generate(model, prompts, tok.eos_token_id, max_new_tokens=max_new)
+    assert 0 < sum(len(out) < max_new for out in got) < len(got)  # rows finish at different steps
+    for prompt, out in zip(prompts, got):
+        seq = list(prompt)
+        with torch.no_grad():
+            while len(seq) < len(prompt) + max_new and seq[-1] != tok.eos_token_id:
+                logits = model(torch.tensor([seq]), torch.arange(len(seq))[None]).logits  # [1, T, V]
+                seq.append(int(logits[0, -1].argmax()))
+        assert out == [t for t in seq[len(prompt) :] if t != tok.eos_token_id]
+
+
+def test_evaluate_counts_exact_final_answers(monkeypatch):
+    tok = build_tokenizer()
+    problems = make_problems("test", 4, seed=0)
+    responses = [p.response for p in problems]
+    responses[1] = responses[1].replace(f"#### {problems[1].answer}", "#### 99999999")
+    monkeypatch.setattr(
+        "pipeline.tasks.eval.greedy_generate",
+        lambda model, prompts, eos_id, max_new_tokens: [tok(r, add_special_tokens=False).input_ids for r in responses],
+    )
+    model = build_model(PretrainConfig(**TINY), tok)
+    assert evaluate(model, tok, problems) == 0.75
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"steps": 0}, "steps must be > 0"),
+        ({"lr": 0.0}, "lr must be > 0"),
+        ({"task": "nope"}, "unknown task"),
+        ({"num_attention_heads": 5}, "multiple of num_attention_heads"),
+        ({"batch_tokens": 100}, "batch_tokens"),
+    ],
+)
+def test_bad_config_values_raise_value_error_naming_the_key(override, message):
+    with pytest.raises(ValueError, match=message):
+        PretrainConfig(**override).validate()
+
+
+def test_cli_flags_map_onto_the_config(capsys):
+    cfg, out = parse_args(["--out", "x", "--steps", "7", "--hidden-size", "64", "--lr", "0.01"])
+    assert (cfg.steps, cfg.hidden_size, cfg.lr, str(out)) == (7, 64, 0.01, "x")
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--out", "x", "--steps", "-1"])
+    assert e.value.code == 2 and "steps must be > 0" in capsys.readouterr().err
+
+
+def test_loss_targets_are_the_response_and_eos_only():
+    tok = build_tokenizer()
+    p = make_problems("train", 1, seed=0)[0]
+    ids, prompt_len = encode_example(tok, p)
+    inputs, targets = collate([(ids, prompt_len), (ids[:3], 3)], tok.pad_token_id)  # [2, T-1]
+    counted = targets[0][targets[0] != -100].tolist()
+    assert tok.decode(counted) == p.response + tok.eos_token
+    assert (targets[1] == -100).all()
+    assert inputs[0].tolist() == ids[:-1]
