@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from engine.spec.config import SpecConfig
 
 
 @dataclass(kw_only=True)
@@ -13,6 +15,7 @@ class EngineConfig:
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     device: str = "cpu"
     threads: int = 0  # torch intra-op threads; 0 = torch's default
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
     def validate(self) -> None:
         if self.max_batch < 1:
@@ -21,3 +24,4 @@ class EngineConfig:
             raise ValueError(f"engine.max_len must be >= 2, got {self.max_len}")
         if self.threads < 0:
             raise ValueError(f"engine.threads must be >= 0, got {self.threads}")
+        self.spec.validate()

@@ -37,8 +37,17 @@ class GenerateStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     sample_s: float = 0.0
+    draft_s: float = 0.0
     new_tokens: int = 0
     wall_s: float = 0.0
+    drafted: int = 0  # draft nodes verified
+    accepted: int = 0  # draft nodes accepted
+    accept_hist: list[int] = field(default_factory=list)  # tokens emitted per row per verify step
+
+    @property
+    def accept_len(self) -> float:
+        """Mean tokens emitted per row per verify step (accepted drafts + 1)."""
+        return sum(self.accept_hist) / len(self.accept_hist) if self.accept_hist else 1.0
 
     @property
     def tokens_per_s(self) -> float:

@@ -97,7 +97,7 @@ def test_batch_shrinks_as_rows_finish(hf_folders):
     engine.generate(reqs, params)
     sizes = engine.last_stats.batch_sizes
     assert sizes[0] == 8 and sizes == sorted(sizes, reverse=True) and sizes[-1] < 8
-    assert sum(sizes) == engine.last_stats.new_tokens
+    assert sum(sizes) + len(reqs) == engine.last_stats.new_tokens  # first tokens come with the prefill
     assert firsts[0] <= 3
 
 

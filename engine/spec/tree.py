@@ -96,7 +96,7 @@ class DraftTree:
             parents = torch.where(valid, self.parents[flat], -1)
         q = None
         if self.q_logits is not None and self.tokens.numel():
-            q = self.q_logits[flat] * valid.unsqueeze(-1)
+            q = torch.where(valid.unsqueeze(-1), self.q_logits[flat], 0.0)
         return PaddedTree(tokens, parents, node_depths(parents, valid), valid, q)
 
 

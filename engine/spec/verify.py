@@ -57,7 +57,9 @@ def verdict_from_accepted(accepted: torch.Tensor, tokens: torch.Tensor, next_tok
     # Topological order: accepted nodes in index order are the path in depth order.
     path = torch.where(accepted, idx, N + idx).argsort(1)
     path = torch.where(idx < num.unsqueeze(1), path, -1)
-    last = torch.where(num > 0, path.gather(1, (num - 1).clamp(min=0).unsqueeze(1)).squeeze(1) + 1, 0)
+    last = torch.zeros_like(num)  # [B] entry index of the deepest accepted node, 0 = root
+    if N:
+        last = torch.where(num > 0, path.gather(1, (num - 1).clamp(min=0).unsqueeze(1)).squeeze(1) + 1, 0)
     out = torch.zeros(B, N + 1, dtype=torch.long, device=accepted.device)
     out[:, :N] = torch.where(path >= 0, tokens.gather(1, path.clamp(min=0)), 0)
     out.scatter_(1, num.unsqueeze(1), next_token_at.gather(1, last.unsqueeze(1)))

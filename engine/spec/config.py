@@ -1,0 +1,33 @@
+"""The speculation config section (`engine.spec:` in configs/*.yaml)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+DRAFTERS = ("eagle", "eagle3", "ngram", "ngram+eagle", "ngram+eagle3")
+
+
+@dataclass(kw_only=True)
+class SpecConfig:
+    enabled: bool = False
+    # eagle | eagle3 (a trained one-layer drafter at `drafter_path`), ngram (model-free), or a
+    # fallback composition "ngram+eagle": n-gram drafts where a match exists, eagle elsewhere.
+    drafter: str = "eagle"
+    drafter_path: str | None = None
+    depth: int = 6  # draft levels below the root
+    topk: int = 1  # children per expanded node; 1 = chain
+    verify_tokens: int = 8  # draft nodes verified per row per step
+    verify: Literal["coupled", "rejection"] = "coupled"
+
+    def validate(self) -> None:
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"engine.spec.drafter must be one of {', '.join(DRAFTERS)}; got {self.drafter!r}")
+        for key in ("depth", "topk", "verify_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"engine.spec.{key} must be >= 1, got {getattr(self, key)}")
+        if self.enabled and "eagle" in self.drafter and not self.drafter_path:
+            raise ValueError(
+                f"engine.spec.drafter={self.drafter} needs engine.spec.drafter_path (a folder from "
+                "`python -m spot.warmstart` or `make drafters`)"
+            )

@@ -1,0 +1,178 @@
+"""The EAGLE drafter network: one decoder layer over `fc([embed(x_{t+1}); f_t])`.
+
+`f_t` is the target's feature at position t: its final hidden state (after the final norm) for
+`eagle`, as TLT and EAGLE-1; for `eagle3`, the outputs of a low and a middle layer concatenated
+with the final hidden state (EAGLE-3's three-level fusion). The layer predicts the feature at
+t+1; the target's frozen LM head on its last H dimensions gives the draft distribution of
+x_{t+2}. Because the prediction lives in the same space as the input feature, drafting a tree
+feeds predictions back in with no train / inference mismatch. (EAGLE-3 proper drops the feature
+loss and trains through its own outputs; here `eagle3` keeps EAGLE-1's regression on all three
+levels: simpler, and the same shape of network.)
+
+The embedding and LM head are the target's, shared and frozen: they are not parameters of this
+module and are not saved with it. An optional draft vocabulary (`draft_vocab`, EAGLE-3's d2t)
+restricts the drafter's head to the target's most frequent tokens, which cuts the LM-head cost
+per draft step on large vocabularies. Saved as a folder: config.json + model.safetensors with
+names `fc.weight`, `layers.0.*` (and `fc_out.weight` for eagle3, `draft_vocab`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from engine.checkpoint import atomic_write
+from engine.kv_cache import KVCache
+from engine.model import DecoderLayer, Transformer, causal_mask
+from engine.model_config import ModelConfig
+from engine.rope import inverse_frequencies, rope_cos_sin
+
+ARCH = "TailSpecEagleDrafter"
+
+
+@dataclass(kw_only=True)
+class EagleConfig:
+    kind: str = "eagle"  # eagle | eagle3
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    vocab_size: int  # the target's
+    aux_layers: list[int] = field(default_factory=list)  # eagle3: target layers fused with the final hidden
+    draft_vocab_size: int | None = None  # None: the full vocabulary
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+
+    @property
+    def feature_size(self) -> int:
+        return self.hidden_size * (len(self.aux_layers) + 1)
+
+    def layer_config(self) -> ModelConfig:
+        return ModelConfig(
+            family="llama", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=1, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+        )
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, kind: str = "eagle", draft_vocab_size: int | None = None) -> EagleConfig:
+        L = target.num_hidden_layers
+        aux = sorted({1, max(L // 2 - 1, 0)}) if kind == "eagle3" else []
+        return cls(
+            kind=kind, hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+            num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim, rms_norm_eps=target.rms_norm_eps, vocab_size=target.vocab_size, aux_layers=aux,
+            draft_vocab_size=draft_vocab_size, max_position_embeddings=target.max_position_embeddings,
+            rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
+        )
+
+
+class EagleModel(nn.Module):
+    def __init__(self, cfg: EagleConfig, target: Transformer, draft_vocab: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        H, F = cfg.hidden_size, cfg.feature_size
+        self.fc = nn.Linear(H + F, H, bias=False)
+        layer = DecoderLayer(cfg.layer_config(), 0)
+        layer.input_layernorm = nn.Identity()  # fc's output is the layer's input as it is (TLT)
+        self.layers = nn.ModuleList([layer])
+        # eagle3 also predicts the auxiliary layers' features, to feed them back in when drafting.
+        self.fc_out = nn.Linear(H, F - H, bias=False) if F > H else None
+        self.register_buffer("draft_vocab", draft_vocab if draft_vocab is not None else torch.empty(0, dtype=torch.long))
+        # Shared and frozen: held outside the module's parameters (not trained, not saved).
+        self.__dict__["target"] = target
+        inv_freq, self.attention_factor = inverse_frequencies(
+            cfg.layer_config().rope_spec(), cfg.head_dim, cfg.max_position_embeddings
+        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.refresh_head()
+
+    def refresh_head(self) -> None:
+        """Re-reads the target's LM head rows of the draft vocabulary (after the target changes)."""
+        w = self.target.lm_head.weight.detach()
+        self.__dict__["head_weight"] = w[self.draft_vocab] if self.draft_vocab.numel() else w
+
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        """[Vd] target ids of the draft head's rows, or None for the full vocabulary."""
+        return self.draft_vocab if self.draft_vocab.numel() else None
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, T] x_{t+1}
+        features: torch.Tensor,  # [B, T, F] f_t
+        positions: torch.Tensor,  # [B, T]
+        cache: KVCache | None = None,
+        cache_pos: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Returns the predicted features f_{t+1}: [B, T, F]."""
+        emb = self.target.model.embed_tokens(tokens).detach()  # [B, T, H]
+        x = self.fc(torch.cat([emb, features], -1))  # [B, T, H]
+        if cache is not None and cache_pos is None:
+            cache_pos = positions
+        if attn_mask is None:
+            attn_mask = causal_mask(cache_pos if cache is not None else positions)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.attention_factor, x.dtype)
+        h = self.layers[0](x, cos, sin, attn_mask.unsqueeze(1), cache, cache_pos)  # [B, T, H]
+        if self.fc_out is None:
+            return h
+        return torch.cat([self.fc_out(h), h], -1)  # aux levels first, final hidden last (as features)
+
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """[..., F] predicted features -> [..., Vd] draft logits (frozen target head, draft vocab rows)."""
+        return predicted[..., -self.config.hidden_size :] @ self.head_weight.t()
+
+    def new_cache(self, max_batch: int, max_len: int) -> KVCache:
+        c = self.config
+        return KVCache(1, max_batch, c.num_key_value_heads, max_len, c.head_dim, self.fc.weight.dtype, self.fc.weight.device)
+
+    # -- persistence -----------------------------------------------------------------------
+    def save(self, path: str | Path, extra: dict | None = None) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        if not self.draft_vocab.numel():
+            state.pop("draft_vocab")
+        meta = {"architectures": [ARCH], **asdict(self.config), **(extra or {})}
+        atomic_write(path / "model.safetensors", lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+        atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(meta, indent=2)))
+
+    @classmethod
+    def load(cls, path: str | Path, target: Transformer) -> EagleModel:
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"drafter folder {path} does not exist (train one with `python -m spot.warmstart` or `make drafters`)")
+        for name in ("config.json", "model.safetensors"):
+            if not (path / name).is_file():
+                raise FileNotFoundError(f"drafter folder {path} has no {name}")
+        meta = json.loads((path / "config.json").read_text())
+        if meta.get("architectures") != [ARCH]:
+            raise ValueError(f"{path} is not a TailSpec EAGLE drafter (architectures={meta.get('architectures')})")
+        fields = {k: v for k, v in meta.items() if k in EagleConfig.__dataclass_fields__}
+        cfg = EagleConfig(**fields)
+        t = target.config
+        if cfg.hidden_size != t.hidden_size or cfg.vocab_size != t.vocab_size:
+            raise ValueError(
+                f"drafter {path} was trained for hidden size {cfg.hidden_size} / vocab {cfg.vocab_size}, but the target "
+                f"has hidden size {t.hidden_size} / vocab {t.vocab_size}: train a drafter for this target"
+            )
+        if any(i >= t.num_hidden_layers for i in cfg.aux_layers):
+            raise ValueError(f"drafter {path} reads target layers {cfg.aux_layers}, the target has {t.num_hidden_layers}")
+        state = load_file(str(path / "model.safetensors"))
+        vocab = state.pop("draft_vocab", None)
+        model = cls(cfg, target, vocab)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k != "draft_vocab"]
+        if missing or unexpected:
+            raise ValueError(f"drafter {path}: missing weights {missing[:5]}, unexpected {unexpected[:5]}")
+        return model.to(target.dtype).eval()
