@@ -65,7 +65,8 @@ class RolloutEngine:
             torch.set_num_threads(self.cfg.threads)
         self.model = model.eval()
         self.drafter = drafter
-        self.shape = DraftShape(depth=self.cfg.spec.depth, topk=self.cfg.spec.topk, verify_tokens=self.cfg.spec.verify_tokens)
+        spec = self.cfg.spec
+        self.shape = DraftShape(depth=spec.depth, topk=spec.topk, verify_tokens=spec.verify_tokens, iid_children=spec.verify == "rejection")
         self.max_len = min(self.cfg.max_len, model.config.max_position_embeddings)
         margin = self.shape.verify_tokens + 1 if drafter is not None else 0  # room for tentative tree entries
         self.cache = KVCache.for_model(model.config, self.cfg.max_batch, self.max_len + margin, model.dtype, model.device)
@@ -105,7 +106,7 @@ class RolloutEngine:
         self.check(requests)
         run = _Run(self, requests, params, progress)
         if self.drafter is not None:
-            self.drafter.reset(self.cfg.max_batch, params)
+            self.drafter.reset(self.cfg.max_batch, self.max_len, params)
         while run.pending or run.state.active:
             run.admit()
             run.retire()
@@ -196,13 +197,11 @@ class _Run:
         return tuple(d.feature_layers) if d is not None else ()
 
     def _features(self, out) -> torch.Tensor | None:
-        """The drafter's target features: its chosen layers' outputs concatenated, or the final hidden."""
+        """The drafter's target features: outputs of its auxiliary layers, then the final hidden."""
         d = self.e.drafter
         if d is None or not (d.feature_layers or getattr(d, "wants_features", False)):
             return None
-        if d.feature_layers:
-            return torch.cat([out.layer_hidden[i] for i in d.feature_layers], -1)
-        return out.hidden
+        return torch.cat([out.layer_hidden[i] for i in d.feature_layers] + [out.hidden], -1)
 
     # -- decoding --------------------------------------------------------------------------
     def step(self) -> None:

@@ -26,6 +26,10 @@ class SpecConfig:
         for key in ("depth", "topk", "verify_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"engine.spec.{key} must be >= 1, got {getattr(self, key)}")
+        if self.depth * self.topk > 512:
+            raise ValueError(f"engine.spec.depth * topk must be <= 512, got {self.depth} * {self.topk}")
+        if self.verify_tokens > 64:
+            raise ValueError(f"engine.spec.verify_tokens must be <= 64, got {self.verify_tokens}")
         if self.enabled and "eagle" in self.drafter and not self.drafter_path:
             raise ValueError(
                 f"engine.spec.drafter={self.drafter} needs engine.spec.drafter_path (a folder from "

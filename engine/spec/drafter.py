@@ -25,6 +25,9 @@ class DraftShape:
     depth: int = 6  # levels below the root
     topk: int = 1  # children expanded per node (1 = chain)
     verify_tokens: int = 8  # nodes kept for verification
+    # Rejection verification needs siblings drawn i.i.d. from the drafter's distribution (and
+    # its logits); coupled verification wants distinct siblings: the coupled sample, then top-k.
+    iid_children: bool = False
 
 
 @dataclass
@@ -44,7 +47,7 @@ class Drafter(Protocol):
     name: str
     feature_layers: tuple[int, ...]  # target layers whose outputs the drafter needs; () = none
 
-    def reset(self, max_batch: int, params: SamplingParams) -> None: ...
+    def reset(self, max_batch: int, max_len: int, params: SamplingParams) -> None: ...
 
     def admit(self, slot: int, prompt: torch.Tensor, features: torch.Tensor | None) -> None: ...
 
@@ -61,6 +64,8 @@ class DrafterBase:
     """No-op hooks; subclasses override what they use.
 
     Hook arguments:
+      reset(max_batch, max_len, params): a generate() call starts; rows hold at most max_len
+        committed tokens (plus the tentative tree).
       admit(slot, prompt [P], features [P, F] or None): a row starts in `slot`; features are the
         target's features at every prompt position (None when feature_layers is () and the
         drafter does not want the final hidden states: see `wants_features`).
@@ -73,7 +78,7 @@ class DrafterBase:
     feature_layers: tuple[int, ...] = ()
     wants_features = False
 
-    def reset(self, max_batch: int, params: SamplingParams) -> None:
+    def reset(self, max_batch: int, max_len: int, params: SamplingParams) -> None:
         pass
 
     def admit(self, slot: int, prompt: torch.Tensor, features: torch.Tensor | None) -> None:

@@ -56,7 +56,7 @@ class NgramDrafter(DrafterBase):
         self._finished: dict[str, deque[torch.Tensor]] = {}
         self._finished_corpus: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per prompt, on device
 
-    def reset(self, max_batch: int, params: SamplingParams) -> None:
+    def reset(self, max_batch: int, max_len: int, params: SamplingParams) -> None:
         self._finished.clear()
         self._finished_corpus.clear()
 

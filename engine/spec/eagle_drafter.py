@@ -1,0 +1,209 @@
+"""EagleDrafter: runs the one-layer EAGLE network (engine.spec.eagle) as a Drafter.
+
+Per row the drafter keeps its own one-layer KV cache of *pairs* (f_{t-1}, x_t) at position t
+(cache slot t - 1), built from the target's true features. Each step it first *catches up*: the
+pairs committed since the last step (the target's features at the root and the accepted nodes,
+which the verify pass produced) go through the network, the last one with the root token;
+then it expands the tree level by level from its own predicted features, on tentative cache
+slots that the next catch-up overwrites.
+
+Tree expansion (coupled verification): a node's first child is the drafter's own noise-indexed
+sample at that position (the same keys the target samples with, so a good drafter proposes
+exactly the target's token), then the top-k alternatives by probability, all distinct. Nodes
+are scored by an estimate of the chance they are accepted: the product along the path of q(x)
+for alternatives and max(q(x), coupled_prior) for coupled samples, whose match rate is much
+higher than q(x) (DESIGN.md). The `topk` best children of each level are expanded; the
+`verify_tokens` best nodes overall form the tree (scores never increase down a path, so that
+set is closed under ancestors). For rejection verification, children are instead i.i.d. samples
+from q, with q's logits attached.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model import Transformer
+from engine.sampling import SamplingParams, derive_keys, gumbel, mask_logits
+from engine.spec.drafter import DraftContext, DrafterBase
+from engine.spec.eagle import EagleModel
+from engine.spec.tree import DraftTree
+from engine.spec.verify import Verdict
+
+PENDING = 66  # most pairs committed by one verify step: verify_tokens (<= 64) + root + 1
+
+
+class EagleDrafter(DrafterBase):
+    wants_features = True
+
+    def __init__(self, net: EagleModel, coupled_prior: float = 0.6) -> None:
+        self.net = net.eval()
+        self.name = net.config.kind
+        self.feature_layers = tuple(net.config.aux_layers)
+        self.coupled_prior = coupled_prior
+        self.cache = None
+
+    @classmethod
+    def load(cls, path, target: Transformer, expect: str | None = None) -> EagleDrafter:
+        net = EagleModel.load(path, target)
+        if expect is not None and net.config.kind != expect:
+            raise ValueError(f"engine.spec.drafter={expect} but {path} holds a {net.config.kind} drafter")
+        return cls(net)
+
+    # -- hooks -----------------------------------------------------------------------------
+    def reset(self, max_batch: int, max_len: int, params: SamplingParams) -> None:
+        self.params = params
+        tentative = 64 * 8  # room for the frontier nodes of the deepest, widest tree
+        if self.cache is None or self.cache.max_batch < max_batch or self.cache.max_len < max_len + tentative:
+            self.cache = self.net.new_cache(max_batch, max_len + tentative)
+            F = self.net.config.feature_size
+            dev, dtype = self.net.fc.weight.device, self.net.fc.weight.dtype
+            self.pend_feat = torch.zeros(max_batch, PENDING, F, dtype=dtype, device=dev)  # [N, W, F]
+            self.pend_tok = torch.zeros(max_batch, PENDING, dtype=torch.long, device=dev)  # [N, W]
+            self.pend_n = torch.zeros(max_batch, dtype=torch.long, device=dev)  # [N]
+        self.cache.lengths.zero_()
+        self._last_admit = None
+
+    @torch.inference_mode()
+    def admit(self, slot: int, prompt: torch.Tensor, features: torch.Tensor | None) -> None:
+        """Runs the prompt's pairs (f_j, x_{j+1}), j < P - 1; f_{P-1} waits for the first token."""
+        P = prompt.shape[0]
+        if self._last_admit is not None and self._last_admit[0] is prompt:  # another sample of it
+            self.cache.copy_prefix(self._last_admit[1], torch.tensor([slot], device=self.cache.lengths.device))
+        else:
+            view = self.cache.rows(slot, slot + 1)
+            if P > 1:
+                pos = torch.arange(1, P, device=prompt.device).unsqueeze(0)  # [1, P-1]
+                self.net(prompt[1:].unsqueeze(0), features[: P - 1].unsqueeze(0), pos, cache=view, cache_pos=pos - 1)
+            view.lengths[0] = P - 1
+            self._last_admit = (prompt, slot)
+        self.pend_feat[slot, 0] = features[P - 1]
+        self.pend_n[slot] = 1
+
+    def update(self, verdict: Verdict, features: torch.Tensor | None) -> None:
+        """Pending pairs for the next step: features at [root, accepted path], accepted tokens."""
+        b, N1 = features.shape[:2]
+        num = verdict.num_accepted
+        src = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=num.device), verdict.path + 1], 1).clamp(min=0)
+        W = min(N1, PENDING)
+        self.pend_feat[:b, :W] = features.gather(1, src[:, :W].unsqueeze(-1).expand(-1, -1, features.shape[-1]))
+        self.pend_tok[:b, : W - 1] = verdict.tokens[:, : W - 1]
+        self.pend_n[:b] = num + 1
+
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.cache.move_rows(src, dst)
+        for t in (self.pend_feat, self.pend_tok, self.pend_n):
+            t[dst] = t[src]
+
+    # -- drafting --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        root_pred = self._catch_up(ctx.roots)  # [b, F]
+        return self._expand(root_pred, ctx)
+
+    def _catch_up(self, roots: torch.Tensor) -> torch.Tensor:
+        """Feeds each row's pending pairs, the last with the root; returns the root's prediction."""
+        b = roots.shape[0]
+        n = self.pend_n[:b]
+        T = int(n.max())
+        rows = torch.arange(b, device=roots.device)
+        tokens = self.pend_tok[:b, :T].clone()
+        tokens[rows, n - 1] = roots
+        lengths = self.cache.lengths[:b]
+        slots = lengths.unsqueeze(1) + torch.arange(T, device=roots.device)  # [b, T]
+        pred = self.net(tokens, self.pend_feat[:b, :T], slots + 1, cache=self.cache, cache_pos=slots)
+        lengths += n
+        return pred[rows, n - 1]
+
+    def _children(self, logits: torch.Tensor, keys: torch.Tensor, position: torch.Tensor, k: int, iid: bool):
+        """Draft logits [b, M, Vd] of M parents -> (child token ids [b, M, k], log-score [b, M, k], masked logits)."""
+        p, (b, M, Vd) = self.params, logits.shape
+        masked = mask_logits(logits.reshape(b * M, Vd), p.temperature, p.top_k, p.top_p).view(b, M, Vd)
+        logq = masked.log_softmax(-1)
+        ids = self.net.vocab_ids
+        vocab = ids if ids is not None else Vd
+        pos = position.repeat_interleave(M)
+        if iid:  # k independent noise-indexed samples from q (rejection verification)
+            picks = [
+                (masked + gumbel(derive_keys(keys, 7919 + j).repeat_interleave(M), pos, vocab).view(b, M, Vd)).argmax(-1)
+                for j in range(k)
+            ]
+            idx = torch.stack(picks, -1)  # [b, M, k]
+            score = logq.gather(-1, idx)
+        else:
+            if p.temperature > 0:
+                coupled = (masked + gumbel(keys.repeat_interleave(M), pos, vocab).view(b, M, Vd)).argmax(-1)
+            else:
+                coupled = masked.argmax(-1)
+            alts = logq.topk(min(k, Vd), -1).indices  # [b, M, k]
+            distinct = alts != coupled.unsqueeze(-1)
+            alts = alts.gather(-1, (~distinct).long().argsort(dim=-1, stable=True))[..., : k - 1]  # drop the coupled one
+            idx = torch.cat([coupled.unsqueeze(-1), alts], -1)
+            score = logq.gather(-1, idx)
+            score[..., 0] = score[..., 0].clamp(min=torch.log(torch.tensor(self.coupled_prior)).item())
+        tokens = ids[idx] if ids is not None else idx
+        return tokens, score, masked
+
+    def _expand(self, root_pred: torch.Tensor, ctx: DraftContext) -> DraftTree:
+        shape, b, dev = ctx.shape, root_pred.shape[0], root_pred.device
+        K, D = shape.topk, shape.depth
+        lengths = self.cache.lengths[:b]  # committed pairs: the root sits at position `lengths`
+        pool_tok, pool_par, pool_score, pool_q = [], [], [], []
+        front_pred = root_pred.unsqueeze(1)  # [b, 1, F]
+        front_idx = torch.full((b, 1), -1, dtype=torch.long, device=dev)  # pool index of frontier nodes
+        front_score = torch.zeros(b, 1, device=dev)
+        front_anc = torch.zeros(b, 1, 0, dtype=torch.bool, device=dev)  # [b, M, prior] tentative slots each sees
+        size = 0
+        for d in range(1, D + 1):
+            M = front_pred.shape[1]
+            tok, sc, masked = self._children(self.net.logits(front_pred), ctx.keys, ctx.positions + d, K, shape.iid_children)
+            score = (front_score.unsqueeze(-1) + sc).flatten(1)  # [b, M*K]
+            pool_tok.append(tok.flatten(1))
+            pool_par.append(front_idx.unsqueeze(-1).expand(b, M, K).flatten(1))
+            pool_score.append(score)
+            if shape.iid_children:
+                pool_q.append(masked.unsqueeze(2).expand(b, M, K, masked.shape[-1]).flatten(1, 2))
+            if d == D:
+                break
+            # Expand the K best new nodes: run them through the network on tentative slots.
+            best = score.topk(min(K, M * K), -1).indices  # [b, K']
+            parent_of = best // K  # frontier position of each one's parent
+            new_idx = size + best
+            # A child sees what its parent saw, the parent's own slot included (none for the root).
+            anc = front_anc.gather(1, parent_of.unsqueeze(-1).expand(-1, -1, front_anc.shape[-1]))
+            front_pred, front_score, front_idx, front_anc = self._run_frontier(
+                pool_tok[-1].gather(1, best), front_pred.gather(1, parent_of.unsqueeze(-1).expand(-1, -1, front_pred.shape[-1])),
+                lengths, d, anc, score.gather(1, best), new_idx,
+            )
+            size += M * K
+        return self._select(pool_tok, pool_par, pool_score, pool_q, shape.verify_tokens)
+
+    def _run_frontier(self, tokens, parent_pred, lengths, d, anc, score, idx):
+        """Runs frontier nodes (depth d) on tentative slots; returns their state for the next level."""
+        b, K = tokens.shape
+        prior = anc.shape[-1]  # tentative slots used by earlier levels
+        slots = lengths.unsqueeze(1) + prior + torch.arange(K, device=tokens.device)  # [b, K]
+        visible = int(lengths.max()) + prior + K
+        rel = torch.arange(visible, device=tokens.device) - lengths.unsqueeze(1)  # [b, S]
+        seen = torch.cat([anc, torch.eye(K, dtype=torch.bool, device=tokens.device).expand(b, K, K)], -1)  # [b, K, prior+K]
+        tentative = seen.gather(2, rel.clamp(0, prior + K - 1).unsqueeze(1).expand(-1, K, -1))
+        mask = (rel < 0).unsqueeze(1) | (((rel >= 0) & (rel < prior + K)).unsqueeze(1) & tentative)
+        pred = self.net(tokens, parent_pred, lengths.unsqueeze(1) + d, cache=self.cache, cache_pos=slots, attn_mask=mask)
+        return pred, score, idx, seen
+
+    def _select(self, pool_tok, pool_par, pool_score, pool_q, budget: int) -> DraftTree:
+        """Keeps the `budget` best nodes (ancestor-closed), in creation order, parents remapped."""
+        tok, par, score = torch.cat(pool_tok, 1), torch.cat(pool_par, 1), torch.cat(pool_score, 1)  # [b, M]
+        b, M = tok.shape
+        n = min(budget, M)
+        order = torch.sort(-score, dim=1, stable=True).indices[:, :n]  # best first, ties to the older
+        keep = order.sort(1).values  # creation order = topological order
+        new_pos = torch.full((b, M + 1), -1, dtype=torch.long, device=tok.device)  # pool index + 1 -> kept index
+        new_pos.scatter_(1, keep + 1, torch.arange(n, device=tok.device).expand(b, n))
+        new_pos[:, 0] = -1
+        parents = new_pos.gather(1, par.gather(1, keep) + 1)
+        q = torch.cat(pool_q, 1).gather(1, keep.unsqueeze(-1).expand(-1, -1, pool_q[0].shape[-1])) if pool_q else None
+        if q is not None and self.net.vocab_ids is not None:
+            full = torch.full((b, n, self.net.config.vocab_size), float("-inf"), device=q.device)
+            q = full.index_copy_(2, self.net.vocab_ids, q)
+        valid = torch.ones(b, n, dtype=torch.bool, device=tok.device)
+        return DraftTree.from_padded(tok.gather(1, keep), parents, valid, q)
