@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from engine.config import EngineConfig
+from engine.spec.config import DRAFTERS, SpecConfig
 from engine.engine import RolloutEngine
 from engine.sampling import SamplingParams
 from engine.types import Request
@@ -72,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    s = p.add_argument_group("speculation (same tokens as --spec off, faster)")
+    s.add_argument("--spec", default="off", choices=("off",) + DRAFTERS, help="drafter, or off")
+    s.add_argument("--drafter", default=None, help="drafter folder for eagle / eagle3 (from spot.warmstart)")
+    s.add_argument("--depth", type=int, default=6, help="draft levels per step")
+    s.add_argument("--topk", type=int, default=1, help="children per expanded node (1 = chain)")
+    s.add_argument("--verify-tokens", type=int, default=8, help="draft nodes verified per row per step")
+    s.add_argument("--verify", default="coupled", choices=("coupled", "rejection"))
     return p
 
 
@@ -83,7 +91,11 @@ def run(args: argparse.Namespace) -> str:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, step=args.step,
     )
-    cfg = EngineConfig(max_batch=args.max_batch, max_len=args.max_len, dtype=args.dtype, threads=args.threads)
+    spec = SpecConfig(
+        enabled=args.spec != "off", drafter=args.spec if args.spec != "off" else "eagle", drafter_path=args.drafter,
+        depth=args.depth, topk=args.topk, verify_tokens=args.verify_tokens, verify=args.verify,
+    )
+    cfg = EngineConfig(max_batch=args.max_batch, max_len=args.max_len, dtype=args.dtype, threads=args.threads, spec=spec)
     engine = RolloutEngine.from_pretrained(args.model, cfg)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     stops = tuple(engine.model.config.eos_ids) or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
@@ -107,10 +119,17 @@ def run(args: argparse.Namespace) -> str:
             }) + "\n")
     os.replace(tmp, out)
     s = engine.last_stats
-    return (
+    summary = (
         f"{len(rollouts)} rollouts, {s.new_tokens} tokens in {s.wall_s:.2f}s: {s.tokens_per_s:.1f} tok/s "
         f"(prefill {s.prefill_s:.2f}s, decode {s.decode_s:.2f}s, {len(s.batch_sizes)} steps) -> {out}"
     )
+    if engine.drafter is not None:
+        hist = {k: s.accept_hist.count(k) for k in sorted(set(s.accept_hist))}
+        summary += (
+            f"\nspec {engine.drafter.name}: accept length {s.accept_len:.2f}, accepted {s.accepted}/{s.drafted} drafts, "
+            f"draft {s.draft_s:.2f}s, histogram {hist}"
+        )
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

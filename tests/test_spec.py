@@ -9,6 +9,7 @@ from engine.checkpoint import load_checkpoint
 from engine.config import EngineConfig
 from engine.engine import RolloutEngine
 from engine.sampling import SamplingParams
+from engine.spec.compose import FallbackDrafter
 from engine.spec.config import SpecConfig
 from engine.spec.eagle import EagleConfig, EagleModel
 from engine.spec.eagle_drafter import EagleDrafter
@@ -48,6 +49,7 @@ DRAFTERS = {
     "random": lambda t, ref: RandomDrafter(t.config.vocab_size),
     "eagle": lambda t, ref: eagle(t, "eagle"),
     "eagle3": lambda t, ref: eagle(t, "eagle3"),
+    "ngram+eagle": lambda t, ref: FallbackDrafter([NgramDrafter(), eagle(t, "eagle")]),
 }
 
 

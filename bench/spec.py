@@ -1,0 +1,138 @@
+"""`python -m bench.spec --model M --drafter D --batch 1,4,16`: speculative against autoregressive.
+
+Both engines share one model and run the same requests in one process, one after the other (best
+of `--repeat`); the tokens must be identical (the run fails otherwise). Prints tokens/s of both,
+the ratio and the acceptance length (tokens emitted per row per verify step) per batch size;
+`--cost-model` adds the measured costs that bound the speedup on this machine: target forward
+time for 1, 2, 4, 8, 16 tokens per row and the drafter's time per step. `--json` ends with one
+line `{"ratio": {B: spec/ar}, "accept_len": {...}, "identical": true, ...}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from bench.common import chat_prompts, emit_json, parse_batches, timed
+from engine.checkpoint import load_checkpoint
+from engine.config import EngineConfig
+from engine.engine import RolloutEngine
+from engine.kv_cache import KVCache
+from engine.sampling import SamplingParams
+from engine.spec.config import DRAFTERS, SpecConfig
+from engine.spec.factory import build_drafter
+from engine.types import Request
+
+
+def bench_prompts(model_dir: str, tokenizer, n: int, prompts_file: str | None) -> list[list[int]]:
+    if prompts_file:
+        from engine.generate import encode, read_prompts
+
+        rows = read_prompts(prompts_file)
+        chat = bool(getattr(tokenizer, "chat_template", None))
+        return [encode(tokenizer, rows[i % len(rows)]["prompt"], chat) for i in range(n)]
+    if getattr(tokenizer, "chat_template", None):
+        return chat_prompts(tokenizer, n)
+    from pipeline.tasks import get_task
+
+    problems = get_task("arith").make_problems("test", n, 1234)
+    return [tokenizer(p.prompt)["input_ids"] for p in problems]
+
+
+def forward_costs(model, widths=(1, 2, 4, 8, 16), batch: int = 1, prefix: int = 64, repeat: int = 5) -> dict[str, float]:
+    """Seconds per target forward of `w` new tokens per row after a `prefix`-token context."""
+    cache = KVCache.for_model(model.config, batch, prefix + max(widths) + 1, model.dtype)
+    ids = torch.randint(0, model.config.vocab_size, (batch, prefix))
+    out = {}
+    with torch.inference_mode():
+        model(ids, torch.arange(prefix).expand(batch, prefix), cache=cache)
+        for w in widths:
+            pos = prefix + torch.arange(w).expand(batch, w)
+            x = torch.randint(0, model.config.vocab_size, (batch, w))
+            _, t = timed(lambda: model(x, pos, cache=cache), repeat)
+            out[str(w)] = t
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.spec", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--drafter", default=None, help="drafter folder (eagle / eagle3)")
+    p.add_argument("--spec", default=None, choices=DRAFTERS, help="default: eagle if --drafter else ngram")
+    p.add_argument("--batch", default="1,4,16")
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--topk", type=int, default=1)
+    p.add_argument("--verify-tokens", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompts", default=None, help="JSONL prompts (default: chat prompts, or arith problems)")
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cost-model", action="store_true")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        batches = parse_batches(args.batch)
+    except ValueError as e:
+        p.error(str(e))
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    name = args.spec or ("eagle" if args.drafter else "ngram")
+    try:
+        target = load_checkpoint(args.model)
+        spec = SpecConfig(enabled=True, drafter=name, drafter_path=args.drafter, depth=args.depth, topk=args.topk,
+                          verify_tokens=args.verify_tokens)
+        base = EngineConfig(max_batch=max(batches), max_len=2048)
+        ar = RolloutEngine(target, base)
+        sp = RolloutEngine(target, EngineConfig(max_batch=max(batches), max_len=2048, spec=spec), build_drafter(spec, target))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    stops = tuple(target.config.eos_ids)
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p, stop_token_ids=stops)
+    result = {"ratio": {}, "accept_len": {}, "tok_s": {}, "baseline_tok_s": {}, "identical": True,
+              "drafter": name, "depth": args.depth, "topk": args.topk, "verify_tokens": args.verify_tokens,
+              "temperature": args.temperature}
+    print(f"{'batch':>5} {'spec tok/s':>10} {'ar tok/s':>9} {'ratio':>6} {'accept len':>10} {'draft s':>8} {'verify s':>8}", file=sys.stderr)
+    for b in batches:
+        reqs = [Request(prompt_id=f"bench-{i}", prompt=x) for i, x in enumerate(bench_prompts(args.model, tokenizer, b, args.prompts))]
+        ref, t_ar = timed(lambda: ar.generate(reqs, params), args.repeat)
+        out, t_sp = timed(lambda: sp.generate(reqs, params), args.repeat)
+        same = all(a.tokens == c.tokens for a, c in zip(ref, out))
+        result["identical"] &= same
+        tokens = sum(len(r.tokens) for r in ref)
+        s = sp.last_stats
+        key = str(b)
+        result["tok_s"][key] = round(tokens / t_sp, 2)
+        result["baseline_tok_s"][key] = round(tokens / t_ar, 2)
+        result["ratio"][key] = round(t_ar / t_sp, 3)
+        result["accept_len"][key] = round(s.accept_len, 3)
+        print(f"{b:>5} {tokens / t_sp:>10.1f} {tokens / t_ar:>9.1f} {t_ar / t_sp:>6.2f} {s.accept_len:>10.2f} "
+              f"{s.draft_s:>8.2f} {s.decode_s:>8.2f}{'' if same else '  TOKENS DIFFER'}", file=sys.stderr)
+    if args.cost_model:
+        costs = forward_costs(target)
+        result["forward_s"] = {k: round(v, 5) for k, v in costs.items()}
+        b1 = str(batches[0])
+        steps = max(len(sp.last_stats.batch_sizes), 1)
+        draft_step = sp.last_stats.draft_s / steps
+        print("target forward, batch 1: " + ", ".join(f"{k} tok {v * 1e3:.1f} ms" for k, v in costs.items()), file=sys.stderr)
+        print(f"drafter: {draft_step * 1e3:.1f} ms per step (last batch)", file=sys.stderr)
+        result["draft_step_s"] = round(draft_step, 5)
+        if b1 in result["accept_len"]:
+            w = min((int(k) for k in costs), key=lambda k: abs(k - (args.verify_tokens + 1)))
+            bound = result["accept_len"][b1] * costs["1"] / (costs[str(w)] + draft_step)
+            result["implied_ratio"] = round(bound, 3)
+            print(f"implied speedup at batch {b1}: accept {result['accept_len'][b1]:.2f} x fwd(1) / (fwd({w}) + draft) = {bound:.2f}", file=sys.stderr)
+    if args.json:
+        emit_json(result)
+    return 0 if result["identical"] else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""FallbackDrafter: per row, the first drafter that proposes something wins.
+
+Typical use: `ngram+eagle` drafts from sibling responses where a suffix matches (free, and
+often long), and from the EAGLE network elsewhere. Every drafter sees every hook, so each keeps
+its state current even on steps where another one's draft was used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampling import SamplingParams
+from engine.spec.drafter import DraftContext, Drafter, DrafterBase
+from engine.spec.tree import DraftTree
+from engine.spec.verify import Verdict
+
+
+class FallbackDrafter(DrafterBase):
+    def __init__(self, drafters: list[Drafter]) -> None:
+        if len(drafters) < 2:
+            raise ValueError("FallbackDrafter needs at least two drafters")
+        self.drafters = drafters
+        self.name = "+".join(d.name for d in drafters)
+        self.feature_layers = next((tuple(d.feature_layers) for d in drafters if d.feature_layers), ())
+        if any(d.feature_layers and tuple(d.feature_layers) != self.feature_layers for d in drafters):
+            raise ValueError("drafters in one composition must read the same target layers")
+        self.wants_features = any(getattr(d, "wants_features", False) or d.feature_layers for d in drafters)
+
+    def reset(self, max_batch: int, max_len: int, params: SamplingParams) -> None:
+        for d in self.drafters:
+            d.reset(max_batch, max_len, params)
+
+    def admit(self, slot, prompt, features) -> None:
+        for d in self.drafters:
+            d.admit(slot, prompt, features)
+
+    def update(self, verdict: Verdict, features) -> None:
+        for d in self.drafters:
+            d.update(verdict, features)
+
+    def move_rows(self, src, dst) -> None:
+        for d in self.drafters:
+            d.move_rows(src, dst)
+
+    def finish(self, prompt_id: str, tokens: list[int]) -> None:
+        for d in self.drafters:
+            d.finish(prompt_id, tokens)
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        # Every drafter proposes (model drafters must run their catch-up every step anyway).
+        trees = [d.propose(ctx) for d in self.drafters]
+        b = ctx.roots.shape[0]
+        choice = torch.full((b,), len(trees) - 1, dtype=torch.long)
+        for i in reversed(range(len(trees) - 1)):
+            choice = torch.where(trees[i].num_nodes.cpu() > 0, i, choice)
+        return merge_rows(trees, choice)
+
+
+def merge_rows(trees: list[DraftTree], choice: torch.Tensor) -> DraftTree:
+    """Row b of the result is row b of trees[choice[b]]."""
+    tokens, parents, q, counts = [], [], [], []
+    use_q = all(t.q_logits is not None for t in trees)
+    for b, i in enumerate(choice.tolist()):
+        t = trees[i]
+        s, e = int(t.offsets[b]), int(t.offsets[b + 1])
+        tokens.append(t.tokens[s:e])
+        parents.append(t.parents[s:e])
+        counts.append(e - s)
+        if use_q:
+            q.append(t.q_logits[s:e])
+    device = trees[0].tokens.device
+    offsets = torch.zeros(len(counts) + 1, dtype=torch.long, device=device)
+    offsets[1:] = torch.tensor(counts, device=device).cumsum(0)
+    return DraftTree(torch.cat(tokens), torch.cat(parents), offsets, torch.cat(q) if use_q else None)
