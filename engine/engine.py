@@ -25,7 +25,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model import Transformer, causal_mask
 from engine.sampling import SamplingParams, mask_logits, prompt_key, row_keys, sample
-from engine.spec.drafter import DraftContext, Drafter, DraftShape
+from engine.spec.drafter import Admission, DraftContext, Drafter, DraftShape
 from engine.spec.tree import DraftTree, tree_mask, tree_positions
 from engine.spec.verify import Verdict, coupled_verify
 from engine.types import GenerateStats, Request, Rollout
@@ -182,12 +182,12 @@ class _Run:
             prompt = ids[j, : len(r.prompt)]
             for slot in range(s, s + r.n):
                 self.prompt_ids[slot], self.prompts[slot] = r.prompt_id, prompt
-                if e.drafter is not None:
-                    e.drafter.admit(slot, prompt, None if feats is None else feats[j, : len(r.prompt)])
         state.active = acc
-        # First tokens: every sample of prompt j draws from prompt j's last logits.
         owner = torch.repeat_interleave(torch.arange(P, device=self.device), torch.tensor([r.n for _, r in batch], device=self.device))
         rows = torch.arange(base, acc, device=self.device)
+        if e.drafter is not None:
+            e.drafter.admit(Admission(slots=rows, owner=owner, tokens=ids, lengths=lens, features=feats))
+        # First tokens: every sample of prompt j draws from prompt j's last logits.
         tok, lp = sample(logits[owner], state.keys[rows], state.generated[rows], self.params)
         self._emit(rows, tok.unsqueeze(1), lp.unsqueeze(1), torch.ones_like(tok))
         self.stats.prefill_s += time.perf_counter() - ts

@@ -86,8 +86,8 @@ def test_bad_config_values_raise_value_error_naming_the_key(override, message):
 
 
 def test_cli_flags_map_onto_the_config(capsys):
-    cfg, out = parse_args(["--out", "x", "--steps", "7", "--hidden-size", "64", "--lr", "0.01"])
-    assert (cfg.steps, cfg.hidden_size, cfg.lr, str(out)) == (7, 64, 0.01, "x")
+    cfg, out = parse_args(["--out", "x", "--steps", "7", "--hidden-size", "96", "--lr", "0.01"])
+    assert (cfg.steps, cfg.hidden_size, cfg.lr, str(out)) == (7, 96, 0.01, "x")
     with pytest.raises(SystemExit) as e:
         parse_args(["--out", "x", "--steps", "-1"])
     assert e.value.code == 2 and "steps must be > 0" in capsys.readouterr().err

@@ -45,10 +45,10 @@ def test_reference_response_ends_with_the_correct_answer():
         assert extract_answer(p.response) == p.answer
 
 
-def test_worked_solution_has_one_step_per_digit_with_carries():
-    assert worked_solution(4728, 395) == "472+39 c1 r3\n47+3 c1 r23\n4+ c1 r123\n+ c0 r5123\n#### 5123"
-    assert worked_solution(999, 1).splitlines()[-2:] == ["+ c1 r000", "#### 1000"]
-    assert worked_solution(0, 0) == "+ c0 r0\n#### 0"
+def test_worked_solution_has_one_step_per_column_with_carries():
+    assert worked_solution(4728, 395) == "8+5+0=13\n2+9+1=12\n7+3+1=11\n4+0+1=5\n#### 5123"
+    assert worked_solution(1, 999).splitlines()[-2:] == ["0+9+1=10", "#### 1000"]
+    assert worked_solution(0, 0) == "0+0+0=0\n#### 0"
 
 
 def test_reward_is_one_for_the_reference_and_zero_for_a_wrong_answer():
@@ -62,10 +62,10 @@ def test_reward_is_one_for_the_reference_and_zero_for_a_wrong_answer():
 @pytest.mark.parametrize(
     "text, expected",
     [
-        ("+ c0 r8\n#### 8", "8"),
+        ("3+5+0=8\n#### 8", "8"),
         ("#### 1\n#### 12", "12"),  # the last answer line counts
         ("#### 0012", "0012"),  # no normalisation: "0012" is not "12"
-        ("+ c0 r8\n#### ", None),
+        ("3+5+0=8\n#### ", None),
         ("no answer here", None),
         ("#### 8x", None),
     ],
@@ -115,7 +115,7 @@ def test_tokenizer_loads_back_through_auto_tokenizer(tmp_path, monkeypatch):
     tok = build_tokenizer()
     tok.save_pretrained(tmp_path)
     loaded = AutoTokenizer.from_pretrained(tmp_path)
-    text = "4728+395\n472+39 c1 r3\n#### 5123"
+    text = "4728+395\n8+5+0=13\n#### 5123"
     assert loaded(text).input_ids == tok(text).input_ids
     assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
     assert loaded.decode(loaded(text).input_ids + [loaded.eos_token_id], skip_special_tokens=True) == text

@@ -30,9 +30,9 @@ class FallbackDrafter(DrafterBase):
         for d in self.drafters:
             d.reset(max_batch, max_len, params)
 
-    def admit(self, slot, prompt, features) -> None:
+    def admit(self, adm) -> None:
         for d in self.drafters:
-            d.admit(slot, prompt, features)
+            d.admit(adm)
 
     def update(self, verdict: Verdict, features) -> None:
         for d in self.drafters:

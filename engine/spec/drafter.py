@@ -31,6 +31,17 @@ class DraftShape:
 
 
 @dataclass
+class Admission:
+    """Rows that start this step: the prompts (padded) and which prompt each new slot holds."""
+
+    slots: torch.Tensor  # [R] slots of the new rows
+    owner: torch.Tensor  # [R] index into the prompts below
+    tokens: torch.Tensor  # [P, T] prompt ids, right-padded
+    lengths: torch.Tensor  # [P]
+    features: torch.Tensor | None  # [P, T, F] the target's features at every prompt position, or None
+
+
+@dataclass
 class DraftContext:
     roots: torch.Tensor  # [b] each row's last sampled token (not yet in the KV cache)
     positions: torch.Tensor  # [b] response index of the root; depth-d nodes sit at positions + d
@@ -49,7 +60,7 @@ class Drafter(Protocol):
 
     def reset(self, max_batch: int, max_len: int, params: SamplingParams) -> None: ...
 
-    def admit(self, slot: int, prompt: torch.Tensor, features: torch.Tensor | None) -> None: ...
+    def admit(self, adm: Admission) -> None: ...
 
     def propose(self, ctx: DraftContext) -> DraftTree: ...
 
@@ -66,9 +77,8 @@ class DrafterBase:
     Hook arguments:
       reset(max_batch, max_len, params): a generate() call starts; rows hold at most max_len
         committed tokens (plus the tentative tree).
-      admit(slot, prompt [P], features [P, F] or None): a row starts in `slot`; features are the
-        target's features at every prompt position (None when feature_layers is () and the
-        drafter does not want the final hidden states: see `wants_features`).
+      admit(Admission): rows start in their slots; features are the target's features at every
+        prompt position (None unless the drafter sets `wants_features` or `feature_layers`).
       update(verdict, features [b, 1+N, F] or None): after a verify pass over [root, nodes].
       move_rows(src [R], dst [R]): row src now lives in slot dst (batch compaction).
       finish(prompt_id, tokens): a rollout of that prompt finished with these response tokens.
@@ -81,7 +91,7 @@ class DrafterBase:
     def reset(self, max_batch: int, max_len: int, params: SamplingParams) -> None:
         pass
 
-    def admit(self, slot: int, prompt: torch.Tensor, features: torch.Tensor | None) -> None:
+    def admit(self, adm: Admission) -> None:
         pass
 
     def propose(self, ctx: DraftContext) -> DraftTree:

@@ -24,7 +24,7 @@ import torch
 
 from engine.model import Transformer
 from engine.sampling import SamplingParams, derive_keys, gumbel, mask_logits
-from engine.spec.drafter import DraftContext, DrafterBase
+from engine.spec.drafter import Admission, DraftContext, DrafterBase
 from engine.spec.eagle import EagleModel
 from engine.spec.tree import DraftTree
 from engine.spec.verify import Verdict
@@ -61,23 +61,23 @@ class EagleDrafter(DrafterBase):
             self.pend_tok = torch.zeros(max_batch, PENDING, dtype=torch.long, device=dev)  # [N, W]
             self.pend_n = torch.zeros(max_batch, dtype=torch.long, device=dev)  # [N]
         self.cache.lengths.zero_()
-        self._last_admit = None
 
     @torch.inference_mode()
-    def admit(self, slot: int, prompt: torch.Tensor, features: torch.Tensor | None) -> None:
-        """Runs the prompt's pairs (f_j, x_{j+1}), j < P - 1; f_{P-1} waits for the first token."""
-        P = prompt.shape[0]
-        if self._last_admit is not None and self._last_admit[0] is prompt:  # another sample of it
-            self.cache.copy_prefix(self._last_admit[1], torch.tensor([slot], device=self.cache.lengths.device))
-        else:
-            view = self.cache.rows(slot, slot + 1)
-            if P > 1:
-                pos = torch.arange(1, P, device=prompt.device).unsqueeze(0)  # [1, P-1]
-                self.net(prompt[1:].unsqueeze(0), features[: P - 1].unsqueeze(0), pos, cache=view, cache_pos=pos - 1)
-            view.lengths[0] = P - 1
-            self._last_admit = (prompt, slot)
-        self.pend_feat[slot, 0] = features[P - 1]
-        self.pend_n[slot] = 1
+    def admit(self, adm: Admission) -> None:
+        """Runs each prompt's pairs (f_j, x_{j+1}), j < P - 1, once, into all its samples' slots;
+        f_{P-1} waits for the first sampled token."""
+        P, T = adm.tokens.shape
+        feats = adm.features
+        if T > 1:
+            scratch = self.net.new_cache(P, T - 1)
+            pos = torch.arange(1, T, device=adm.tokens.device).expand(P, T - 1)
+            self.net(adm.tokens[:, 1:], feats[:, : T - 1], pos, cache=scratch, cache_pos=pos - 1)
+            self.cache.k[:, adm.slots, :, : T - 1] = scratch.k[:, adm.owner]
+            self.cache.v[:, adm.slots, :, : T - 1] = scratch.v[:, adm.owner]
+        lens = adm.lengths[adm.owner]  # [R]
+        self.cache.lengths[adm.slots] = lens - 1
+        self.pend_feat[adm.slots, 0] = feats[adm.owner, lens - 1]
+        self.pend_n[adm.slots] = 1
 
     def update(self, verdict: Verdict, features: torch.Tensor | None) -> None:
         """Pending pairs for the next step: features at [root, accepted path], accepted tokens."""

@@ -1,23 +1,21 @@
 """Synthetic multi-digit addition with worked steps: problems, reference solutions, reward.
 
-A *problem* is `a+b` with its final *answer*. The reference *response* works right to left, one
-*step* per line. Each line is the state after the step: what is left of each operand once its
-last digit is consumed, the carry `c`, and the result digits found so far `r`. An exhausted
-operand counts as 0. The last line holds the answer after `#### `:
+A *problem* is `a+b` with its final *answer*. The reference *response* adds column by column
+from the units, one *step* per line: `x+y+c=s` with the digits x of a and y of b in that column
+(0 once an operand has no more digits), the carry c from the previous column, and their sum s.
+The last line holds the answer after `#### `, read off the steps' last digits in reverse:
 
-    prompt    4728+395\\n
-    response  472+39 c1 r3
-              47+3 c1 r23
-              4+ c1 r123
-              + c0 r5123
+    prompt    4728+395\n
+    response  8+5+0=13
+              2+9+1=12
+              7+3+1=11
+              4+0+1=5
               #### 5123
 
-Every step is local (drop a last digit, add three digits, prepend one), so a tiny model can
-learn it; the number of steps is the *digits* of the longer operand, and a line repeats what is
-left of the operands, so response length grows about quadratically with digits.
-
-Difficulty is long-tailed: digits d in 1..max_digits is drawn with P(d) ~ d^-tail, so about
-half the problems have one digit and a few percent need 10 or more (responses 10-20x longer).
+The number of steps is the *digits* of the longer operand. Difficulty is long-tailed: digits d
+in 1..max_digits is drawn with P(d) ~ d^-tail, so with the defaults about half the problems
+have one digit, three in four at most three, and a few percent 10 or more (responses 5-8x the
+median length).
 
 Splits: each prompt belongs to exactly one split, by a stable hash of its text (1 in 10 prompts
 is "test"), so training never sees a test prompt. Problem i of a split is drawn from its own
@@ -53,17 +51,16 @@ def split_of(prompt: str) -> str:
 
 
 def worked_solution(a: int, b: int) -> str:
-    """The reference response for `a+b`: one state line per digit, then the answer line."""
-    rest_a, rest_b, carry, result = str(a), str(b), 0, ""
-    lines = []
-    while rest_a or rest_b:
-        total = int(rest_a[-1:] or 0) + int(rest_b[-1:] or 0) + carry
-        rest_a, rest_b = rest_a[:-1], rest_b[:-1]
-        carry, result = total // 10, str(total % 10) + result
-        lines.append(f"{rest_a}+{rest_b} c{carry} r{result}")
-    answer = str(a + b)
-    assert answer == ("1" if carry else "") + result
-    lines.append(ANSWER_PREFIX + answer)
+    """The reference response for `a+b`: one `x+y+c=s` line per column, then the answer line."""
+    digits_a, digits_b = str(a)[::-1], str(b)[::-1]  # units first
+    carry, lines = 0, []
+    for i in range(max(len(digits_a), len(digits_b))):
+        x = int(digits_a[i]) if i < len(digits_a) else 0
+        y = int(digits_b[i]) if i < len(digits_b) else 0
+        total = x + y + carry
+        lines.append(f"{x}+{y}+{carry}={total}")
+        carry = total // 10
+    lines.append(ANSWER_PREFIX + str(a + b))
     return "\n".join(lines)
 
 

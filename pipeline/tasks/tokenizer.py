@@ -17,7 +17,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import PreTrainedTokenizerFast
 
-ALPHABET = "0123456789+*=#; \ncr"
+ALPHABET = "0123456789+*=#; \n"
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0..3, then the alphabet in order
 MODEL_MAX_LENGTH = 512

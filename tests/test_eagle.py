@@ -1,0 +1,78 @@
+"""The EAGLE drafter network: save / load round trip, and clear errors for bad folders."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.checkpoint import load_checkpoint
+from engine.sampling import SamplingParams, row_keys
+from engine.spec.drafter import Admission, DraftContext, DraftShape
+from engine.spec.eagle import EagleConfig, EagleModel
+from engine.spec.eagle_drafter import EagleDrafter
+from tests.conftest import make_hf_model
+
+
+@pytest.fixture(scope="module")
+def target(hf_folders):
+    return load_checkpoint(hf_folders["llama"])
+
+
+def proposals(drafter: EagleDrafter, target) -> tuple[list[int], list[int]]:
+    prompt = torch.tensor([[5, 9, 14, 20, 7]])
+    with torch.no_grad():
+        out = target(prompt, torch.arange(5)[None], hidden_layers=drafter.feature_layers)
+    feats = torch.cat([out.layer_hidden[i] for i in drafter.feature_layers] + [out.hidden], -1)
+    params = SamplingParams(temperature=1.0)
+    drafter.reset(2, 64, params)
+    drafter.admit(Admission(slots=torch.tensor([0]), owner=torch.tensor([0]), tokens=prompt, lengths=torch.tensor([5]), features=feats))
+    ctx = DraftContext(
+        roots=torch.tensor([11]), positions=torch.tensor([0]), keys=row_keys(0, 0, torch.tensor([3]), torch.tensor([0])),
+        responses=torch.tensor([[11]]), generated=torch.tensor([1]), prompts=[prompt[0]], prompt_ids=["p"], params=params,
+        shape=DraftShape(depth=4, topk=2, verify_tokens=6),
+    )
+    tree = drafter.propose(ctx)
+    return tree.tokens.tolist(), tree.parents.tolist()
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_drafter_save_then_load_gives_the_same_proposals(target, kind, tmp_path):
+    torch.manual_seed(1)
+    net = EagleModel(EagleConfig.for_target(target.config, kind, draft_vocab_size=40), target, torch.arange(0, 80, 2))
+    net.save(tmp_path)
+    names = set(json.loads((tmp_path / "config.json").read_text()))
+    assert {"kind", "hidden_size", "aux_layers"} <= names
+    loaded = EagleDrafter.load(tmp_path, target, expect=kind)
+    assert loaded.net.vocab_ids.tolist() == list(range(0, 80, 2))
+    a, b = proposals(EagleDrafter(net), target), proposals(loaded, target)
+    assert a == b and len(a[0]) == 6
+    assert all(t % 2 == 0 for t in a[0])  # drafts come from the draft vocabulary
+
+
+def test_missing_drafter_file_is_named(target, tmp_path):
+    EagleModel(EagleConfig.for_target(target.config), target).save(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        EagleDrafter.load(tmp_path, target)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        EagleDrafter.load(tmp_path / "nope", target)
+
+
+def test_drafter_for_another_hidden_size_is_rejected(target, tmp_path):
+    other = load_checkpoint_from(make_hf_model("llama", hidden_size=32, num_attention_heads=2, num_key_value_heads=1), tmp_path / "t")
+    EagleModel(EagleConfig.for_target(other.config), other).save(tmp_path / "d")
+    with pytest.raises(ValueError, match="hidden size 32.*target has hidden size 64"):
+        EagleDrafter.load(tmp_path / "d", target)
+
+
+def test_drafter_kind_must_match_the_config(target, tmp_path):
+    EagleModel(EagleConfig.for_target(target.config, "eagle"), target).save(tmp_path)
+    with pytest.raises(ValueError, match="eagle3 but .* holds a eagle drafter"):
+        EagleDrafter.load(tmp_path, target, expect="eagle3")
+
+
+def load_checkpoint_from(hf_model, path):
+    hf_model.save_pretrained(path)
+    return load_checkpoint(path)
