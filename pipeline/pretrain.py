@@ -9,8 +9,10 @@ length and cut into batches of similar lengths, so the long tail costs little pa
 
     python -m pipeline.pretrain --out checkpoints/tiny [--steps N --seed S ...]
 
-Every field of `PretrainConfig` is a flag (`hidden_size` -> `--hidden-size`). This module knows
-nothing about RL; accuracy is measured with the plain greedy decoder of `pipeline.tasks.eval`.
+Every field of `PretrainConfig` is a flag (`hidden_size` -> `--hidden-size`). On a machine whose
+cores are busy, set OMP_WAIT_POLICY=PASSIVE in the environment: spinning OpenMP threads that
+share a core with another process make steps up to 10x slower. This module knows nothing about
+RL; accuracy is measured with the plain greedy decoder of `pipeline.tasks.eval`.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ IGNORE = -100  # target id that the loss skips
 class PretrainConfig:
     task: str = "arith"
     seed: int = 0
-    steps: int = 600
-    batch_tokens: int = 4096  # rows x longest row, padding included
+    steps: int = 800
+    batch_tokens: int = 2048  # rows x longest row, padding included
     pool_size: int = 1024  # problems sorted by length together to form batches
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
@@ -62,7 +64,7 @@ class PretrainConfig:
     init_std: float = 0.02
     threads: int = 2
     eval_problems: int = 200  # held-out test problems for the final greedy accuracy
-    log_every: int = 25
+    log_every: int = 50
 
     def validate(self) -> None:
         if self.task not in TASKS:

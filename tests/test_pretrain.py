@@ -19,7 +19,16 @@ TINY = dict(
 )
 
 
-def test_a_few_steps_reduce_the_loss_and_the_folder_loads_in_transformers(tmp_path, monkeypatch):
+@pytest.fixture
+def one_thread():
+    """Two spinning OpenMP threads on a shared 2-core machine can make this test 10x slower."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_a_few_steps_reduce_the_loss_and_the_folder_loads_in_transformers(tmp_path, monkeypatch, one_thread):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -40,7 +49,7 @@ def test_a_few_steps_reduce_the_loss_and_the_folder_loads_in_transformers(tmp_pa
         torch.testing.assert_close(hf(ids).logits, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_generate_equals_argmax_decoding_without_cache():
+def test_greedy_generate_equals_argmax_decoding_without_cache(one_thread):
     torch.manual_seed(0)
     tok = build_tokenizer()
     model = build_model(PretrainConfig(init_std=0.5, **TINY), tok).eval()  # large init: varied argmaxes

@@ -79,8 +79,8 @@ def make_problem(split: str, index: int, seed: int, *, max_digits: int = 12, tai
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     rng = random.Random(f"arith:{seed}:{split}:{index}")
+    digits = _draw_digits(rng, max_digits, tail)  # outside the loop: both splits keep P(d)
     while True:  # rejection keeps only prompts of this split; 1.1 draws on average for train
-        digits = _draw_digits(rng, max_digits, tail)
         a, b = _number(rng, digits), _number(rng, rng.randint(1, digits))
         if rng.random() < 0.5:
             a, b = b, a
