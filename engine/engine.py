@@ -23,6 +23,7 @@ import torch
 from engine.checkpoint import load_checkpoint, parse_dtype
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
+from engine.layout import transpose_storage
 from engine.model import Transformer, causal_mask
 from engine.sampling import SamplingParams, mask_logits, prompt_key, row_keys, sample
 from engine.spec.drafter import Admission, DraftContext, Drafter, DraftShape
@@ -64,7 +65,11 @@ class RolloutEngine:
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
         self.model = model.eval()
+        if model.device.type == "cpu":
+            transpose_storage(model)
         self.drafter = drafter
+        if drafter is not None and hasattr(drafter, "net") and model.device.type == "cpu":
+            transpose_storage(drafter.net)
         spec = self.cfg.spec
         self.shape = DraftShape(depth=spec.depth, topk=spec.topk, verify_tokens=spec.verify_tokens, iid_children=spec.verify == "rejection")
         self.max_len = min(self.cfg.max_len, model.config.max_position_embeddings)

@@ -98,8 +98,9 @@ class EagleModel(nn.Module):
 
     def refresh_head(self) -> None:
         """Re-reads the target's LM head rows of the draft vocabulary (after the target changes)."""
-        w = self.target.lm_head.weight.detach()
-        self.__dict__["head_weight"] = w[self.draft_vocab] if self.draft_vocab.numel() else w
+        w = self.target.lm_head.weight.detach()  # [V, H]
+        # Stored [H, Vd] contiguous: few-row products are fastest with that operand (engine.layout).
+        self.__dict__["head_t"] = (w[self.draft_vocab] if self.draft_vocab.numel() else w).t().contiguous()
 
     @property
     def vocab_ids(self) -> torch.Tensor | None:
@@ -130,7 +131,7 @@ class EagleModel(nn.Module):
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """[..., F] predicted features -> [..., Vd] draft logits (frozen target head, draft vocab rows)."""
-        return predicted[..., -self.config.hidden_size :] @ self.head_weight.t()
+        return predicted[..., -self.config.hidden_size :] @ self.head_t
 
     def new_cache(self, max_batch: int, max_len: int) -> KVCache:
         c = self.config
