@@ -98,7 +98,36 @@ class EagleDrafter(DrafterBase):
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> DraftTree:
         root_pred = self._catch_up(ctx.roots)  # [b, F]
+        if ctx.shape.topk == 1 and not ctx.shape.iid_children:
+            return self._chain(root_pred, ctx)
         return self._expand(root_pred, ctx)
+
+    def _chain(self, pred: torch.Tensor, ctx: DraftContext) -> DraftTree:
+        """The tree with top-k 1, without tree bookkeeping: each level is the drafter's coupled
+        sample, and a chain's tentative slots follow each other, so the plain causal mask holds."""
+        p, b = self.params, pred.shape[0]
+        D = min(ctx.shape.depth, ctx.shape.verify_tokens)
+        ids = self.net.vocab_ids
+        noise = None
+        if p.temperature > 0:  # all levels' noise at once: [b, D, Vd]
+            pos = (ctx.positions.unsqueeze(1) + torch.arange(1, D + 1, device=pred.device)).flatten()
+            vocab = ids if ids is not None else self.net.head_t.shape[1]
+            noise = gumbel(ctx.keys.repeat_interleave(D), pos, vocab).view(b, D, -1)
+        plain = p.top_k == 0 and p.top_p == 1.0
+        lengths = self.cache.lengths[:b]
+        tokens = torch.empty(b, D, dtype=torch.long, device=pred.device)
+        for d in range(D):
+            logits = self.net.logits(pred)  # [b, Vd]
+            if noise is None:
+                pick = logits.argmax(-1)
+            else:
+                scaled = logits / p.temperature if plain else mask_logits(logits, p.temperature, p.top_k, p.top_p)
+                pick = (scaled + noise[:, d]).argmax(-1)
+            tokens[:, d] = ids[pick] if ids is not None else pick
+            if d + 1 < D:
+                slot = (lengths + d).unsqueeze(1)  # [b, 1]
+                pred = self.net(tokens[:, d : d + 1], pred.unsqueeze(1), slot + 1, cache=self.cache, cache_pos=slot)[:, 0]
+        return DraftTree.chains(tokens)
 
     def _catch_up(self, roots: torch.Tensor) -> torch.Tensor:
         """Feeds each row's pending pairs, the last with the root; returns the root's prediction."""

@@ -100,17 +100,27 @@ class DraftTree:
         return PaddedTree(tokens, parents, node_depths(parents, valid), valid, q)
 
 
-def node_depths(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """parents [B, N] (-1 = root) -> 1-based depth [B, N], 0 where invalid."""
+def _rounds(n: int) -> int:
+    """Pointer-jumping rounds that cover paths of up to n edges."""
+    return max(1, (n).bit_length())
+
+
+def _pointers(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B, N] -> [B, 1+N] index of each entry's parent in [root, nodes]; root and padding point to themselves."""
     B, N = parents.shape
-    depth = torch.zeros(B, N + 1, dtype=torch.long, device=parents.device)  # column 0: the root
-    par = parents + 1  # index into depth with the root at 0
-    for _ in range(N):  # at most N levels; stops early once stable
-        new = torch.cat([depth[:, :1], depth.gather(1, par) + 1], 1)
-        if torch.equal(new, depth):
-            break
-        depth = new
-    return torch.where(valid, depth[:, 1:], 0)
+    own = torch.arange(N + 1, device=parents.device).expand(B, N + 1)
+    return torch.cat([own[:, :1], torch.where(valid, parents + 1, own[:, 1:])], 1)
+
+
+def node_depths(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """parents [B, N] (-1 = root) -> 1-based depth [B, N], 0 where invalid (list ranking)."""
+    B, N = parents.shape
+    jump = _pointers(parents, valid)  # [B, 1+N]
+    depth = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=parents.device), valid.long()], 1)
+    for _ in range(_rounds(N)):  # after r rounds, depth counts up to 2^r edges
+        depth = depth + depth.gather(1, jump)
+        jump = jump.gather(1, jump)
+    return depth[:, 1:]
 
 
 def ancestors(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -119,17 +129,12 @@ def ancestors(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     Index 0 is the root; node n is index n + 1. Invalid nodes see only themselves.
     """
     B, N = parents.shape
-    eye = torch.eye(N + 1, dtype=torch.bool, device=parents.device).expand(B, N + 1, N + 1)
-    own = torch.arange(N + 1, device=parents.device).expand(B, N + 1)
-    # Row index to inherit from: the parent for valid nodes, itself for the root and padding.
-    par = torch.cat([own[:, :1], torch.where(valid, parents + 1, own[:, 1:])], 1)
-    anc = eye
-    for _ in range(N):  # one level per pass; stops once stable
-        new = eye | anc.gather(1, par.unsqueeze(-1).expand(B, N + 1, N + 1))
-        if torch.equal(new, anc):
-            break
-        anc = new
-    return anc
+    eye = torch.eye(N + 1, device=parents.device).expand(B, N + 1, N + 1)
+    step = eye + torch.zeros_like(eye).scatter(2, _pointers(parents, valid).unsqueeze(-1), 1.0)  # self and parent
+    anc = step.clamp(max=1)
+    for _ in range(_rounds(N)):  # paths double in length each round
+        anc = (anc @ anc).clamp(max=1)
+    return anc > 0
 
 
 def tree_mask(parents: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, visible: int) -> torch.Tensor:

@@ -35,17 +35,17 @@ class Verdict:
 def accepted_nodes(match: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     """match [B, N] (node agrees with the verifier at its parent) -> accepted [B, N].
 
-    A node is accepted when it matches and its parent (or the root) is accepted.
+    A node is accepted when it and all its ancestors match: an AND along the path, by pointer
+    jumping (log N rounds).
     """
     B, N = match.shape
-    root = torch.ones(B, 1, dtype=torch.bool, device=match.device)
-    acc = match & (parents < 0)
-    for _ in range(N):
-        new = match & torch.cat([root, acc], 1).gather(1, parents + 1)
-        if torch.equal(new, acc):
-            break
-        acc = new
-    return acc
+    ok = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=match.device), match], 1)  # [B, 1+N], root ok
+    own = torch.arange(N + 1, device=match.device).expand(B, N + 1)
+    jump = torch.cat([own[:, :1], torch.where(parents >= 0, parents + 1, 0)], 1)
+    for _ in range(max(1, N.bit_length())):
+        ok = ok & ok.gather(1, jump)
+        jump = jump.gather(1, jump)
+    return ok[:, 1:]
 
 
 def verdict_from_accepted(accepted: torch.Tensor, tokens: torch.Tensor, next_token_at: torch.Tensor) -> Verdict:
