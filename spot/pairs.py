@@ -44,9 +44,11 @@ class DrafterBatch:
         return int(self.loss_mask.sum())
 
     def to(self, device, dtype: torch.dtype | None = None) -> DrafterBatch:
-        f = lambda t: t.to(device=device, dtype=dtype) if dtype is not None else t.to(device)  # noqa: E731
-        return DrafterBatch(self.tokens.to(device), f(self.features), self.positions.to(device), f(self.targets),
-                            self.loss_mask.to(device), self.attn_mask.to(device))
+        """Moves the batch; `dtype` (the drafter's) applies to the features and targets only."""
+        return DrafterBatch(
+            self.tokens.to(device), self.features.to(device=device, dtype=dtype), self.positions.to(device),
+            self.targets.to(device=device, dtype=dtype), self.loss_mask.to(device), self.attn_mask.to(device),
+        )
 
 
 @dataclass

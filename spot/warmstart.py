@@ -70,10 +70,10 @@ class WarmstartConfig:
     feature_batch_tokens: int = 4096  # padded tokens per teacher-forced forward
     holdout: float = 0.05  # fraction of prompts held out
     # training
-    steps: int = 300
+    steps: int = 1000
     batch_windows: int = 4  # windows of `window` pairs per step
     window: int = 512
-    lr: float = 1e-3
+    lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
     weight_decay: float = 0.01
@@ -115,6 +115,11 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def progress_bar(total: int, desc: str, unit: str) -> tqdm:
+    """A tqdm bar on stderr; redirected to a file it updates every 30 s instead of flooding it."""
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, mininterval=1 if sys.stderr.isatty() else 30)
+
+
 # -- 1. generation ---------------------------------------------------------------------------
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
@@ -135,7 +140,7 @@ def generate(target: Transformer, tokenizer, prompts: list[dict], cfg: Warmstart
         log("warning: the target has no eos token id: every response runs to --max-new-tokens")
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             stop_token_ids=stops, seed=cfg.seed)
-    bar = tqdm(total=len(requests) * cfg.n, desc="generate", unit="seq", file=sys.stderr, disable=None)
+    bar = progress_bar(len(requests) * cfg.n, "generate", "seq")
     rollouts = engine.generate(requests, params, progress=lambda done: bar.update(done - bar.n))
     bar.close()
     prompt_of = {r.prompt_id: r.prompt for r in requests}
@@ -234,9 +239,8 @@ def evaluate(model: EagleModel, packed: PackedPairs, cfg: WarmstartConfig) -> di
     H = model.config.hidden_size
     sums = {"loss": 0.0, "top1_agreement": 0.0, "expected_acceptance": 0.0}
     total = 0
-    for start in range(0, len(packed), cfg.batch_windows):
-        idx = torch.arange(start, min(start + cfg.batch_windows, len(packed)))
-        loss, _, pred, targets = batch_loss(model, packed, idx, cfg.ce_weight)
+    for w in range(len(packed)):  # one window at a time: [M, V] full-vocabulary logits are large
+        loss, _, pred, targets = batch_loss(model, packed, torch.tensor([w]), cfg.ce_weight)
         M = pred.shape[0]
         _, acc = acceptance_metrics(model.logits(pred), targets[:, -H:] @ W_full.t(), model.vocab_ids)
         sums["loss"] += loss.item() * M
@@ -256,6 +260,32 @@ def save(model: EagleModel, out: Path, summary: dict) -> None:
     os.replace(tmp, out)
 
 
+def collect_rows(target: Transformer, tokenizer, prompts: list[dict], cfg: WarmstartConfig) -> tuple[RowStore, dict]:
+    """Steps 1-2: the target's responses, then its features over prompt + response."""
+    seqs, gen_stats = generate(target, tokenizer, prompts, cfg)
+    t0 = time.perf_counter()
+    aux_layers = EagleConfig.for_target(target.config, cfg.kind).aux_layers
+    bar = progress_bar(sum(len(s.tokens) for s in seqs), "features", "tok")
+    rows = RowStore(capture_features(target, seqs, aux_layers, batch_tokens=cfg.feature_batch_tokens,
+                                     dtype=parse_dtype(cfg.feature_dtype), progress=lambda d: bar.update(d - bar.n)))
+    bar.close()
+    stats = {"generation": gen_stats, "feature_seconds": round(time.perf_counter() - t0, 1)}
+    log(f"features: {len(rows)} rows, {rows.num_tokens} tokens, F={rows.feature_size}, "
+        f"{rows.nbytes / 2**20:.0f} MiB in {stats['feature_seconds']}s")
+    return rows, stats
+
+
+def choose_draft_vocab(rows: RowStore, vocab_size: int, size: int | None) -> torch.Tensor | None:
+    """Step 3: the most frequent ids of the rows (None: the full vocabulary)."""
+    vocab = most_frequent((r.tokens for r in rows), vocab_size, default_size(vocab_size) if size is None else size)
+    if vocab is not None:
+        inside = torch.zeros(vocab_size, dtype=torch.bool)
+        inside[vocab] = True
+        covered = sum(int(inside[r.tokens].sum()) for r in rows) / rows.num_tokens
+        log(f"draft vocabulary: {len(vocab)} of {vocab_size} ids, covering {covered:.1%} of the tokens")
+    return vocab
+
+
 def warmstart(cfg: WarmstartConfig, target_path: str | Path, prompts_path: str | Path, out: str | Path) -> dict:
     """The whole run; returns the summary written next to the drafter."""
     cfg.validate()
@@ -268,28 +298,8 @@ def warmstart(cfg: WarmstartConfig, target_path: str | Path, prompts_path: str |
     target = load_checkpoint(target_path, torch.float32).requires_grad_(False)
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    seqs, gen_stats = generate(target, tokenizer, prompts, cfg)
-    t_feat = time.perf_counter()
-    aux_layers = EagleConfig.for_target(target.config, cfg.kind).aux_layers
-    total_tokens = sum(len(s.tokens) for s in seqs)
-    bar = tqdm(total=total_tokens, desc="features", unit="tok", file=sys.stderr, disable=None)
-    rows = RowStore(capture_features(target, seqs, aux_layers, batch_tokens=cfg.feature_batch_tokens,
-                                     dtype=parse_dtype(cfg.feature_dtype), progress=lambda d: bar.update(d - bar.n)))
-    bar.close()
-    feat_s = time.perf_counter() - t_feat
-    log(f"features: {len(rows)} rows, {rows.num_tokens} tokens, F={rows.feature_size}, "
-        f"{rows.nbytes / 2**20:.0f} MiB in {feat_s:.1f}s")
-
-    V = target.config.vocab_size
-    n_vocab = default_size(V) if cfg.draft_vocab is None else cfg.draft_vocab
-    vocab = most_frequent((r.tokens for r in rows), V, n_vocab)
-    if vocab is not None:
-        seen = torch.zeros(V, dtype=torch.bool)
-        for r in rows:
-            seen[r.tokens] = True
-        covered = torch.zeros(V, dtype=torch.bool)
-        covered[vocab] = True
-        log(f"draft vocabulary: {len(vocab)} of {V} ids ({int((seen & covered).sum())} of {int(seen.sum())} seen ids)")
+    rows, data_stats = collect_rows(target, tokenizer, prompts, cfg)
+    vocab = choose_draft_vocab(rows, target.config.vocab_size, cfg.draft_vocab)
     train_rows, held_rows = rows.split_by_prompt(cfg.holdout, torch.Generator().manual_seed(cfg.seed))
     packed = PackedPairs(train_rows.rows, cfg.window)
     held = PackedPairs(held_rows.rows, cfg.window) if len(held_rows) else None
@@ -314,9 +324,9 @@ def warmstart(cfg: WarmstartConfig, target_path: str | Path, prompts_path: str |
     summary = {
         "kind": cfg.kind, "target": str(target_path), "prompts": len(prompts),
         "sequences": len(rows), "train_sequences": len(train_rows), "heldout_sequences": len(held_rows),
-        "tokens": rows.num_tokens, "response_tokens": gen_stats["response_tokens"], "train_pairs": packed.num_pairs,
-        "draft_vocab_size": V if vocab is None else len(vocab),
-        "generation": gen_stats, "feature_seconds": round(feat_s, 1),
+        "tokens": rows.num_tokens, "response_tokens": data_stats["generation"]["response_tokens"],
+        "train_pairs": packed.num_pairs,
+        "draft_vocab_size": target.config.vocab_size if vocab is None else len(vocab), **data_stats,
         "steps": stats["steps"], "stopped_early": stats["stopped_early"], "train_seconds": stats["seconds"],
         "train_loss_start": round(stats["loss_start"], 4), "train_loss_end": round(stats["loss_end"], 4),
         "heldout_before": before, "heldout": after,

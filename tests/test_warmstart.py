@@ -1,0 +1,205 @@
+"""Offline drafter warm-start: pair alignment, packing, draft vocabulary, loss, and the CLI end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.checkpoint import load_checkpoint
+from engine.spec.eagle import EagleConfig, EagleModel
+from spot.draft_vocab import most_frequent
+from spot.features import TokenSequence, capture_features
+from spot.loss import acceptance_metrics, eagle_loss
+from spot.pairs import PackedPairs
+from spot.prompts import make_prompts
+from spot.records import HiddenStateRows, RowStore
+from spot.warmstart import WarmstartConfig, batch_loss, train, warmstart
+from tests.conftest import REPO
+
+torch.set_num_threads(1)
+
+
+def coded_rows(lengths: list[int], prompt_lens: list[int]) -> list[HiddenStateRows]:
+    """Rows whose feature at position t of row r is (r, t, 1000 r + t): alignment is readable."""
+    rows = []
+    for r, (T, P) in enumerate(zip(lengths, prompt_lens)):
+        t = torch.arange(T, dtype=torch.float32)
+        feats = torch.stack([torch.full((T,), float(r)), t, 1000 * r + t], -1)  # [T, 3]
+        rows.append(HiddenStateRows(prompt_id=f"p{r}", tokens=1000 * r + torch.arange(T), features=feats, prompt_len=P))
+    return rows
+
+
+def test_pairs_feed_the_feature_at_t_with_the_token_and_target_at_t_plus_1():
+    rows = coded_rows([7, 12, 3, 20], [3, 5, 1, 4])
+    packed = PackedPairs(rows, window=8)  # row 3 (19 pairs) is cut into segments
+    b = packed.batch(torch.arange(len(packed)))
+    seen = set()
+    for w in range(len(packed)):
+        for i in range(packed.window):
+            if packed.seg[w, i] < 0:
+                assert not b.loss_mask[w, i]
+                continue
+            r, t = int(b.features[w, i, 0]), int(b.features[w, i, 1])
+            assert int(b.tokens[w, i]) == 1000 * r + t + 1  # x_{t+1}
+            assert int(b.positions[w, i]) == t + 1
+            assert b.targets[w, i].tolist() == [r, t + 1, 1000 * r + t + 1]  # f_{t+1}
+            assert bool(b.loss_mask[w, i]) == (t + 1 >= rows[r].prompt_len)
+            assert (r, t) not in seen
+            seen.add((r, t))
+    # Every response pair is trained on exactly once.
+    assert packed.num_pairs == sum(r.response_len for r in rows)
+    assert {(r, t) for r, row in enumerate(rows) for t in range(row.prompt_len - 1, row.length - 1)} <= seen
+
+
+def test_packed_windows_attend_causally_within_a_row_only():
+    rows = coded_rows([5, 4, 6], [2, 2, 2])
+    packed = PackedPairs(rows, window=16)
+    assert len(packed) == 1  # 4 + 3 + 5 pairs share one window
+    b = packed.batch(torch.tensor([0]))
+    row_of, t_of = b.features[0, :, 0], b.features[0, :, 1]
+    valid = packed.seg[0] >= 0
+    for i in range(16):
+        for j in range(16):
+            if valid[i] and valid[j]:
+                expect = bool(row_of[i] == row_of[j] and t_of[j] <= t_of[i])
+                assert bool(b.attn_mask[0, i, j]) == expect, (i, j)
+        assert b.attn_mask[0, i].any()  # padding attends to itself: no fully masked query
+
+
+def test_segments_without_response_pairs_are_dropped():
+    rows = coded_rows([30], [25])  # window 8: pairs 0..23 are prompt-only for the first segments
+    packed = PackedPairs(rows, window=8)
+    assert packed.num_pairs == 5
+    assert len(packed) == 1  # segments [0, 8), [8, 16), [16, 24) hold no response pair; only [24, 29) is kept
+
+
+def test_draft_vocab_holds_the_most_frequent_ids_sorted():
+    seqs = [torch.tensor([5, 5, 5, 9, 9, 1, 7]), torch.tensor([9, 9, 3, 3, 3, 3])]
+    # counts: 3 -> 4, 9 -> 4, 5 -> 3, 1 -> 1, 7 -> 1; ties go to the lower id
+    assert most_frequent(seqs, 12, 3).tolist() == [3, 5, 9]
+    assert most_frequent(seqs, 12, 4).tolist() == [1, 3, 5, 9]
+    assert most_frequent(seqs, 12, 7).tolist() == [0, 1, 2, 3, 5, 7, 9]  # unseen ids fill in, lowest first
+    assert most_frequent(seqs, 12, 0) is None and most_frequent(seqs, 12, 12) is None
+
+
+def test_acceptance_metrics_on_a_hand_built_distribution():
+    p = torch.tensor([[0.5, 0.3, 0.2]])
+    vocab = torch.tensor([0, 1])
+    q = torch.tensor([[0.6, 0.4]])
+    accept, m = acceptance_metrics(q.log(), p.log(), vocab)
+    assert accept.item() == pytest.approx(0.8)  # min(.5,.6) + min(.3,.4); q is 0 on id 2
+    assert m["spot/top1_agreement"] == 1.0
+    accept, m = acceptance_metrics(torch.tensor([[0.1, 0.9]]).log(), p.log(), vocab)
+    assert accept.item() == pytest.approx(0.4) and m["spot/top1_agreement"] == 0.0
+    same, m = acceptance_metrics(p.log(), p.log(), None)
+    assert same.item() == pytest.approx(1.0)
+
+
+def test_eagle_loss_of_a_perfect_prediction_is_the_target_entropy_times_the_ce_weight():
+    g = torch.Generator().manual_seed(0)
+    feats, logits = torch.randn(6, 8, generator=g), torch.randn(6, 5, generator=g)
+    loss, m = eagle_loss(feats, feats.clone(), logits, logits.clone(), ce_weight=0.1)
+    entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
+    assert m["spot/feature_loss"] == 0.0 and m["spot/top1_draft_vocab"] == 1.0
+    assert loss.item() == pytest.approx(0.1 * entropy.item(), rel=1e-5)
+
+
+def test_split_by_prompt_keeps_a_prompts_samples_together():
+    rows = [HiddenStateRows(prompt_id=f"p{i // 3}", sample=i % 3, tokens=torch.arange(4), features=torch.zeros(4, 2),
+                            prompt_len=2) for i in range(60)]
+    train_rows, held = RowStore(rows).split_by_prompt(0.1, torch.Generator().manual_seed(0))
+    assert len(held) == 6 and len(train_rows) == 54
+    assert not {r.prompt_id for r in held} & {r.prompt_id for r in train_rows}
+
+
+def test_captured_features_are_aux_outputs_then_final_hidden_and_padding_does_not_leak(char_model_dir):
+    target = load_checkpoint(char_model_dir)
+    aux = EagleConfig.for_target(target.config, "eagle3").aux_layers
+    assert aux  # eagle3 reads auxiliary layers
+    seqs = [TokenSequence("a", 0, [1, 5, 6, 7, 8, 9, 10], 3), TokenSequence("b", 0, [1, 11, 12], 2)]
+    rows = capture_features(target, seqs, aux, batch_tokens=1000)  # both in one padded batch
+    H = target.config.hidden_size
+    for s, row in zip(seqs, rows):
+        ids = torch.tensor([s.tokens])
+        with torch.no_grad():
+            out = target(ids, torch.arange(len(s.tokens)).unsqueeze(0), logits=False, hidden_layers=tuple(aux))
+        expect = torch.cat([out.layer_hidden[i][0] for i in aux] + [out.hidden[0]], -1)
+        assert row.features.shape == (len(s.tokens), H * (len(aux) + 1))
+        torch.testing.assert_close(row.features, expect, rtol=1e-4, atol=1e-5)
+        assert row.tokens.tolist() == s.tokens and row.prompt_len == s.prompt_len
+
+
+def test_no_gradient_reaches_the_target(char_model_dir):
+    target = load_checkpoint(char_model_dir)  # parameters still require grad here
+    rows = capture_features(target, [TokenSequence("a", 0, [1, 5, 6, 7, 8, 2], 2)])
+    model = EagleModel(EagleConfig.for_target(target.config), target)
+    loss, *_ = batch_loss(model, PackedPairs(rows, 8), torch.tensor([0]), 0.1)
+    loss.backward()
+    assert all(p.grad is None for p in target.parameters())
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_training_stops_at_the_time_budget(char_model_dir):
+    target = load_checkpoint(char_model_dir)
+    rows = capture_features(target, [TokenSequence("a", 0, [1, 5, 6, 7, 8, 2], 2)])
+    model = EagleModel(EagleConfig.for_target(target.config), target)
+    stats = train(model, PackedPairs(rows, 8), WarmstartConfig(steps=50, window=8), seconds=1e-9)
+    assert stats["steps"] == 1 and stats["stopped_early"]
+
+
+def write_prompts(path, n: int) -> str:
+    path.write_text("".join(json.dumps({"id": i, "prompt": f"{i * 37 % 900}+{i * 53 % 97}\n"}) + "\n" for i in range(n)))
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_warmstart_writes_a_drafter_that_loads_and_whose_loss_went_down(char_model_dir, tmp_path, kind):
+    cfg = WarmstartConfig(kind=kind, n=2, max_new_tokens=24, steps=40, batch_windows=2, window=64, lr=3e-3,
+                          warmup_steps=5, threads=1, log_every=20, holdout=0.2)
+    out = tmp_path / "drafter"
+    summary = warmstart(cfg, char_model_dir, write_prompts(tmp_path / "p.jsonl", 10), out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "warmstart_summary.json"]
+    assert not (tmp_path / "drafter.tmp").exists()
+    assert summary["train_loss_end"] < summary["train_loss_start"]
+    assert summary["steps"] == 40 and summary["sequences"] == 20 and summary["heldout_sequences"] == 4
+    assert 0 <= summary["heldout_expected_acceptance"] <= 1
+    assert json.loads((out / "warmstart_summary.json").read_text())["steps"] == 40
+    target = load_checkpoint(char_model_dir)
+    drafter = EagleModel.load(out, target)
+    assert drafter.config.kind == kind
+    assert drafter.config.aux_layers == EagleConfig.for_target(target.config, kind).aux_layers
+    assert (drafter.fc_out is not None) == (kind == "eagle3")
+    assert drafter.vocab_ids is None  # vocabulary 23 <= 4096: the full one
+
+
+def test_warmstart_with_a_draft_vocabulary_saves_it(char_model_dir, tmp_path):
+    cfg = WarmstartConfig(n=1, max_new_tokens=16, steps=3, window=64, draft_vocab=8, threads=1, holdout=0.0)
+    warmstart(cfg, char_model_dir, write_prompts(tmp_path / "p.jsonl", 6), tmp_path / "d")
+    drafter = EagleModel.load(tmp_path / "d", load_checkpoint(char_model_dir))
+    assert drafter.vocab_ids.tolist() == sorted(drafter.vocab_ids.tolist()) and len(drafter.vocab_ids) == 8
+    assert drafter.logits(torch.zeros(2, drafter.config.feature_size)).shape == (2, 8)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "spot.warmstart", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("which", ["target", "prompts"])
+def test_cli_missing_paths_exit_1_with_a_message_and_no_traceback(char_model_dir, tmp_path, which):
+    paths = {"target": str(char_model_dir), "prompts": write_prompts(tmp_path / "p.jsonl", 2)}
+    paths[which] = str(tmp_path / "missing")
+    res = run_cli("--target", paths["target"], "--prompts", paths["prompts"], "--out", str(tmp_path / "d"))
+    assert res.returncode == 1
+    assert "error:" in res.stderr and str(tmp_path / "missing") in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "d").exists()
+
+
+def test_template_prompts_are_distinct_and_deterministic():
+    a = make_prompts(200, seed=1)
+    assert a == make_prompts(200, seed=1) and a != make_prompts(200, seed=2)
+    assert len({r["prompt"] for r in a}) == 200 and len({r["id"] for r in a}) == 200
