@@ -20,8 +20,6 @@ from spot.records import HiddenStateRows, RowStore
 from spot.warmstart import WarmstartConfig, batch_loss, train, warmstart
 from tests.conftest import REPO
 
-torch.set_num_threads(1)
-
 
 def coded_rows(lengths: list[int], prompt_lens: list[int]) -> list[HiddenStateRows]:
     """Rows whose feature at position t of row r is (r, t, 1000 r + t): alignment is readable."""
