@@ -143,7 +143,7 @@ def test_reset_forgets_finished_siblings():
     drafter.finish("p", [20, 21, 22, 23])
     ctx = make_ctx([[1, 2]], [[20, 21]], ["p"])
     assert row_nodes(drafter.propose(ctx), 0)[0] == [22, 23]
-    drafter.reset(4, SamplingParams())
+    drafter.reset(4, 64, SamplingParams())
     assert drafter.propose(ctx).num_nodes.tolist() == [0]
 
 
