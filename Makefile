@@ -50,14 +50,14 @@ train: setup checkpoints/tiny/config.json
 	$(PY) -m launch.train --config configs/tiny.yaml
 
 checkpoints/tiny-drafter/config.json: checkpoints/tiny/config.json
-	$(PY) -m pipeline.tasks --task arith --split train --num 600 --seed 7 --out checkpoints/tiny-drafter-prompts.jsonl
+	$(PY) -m pipeline.tasks --task arith --split train --num 1024 --seed 1 --out checkpoints/tiny-drafter-prompts.jsonl
 	$(PY) -m spot.warmstart --target checkpoints/tiny --prompts checkpoints/tiny-drafter-prompts.jsonl \
 		--out checkpoints/tiny-drafter --max-minutes 8
 
 checkpoints/smollm2-drafter/config.json: checkpoints/smollm2-135m-instruct/config.json
-	$(PY) -m spot.prompts --num 400 --out checkpoints/smollm2-drafter-prompts.jsonl
-	$(PY) -m spot.warmstart --target checkpoints/smollm2-135m-instruct --chat \
-		--prompts checkpoints/smollm2-drafter-prompts.jsonl --out checkpoints/smollm2-drafter --max-minutes 28
+	$(PY) -m spot.prompts --num 480 --seed 3 --out checkpoints/smollm2-drafter-prompts.jsonl
+	$(PY) -m spot.warmstart --target checkpoints/smollm2-135m-instruct --chat --n 2 --max-new-tokens 128 \
+		--steps 1200 --prompts checkpoints/smollm2-drafter-prompts.jsonl --out checkpoints/smollm2-drafter --max-minutes 28
 
 drafters: setup checkpoints/tiny-drafter/config.json checkpoints/smollm2-drafter/config.json
 
