@@ -68,8 +68,10 @@ class RolloutEngine:
         if model.device.type == "cpu":
             transpose_storage(model)
         self.drafter = drafter
-        if drafter is not None and hasattr(drafter, "net") and model.device.type == "cpu":
-            transpose_storage(drafter.net)
+        if drafter is not None and model.device.type == "cpu":
+            for part in getattr(drafter, "drafters", [drafter]):  # a FallbackDrafter's parts too
+                if hasattr(part, "net"):
+                    transpose_storage(part.net)
         spec = self.cfg.spec
         self.shape = DraftShape(depth=spec.depth, topk=spec.topk, verify_tokens=spec.verify_tokens, iid_children=spec.verify == "rejection")
         self.max_len = min(self.cfg.max_len, model.config.max_position_embeddings)
