@@ -133,10 +133,11 @@ def sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (tokens [N] int64, logprobs [N] float32)."""
     if params.temperature == 0:
-        logp = logits.float().log_softmax(-1)
-        tokens = logits.argmax(-1)
+        scores = logits.float()
+        tokens = scores.argmax(-1)
     else:
-        masked = mask_logits(logits, params.temperature, params.top_k, params.top_p)
-        tokens = (masked + gumbel(keys, positions, logits.shape[-1])).argmax(-1)
-        logp = masked.log_softmax(-1)
-    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        scores = mask_logits(logits, params.temperature, params.top_k, params.top_p)
+        tokens = (scores + gumbel(keys, positions, logits.shape[-1])).argmax(-1)
+    # log_softmax at one entry per row, without materialising the [N, V] log-probabilities.
+    logp = scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - scores.logsumexp(-1)
+    return tokens, logp
