@@ -6,6 +6,7 @@ Every bench prints a human table and, with `--json`, a last line holding one JSO
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
@@ -54,13 +55,14 @@ def timed(fn, repeat: int = 1):
     return result, best
 
 
-def parse_batches(text: str) -> list[int]:
+def batch_list(text: str) -> list[int]:
+    """argparse type for --batch: comma-separated positive integers."""
     try:
         batches = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--batch expects comma-separated integers like 1,8; got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expects comma-separated integers like 1,8; got {text!r}") from None
     if not batches or min(batches) < 1:
-        raise ValueError(f"--batch needs positive batch sizes, got {text!r}")
+        raise argparse.ArgumentTypeError(f"needs positive batch sizes, got {text!r}")
     return batches
 
 

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from bench.common import chat_prompts, emit_json, parse_batches, timed
+from bench.common import chat_prompts, emit_json, batch_list, timed
 from engine.config import EngineConfig
 from engine.engine import RolloutEngine
 from engine.sampling import SamplingParams
@@ -41,16 +41,13 @@ def run_hf(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> lis
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
-    parser.add_argument("--batch", default="1,8")
+    parser.add_argument("--batch", type=batch_list, default="1,8")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    try:
-        batches = parse_batches(args.batch)
-    except ValueError as e:
-        parser.error(str(e))
+    batches = args.batch
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from bench.common import chat_prompts, emit_json, parse_batches, timed
+from bench.common import chat_prompts, emit_json, batch_list, timed
 from engine.checkpoint import load_checkpoint
 from engine.config import EngineConfig
 from engine.engine import RolloutEngine
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--drafter", default=None, help="drafter folder (eagle / eagle3)")
     p.add_argument("--spec", default=None, choices=DRAFTERS, help="default: eagle if --drafter else ngram")
-    p.add_argument("--batch", default="1,4,16")
+    p.add_argument("--batch", type=batch_list, default="1,4,16")
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--topk", type=int, default=1)
     p.add_argument("--verify-tokens", type=int, default=8)
@@ -75,10 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cost-model", action="store_true")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    try:
-        batches = parse_batches(args.batch)
-    except ValueError as e:
-        p.error(str(e))
+    batches = args.batch
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 

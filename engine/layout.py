@@ -1,11 +1,11 @@
 """Weight layout for CPU inference: store Linear weights as contiguous [in, out].
 
 A Linear's weight is [out, in]; `F.linear(x, W)` multiplies by its transpose. With few rows in
-x (decode, a verify pass of k tokens), MKL is up to 2x faster when that transpose is the
-contiguous operand: measured on the 2-core dev machine, one SmolLM2 layer at 8 rows took 1.42 ms
-with the stored layout and 0.74 ms with this one, the 49152-row LM head 28.6 vs 16.2 ms; one
-row is unchanged (docs/BENCHMARKS.md). The parameter keeps its shape and values (a transposed
-view of the new storage), so nothing else changes: state dicts, tying and loading still work.
+x (decode, a verify pass of k tokens), MKL is up to 2x faster per product when that transpose is
+the contiguous operand (one SmolLM2 layer's products at 8 rows: 1.42 vs 0.74 ms, in cache).
+Over a whole memory-bound forward the gain is 0-8% (`python -m bench.layout`,
+docs/BENCHMARKS.md). The parameter keeps its shape and values (a transposed view of the new
+storage), so nothing else changes: state dicts, tying and loading still work.
 Applied once, after the model is built, by the engine.
 """
 

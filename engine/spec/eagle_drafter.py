@@ -20,6 +20,8 @@ from q, with q's logits attached.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from engine.model import Transformer
@@ -168,7 +170,7 @@ class EagleDrafter(DrafterBase):
             alts = alts.gather(-1, (~distinct).long().argsort(dim=-1, stable=True))[..., : k - 1]  # drop the coupled one
             idx = torch.cat([coupled.unsqueeze(-1), alts], -1)
             score = logq.gather(-1, idx)
-            score[..., 0] = score[..., 0].clamp(min=torch.log(torch.tensor(self.coupled_prior)).item())
+            score[..., 0] = score[..., 0].clamp(min=math.log(self.coupled_prior))
         tokens = ids[idx] if ids is not None else idx
         return tokens, score, masked
 
@@ -199,15 +201,17 @@ class EagleDrafter(DrafterBase):
             new_idx = size + best
             # A child sees what its parent saw, the parent's own slot included (none for the root).
             anc = front_anc.gather(1, parent_of.unsqueeze(-1).expand(-1, -1, front_anc.shape[-1]))
-            front_pred, front_score, front_idx, front_anc = self._run_frontier(
+            front_pred, front_anc = self._run_frontier(
                 pool_tok[-1].gather(1, best), front_pred.gather(1, parent_of.unsqueeze(-1).expand(-1, -1, front_pred.shape[-1])),
-                lengths, d, anc, score.gather(1, best), new_idx,
+                lengths, d, anc,
             )
+            front_score, front_idx = score.gather(1, best), new_idx
             size += M * K
         return self._select(pool_tok, pool_par, pool_score, pool_q, shape.verify_tokens)
 
-    def _run_frontier(self, tokens, parent_pred, lengths, d, anc, score, idx):
-        """Runs frontier nodes (depth d) on tentative slots; returns their state for the next level."""
+    def _run_frontier(self, tokens, parent_pred, lengths, d, anc):
+        """Runs frontier nodes (depth d) on tentative slots; returns their predictions and the
+        tentative slots each one sees (its own included)."""
         b, K = tokens.shape
         prior = anc.shape[-1]  # tentative slots used by earlier levels
         slots = lengths.unsqueeze(1) + prior + torch.arange(K, device=tokens.device)  # [b, K]
@@ -217,7 +221,7 @@ class EagleDrafter(DrafterBase):
         tentative = seen.gather(2, rel.clamp(0, prior + K - 1).unsqueeze(1).expand(-1, K, -1))
         mask = (rel < 0).unsqueeze(1) | (((rel >= 0) & (rel < prior + K)).unsqueeze(1) & tentative)
         pred = self.net(tokens, parent_pred, lengths.unsqueeze(1) + d, cache=self.cache, cache_pos=slots, attn_mask=mask)
-        return pred, score, idx, seen
+        return pred, seen
 
     def _select(self, pool_tok, pool_par, pool_score, pool_q, budget: int) -> DraftTree:
         """Keeps the `budget` best nodes (ancestor-closed), in creation order, parents remapped."""
@@ -228,7 +232,6 @@ class EagleDrafter(DrafterBase):
         keep = order.sort(1).values  # creation order = topological order
         new_pos = torch.full((b, M + 1), -1, dtype=torch.long, device=tok.device)  # pool index + 1 -> kept index
         new_pos.scatter_(1, keep + 1, torch.arange(n, device=tok.device).expand(b, n))
-        new_pos[:, 0] = -1
         parents = new_pos.gather(1, par.gather(1, keep) + 1)
         q = torch.cat(pool_q, 1).gather(1, keep.unsqueeze(-1).expand(-1, -1, pool_q[0].shape[-1])) if pool_q else None
         if q is not None and self.net.vocab_ids is not None:
