@@ -23,7 +23,7 @@ import torch
 from engine.checkpoint import load_checkpoint, parse_dtype
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
-from engine.layout import transpose_storage
+from engine.layout import prepare_for_inference
 from engine.model import Transformer, causal_mask
 from engine.sampling import SamplingParams, mask_logits, prompt_key, row_keys, sample
 from engine.spec.drafter import Admission, DraftContext, Drafter, DraftShape
@@ -65,13 +65,12 @@ class RolloutEngine:
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
         self.model = model.eval()
-        if model.device.type == "cpu":
-            transpose_storage(model)
+        prepare_for_inference(model)
         self.drafter = drafter
-        if drafter is not None and model.device.type == "cpu":
+        if drafter is not None:
             for part in getattr(drafter, "drafters", [drafter]):  # a FallbackDrafter's parts too
                 if hasattr(part, "net"):
-                    transpose_storage(part.net)
+                    prepare_for_inference(part.net)
         spec = self.cfg.spec
         self.shape = DraftShape(depth=spec.depth, topk=spec.topk, verify_tokens=spec.verify_tokens, iid_children=spec.verify == "rejection")
         self.max_len = min(self.cfg.max_len, model.config.max_position_embeddings)
@@ -218,6 +217,8 @@ class _Run:
         tree = self._propose(b)
         pt = tree.padded()
         N = pt.width
+        if N == 0:
+            return self._plain_step(b)
         lengths = e.cache.lengths[:b]
         pos, slots = tree_positions(pt.depth, lengths)  # [b, 1+N]
         visible = int(lengths.max()) + N + 1
@@ -244,6 +245,29 @@ class _Run:
             self.stats.drafted += int(pt.valid.sum())
             self.stats.accepted += int(verdict.num_accepted.sum())
             self.stats.accept_hist.extend(verdict.num_emitted.tolist())
+        self.stats.sample_s += time.perf_counter() - ts
+
+    def _plain_step(self, b: int) -> None:
+        """Autoregressive decoding (no draft this step): the general step without tree bookkeeping."""
+        state, e = self.state, self.e
+        lengths = e.cache.lengths[:b]
+        pos = lengths.unsqueeze(1)  # [b, 1]: the root's position and cache slot
+        mask = causal_mask(pos, int(lengths.max()) + 1)  # [b, 1, S]
+        td = time.perf_counter()
+        out = e.model(state.roots(b).unsqueeze(1), pos, cache=e.cache, cache_pos=pos, attn_mask=mask,
+                      hidden_layers=self._feature_layers())
+        self.stats.decode_s += time.perf_counter() - td
+        ts = time.perf_counter()
+        token, logp = sample(out.logits[:, 0].float(), state.keys[:b], state.generated[:b], self.params)  # [b]
+        lengths += 1
+        ones = torch.ones(b, dtype=torch.long, device=self.device)
+        self._emit(torch.arange(b, device=self.device), token.unsqueeze(1), logp.unsqueeze(1), ones)
+        if e.drafter is not None:
+            empty = torch.empty(b, 0, dtype=torch.long, device=self.device)
+            verdict = Verdict(accepted=empty.bool(), num_accepted=ones - 1, last_index=ones - 1, path=empty,
+                              tokens=token.unsqueeze(1), num_emitted=ones)
+            e.drafter.update(verdict, self._features(out))
+            self.stats.accept_hist.extend([1] * b)
         self.stats.sample_s += time.perf_counter() - ts
 
     def _propose(self, b: int) -> DraftTree:

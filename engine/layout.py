@@ -22,7 +22,18 @@ def transpose_storage(module: nn.Module) -> nn.Module:
         if isinstance(m, nn.Linear) and id(m.weight) not in seen:
             seen.add(id(m.weight))
             w = m.weight
-            if w.dim() == 2 and w.is_contiguous():
+            if w.dim() == 2 and w.is_contiguous():  # packed layer weights are views already laid out
                 with torch.no_grad():
                     w.data = w.data.t().contiguous().t()
+    return module
+
+
+def prepare_for_inference(module: nn.Module) -> nn.Module:
+    """The engine's one call after loading: decoder layers packed into few products
+    (engine.packed), and on a CPU every other Linear (LM head, drafter fc) stored [in, out]."""
+    from engine.packed import pack_model
+
+    pack_model(module)
+    if next(module.parameters()).device.type == "cpu":
+        transpose_storage(module)
     return module

@@ -20,6 +20,7 @@ from torch import nn
 
 from engine.kv_cache import KVCache
 from engine.model_config import ModelConfig
+from engine.packed import PackedLayer, Product, packed_forward, step_inputs
 from engine.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 
@@ -105,6 +106,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.packed: PackedLayer | None = None  # set by engine.packed.pack_model for inference
 
     def forward(self, x, cos, sin, mask, cache, cache_pos) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_pos)
@@ -131,6 +133,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", torch.empty(0), persistent=False)
         self.init_rope()
+        self.head: Product | None = None  # the LM head packed for inference (engine.packed.pack_model)
 
     def init_rope(self) -> None:
         cfg = self.config
@@ -160,16 +163,35 @@ class Transformer(nn.Module):
             cache_pos = positions
         if attn_mask is None:
             attn_mask = causal_mask(cache_pos if cache is not None else positions)
-        mask = attn_mask.unsqueeze(1)  # [B, 1, T, S]
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.attention_factor, self.dtype)
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
         layer_hidden = {}
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, mask, cache, cache_pos)
-            if i in hidden_layers:
-                layer_hidden[i] = x
+        if use_packed(self.model.layers[0], x):
+            s = step_inputs(cos, sin, attn_mask, cache_pos, self.config.num_attention_heads // self.config.num_key_value_heads)
+            for i, layer in enumerate(self.model.layers):
+                x = packed_forward(layer.packed, x, s, cache, i)
+                if i in hidden_layers:
+                    layer_hidden[i] = x
+        else:
+            mask = attn_mask.unsqueeze(1)  # [B, 1, T, S]
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, cos, sin, mask, cache, cache_pos)
+                if i in hidden_layers:
+                    layer_hidden[i] = x
         hidden = self.model.norm(x)
-        return ModelOutput(hidden=hidden, logits=self.lm_head(hidden) if logits else None, layer_hidden=layer_hidden)
+        if not logits:
+            return ModelOutput(hidden=hidden, logits=None, layer_hidden=layer_hidden)
+        if self.head is not None and use_packed(self.model.layers[0], hidden):
+            out = self.head(hidden.reshape(B * T, -1)).view(B, T, -1)
+        else:
+            out = self.lm_head(hidden)
+        return ModelOutput(hidden=hidden, logits=out, layer_hidden=layer_hidden)
+
+
+def use_packed(layer: DecoderLayer, x: torch.Tensor) -> bool:
+    """The packed path serves inference in float32 / float64 (in bf16 the modules' norm keeps HF's
+    float32 detour); anything that needs gradients takes the modules."""
+    return layer.packed is not None and x.dtype in (torch.float32, torch.float64) and not torch.is_grad_enabled()
 
 
 def causal_mask(slots: torch.Tensor, length: int | None = None) -> torch.Tensor:

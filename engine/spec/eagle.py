@@ -28,7 +28,8 @@ from torch import nn
 
 from engine.checkpoint import atomic_write
 from engine.kv_cache import KVCache
-from engine.model import DecoderLayer, Transformer, causal_mask
+from engine.model import DecoderLayer, Transformer, causal_mask, use_packed
+from engine.packed import Product, packed_forward, step_inputs
 from engine.model_config import ModelConfig
 from engine.rope import inverse_frequencies, rope_cos_sin
 
@@ -96,11 +97,13 @@ class EagleModel(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.refresh_head()
 
-    def refresh_head(self) -> None:
-        """Re-reads the target's LM head rows of the draft vocabulary (after the target changes)."""
+    def refresh_head(self, kernel: bool = False) -> None:
+        """Re-reads the target's LM head rows of the draft vocabulary (after the target changes);
+        `kernel`: also pack them for the skinny-product kernel (engine.packed, inference only)."""
         w = self.target.lm_head.weight.detach()  # [V, H]
         # Stored [H, Vd] contiguous: few-row products are fastest with that operand (engine.layout).
         self.__dict__["head_t"] = (w[self.draft_vocab] if self.draft_vocab.numel() else w).t().contiguous()
+        self.__dict__["head"] = Product(self.head_t, kernel)
 
     @property
     def vocab_ids(self) -> torch.Tensor | None:
@@ -124,14 +127,23 @@ class EagleModel(nn.Module):
         if attn_mask is None:
             attn_mask = causal_mask(cache_pos if cache is not None else positions)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.attention_factor, x.dtype)
-        h = self.layers[0](x, cos, sin, attn_mask.unsqueeze(1), cache, cache_pos)  # [B, T, H]
+        layer = self.layers[0]
+        if use_packed(layer, x):
+            c = self.config
+            s = step_inputs(cos, sin, attn_mask, cache_pos, c.num_attention_heads // c.num_key_value_heads)
+            h = packed_forward(layer.packed, x, s, cache, 0)
+        else:
+            h = layer(x, cos, sin, attn_mask.unsqueeze(1), cache, cache_pos)  # [B, T, H]
         if self.fc_out is None:
             return h
         return torch.cat([self.fc_out(h), h], -1)  # aux levels first, final hidden last (as features)
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """[..., F] predicted features -> [..., Vd] draft logits (frozen target head, draft vocab rows)."""
-        return predicted[..., -self.config.hidden_size :] @ self.head_t
+        h = predicted[..., -self.config.hidden_size :]
+        if torch.is_grad_enabled():
+            return h @ self.head_t
+        return self.head(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
 
     def new_cache(self, max_batch: int, max_len: int) -> KVCache:
         c = self.config

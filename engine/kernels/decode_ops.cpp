@@ -1,0 +1,76 @@
+// Small fused ops for CPU decoding, where per-op dispatch costs more than the arithmetic:
+// RMSNorm of a few rows (torch's is ~10 dispatched ops) and attention of a few query tokens per
+// row over a KV cache with a boolean mask (a decode step, or a verify pass over a draft tree).
+//
+// Each output row is computed on its own, in a fixed order (keys in slot order, masked slots
+// skipped), so a token's result does not depend on how many other tokens or rows share the call:
+// a verify pass over [root, draft tree] gives bit for bit the values sequential decoding gives.
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+extern "C" {
+
+// y[m] = (x[m] * rsqrt(mean(x[m]^2) + eps)) * w, for M rows of H (HF Llama's order of operations).
+void rms_norm_rows(const float* x, int64_t ldx, const float* w, float eps, float* y, int64_t ldy, int64_t M, int64_t H) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * ldx;
+    float* yr = y + m * ldy;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
+    const float r = 1.f / std::sqrt(ss / (float)H + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < H; ++i) yr[i] = (w ? (xr[i] * r) * w[i] : xr[i] * r);
+  }
+}
+
+// out[b, t, hq, :] = softmax_j(q[b, t, hq] . k[b, hq / G, j] * scale | mask[b, t, j]) @ v[b, hq / G, j]
+// q: [B, T, Hq, D] with strides (sqb, sqt, D, 1); k, v: [B, Hkv, M, D] contiguous (a cache layer,
+// rows 0..B-1); mask: [B, T, S] bool, contiguous; out: [B, T, Hq, D] contiguous.
+void attend_rows(const float* q, int64_t sqb, int64_t sqt, const float* k, const float* v, int64_t skb, int64_t skh,
+                 const bool* mask, float* out, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t S, int64_t D,
+                 float scale, int nthreads) {
+  const int64_t G = Hq / Hkv;
+  const int64_t jobs = B * T * Hq;
+  const bool parallel = nthreads > 1 && jobs * S * D > 200000;
+#pragma omp parallel num_threads(parallel ? nthreads : 1)
+  {
+    std::vector<float> p(S);
+#pragma omp for schedule(static)
+    for (int64_t job = 0; job < jobs; ++job) {
+      const int64_t b = job / (T * Hq), t = (job / Hq) % T, hq = job % Hq, h = hq / G;
+      const float* qr = q + b * sqb + t * sqt + hq * D;
+      const float* kb = k + b * skb + h * skh;
+      const float* vb = v + b * skb + h * skh;
+      const bool* mr = mask + (b * T + t) * S;
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < S; ++j) {
+        if (!mr[j]) continue;
+        const float* kr = kb + j * D;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < D; ++d) s += qr[d] * kr[d];
+        s *= scale;
+        p[j] = s;
+        mx = s > mx ? s : mx;
+      }
+      float* o = out + ((b * T + t) * Hq + hq) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+      if (mx == -INFINITY) continue;  // nothing visible: zeros (never happens for a real token)
+      float total = 0.f;
+      for (int64_t j = 0; j < S; ++j) {
+        if (!mr[j]) continue;
+        const float e = std::exp(p[j] - mx);
+        total += e;
+        const float* vr = vb + j * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] += e * vr[d];
+      }
+      const float inv = 1.f / total;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  }
+}
+}

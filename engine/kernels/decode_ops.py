@@ -1,0 +1,36 @@
+"""Fused RMSNorm and masked attention for a few rows (engine/kernels/decode_ops.cpp via ctypes)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.library import library
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x [M, H] float32 (rows contiguous) -> (x * rsqrt(mean(x^2) + eps)) * w."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, H = x.shape
+    y = torch.empty(M, H, dtype=torch.float32)
+    library().rms_norm_rows(x.data_ptr(), x.stride(0), w.data_ptr() if w is not None else None, eps, y.data_ptr(), H, M, H)
+    return y
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, T, Hq, D] (each head's D contiguous, heads adjacent); k, v [B, Hkv, M, D] (a cache
+    layer's rows, contiguous); mask [B, T, S] bool (S <= M) -> [B, T, Hq, D]."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    if q.stride(3) != 1 or q.stride(2) != D:
+        q = q.contiguous()
+    if k.stride(3) != 1 or k.stride(2) != D or v.stride() != k.stride():
+        raise ValueError("attend: keys and values must be cache rows [B, Hkv, M, D] with contiguous heads")
+    if not mask.is_contiguous():
+        mask = mask.contiguous()
+    out = torch.empty(B, T, Hq, D, dtype=torch.float32)
+    library().attend_rows(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), mask.data_ptr(),
+        out.data_ptr(), B, T, Hq, Hkv, mask.shape[-1], D, scale, torch.get_num_threads(),
+    )
+    return out

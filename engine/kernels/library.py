@@ -1,0 +1,76 @@
+"""Build, load and describe the project's compiled CPU kernels (engine/kernels/*.cpp).
+
+The sources are compiled on first use with the machine's compiler (`g++ -O3 -march=native
+-fopenmp`, a few seconds) into one library in engine/kernels/build/, keyed by a hash of the
+sources, flags and host, and loaded with ctypes; their OpenMP threads come from the runtime
+torch already loaded (same soname). Where they cannot be built (no compiler, not x86-64 Linux),
+`available()` says why and the engine uses torch's ops: the same results up to float summation
+order, only slower. `TAILSPEC_CPU_KERNELS=0` turns them off (for side-by-side measurements).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+HERE = Path(__file__).parent
+SOURCES = ("skinny.cpp", "decode_ops.cpp")
+BUILD_DIR = HERE / "build"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+
+
+class KernelUnavailable(RuntimeError):
+    pass
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL:
+    if os.environ.get("TAILSPEC_CPU_KERNELS", "1") == "0":
+        raise KernelUnavailable("turned off by TAILSPEC_CPU_KERNELS=0")
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        raise KernelUnavailable(f"built for x86-64 Linux only (this is {sys.platform} / {platform.machine()})")
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise KernelUnavailable("no C++ compiler (install g++)")
+    sources = [HERE / name for name in SOURCES]
+    digest = hashlib.sha256(" ".join([cxx, *FLAGS, platform.node()]).encode())
+    for src in sources:
+        digest.update(src.read_bytes())
+    lib_path = BUILD_DIR / f"tailspec_cpu-{digest.hexdigest()[:16]}.so"
+    if not lib_path.exists():
+        BUILD_DIR.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=BUILD_DIR) as tmp:
+            out = Path(tmp) / lib_path.name
+            proc = subprocess.run([cxx, *FLAGS, *map(str, sources), "-o", str(out)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise KernelUnavailable(f"{cxx} failed to build {', '.join(SOURCES)}: {proc.stderr.strip()[-500:]}")
+            os.replace(out, lib_path)  # atomic: a concurrent builder sees a whole library or none
+    lib = ctypes.CDLL(str(lib_path))
+    P, I, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    signatures = {
+        "skinny_gemm": [P, I, P, P, P, I, P, I, I, I, I, INT],
+        "skinny_pack": [P, I, P, I, I],
+        "rms_norm_rows": [P, I, P, F32, P, I, I, I],
+        "attend_rows": [P, I, I, P, P, I, I, P, P, I, I, I, I, I, I, F32, INT],
+    }
+    for name, args in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib
+
+
+def available() -> tuple[bool, str]:
+    """(usable, reason): whether the kernels build and load here, and if not, why."""
+    try:
+        library()
+        return True, "ok"
+    except (KernelUnavailable, OSError) as e:
+        return False, str(e)

@@ -1,0 +1,45 @@
+"""Skinny matrix products on the CPU (engine/kernels/skinny.cpp through ctypes).
+
+`SkinnyMatrix(w)` packs a [K, N] float32 matrix into the kernel's column panels once;
+`sm.matmul(x, bias, residual)` computes `x @ w (+ bias) (+ residual)` for x [M, K] with few rows
+(decode and verify passes). Each output row is accumulated on its own in a fixed order, so a
+row's result does not depend on M.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.library import library
+
+MAX_ROWS = 32  # above this many rows torch's GEMM is as fast (docs/BENCHMARKS.md)
+
+
+class SkinnyMatrix:
+    """A [K, N] float32 matrix packed for few-row products (a copy: the caller keeps its own)."""
+
+    def __init__(self, w: torch.Tensor) -> None:  # w [K, N]
+        if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
+            raise ValueError(f"SkinnyMatrix takes a 2-D float32 CPU matrix, got {tuple(w.shape)} {w.dtype} on {w.device}")
+        lib = library()
+        self.lib = lib
+        self.K, self.N = w.shape
+        tn = lib.skinny_tile_n()
+        w = w.detach().contiguous()
+        self.panels = torch.empty(-(-self.N // tn) * self.K * tn, dtype=torch.float32)  # [P, K, TN]
+        lib.skinny_pack(w.data_ptr(), self.N, self.panels.data_ptr(), self.K, self.N)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] -> [M, N] = x @ w (+ bias [N]) (+ residual [M, N])."""
+        M = x.shape[0]
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = torch.empty(M, self.N, dtype=torch.float32)
+        if residual is not None and not residual.is_contiguous():
+            residual = residual.contiguous()
+        self.lib.skinny_gemm(
+            x.data_ptr(), self.K, self.panels.data_ptr(), bias.data_ptr() if bias is not None else None,
+            residual.data_ptr() if residual is not None else None, self.N, y.data_ptr(), self.N, M, self.K, self.N,
+            torch.get_num_threads(),
+        )
+        return y

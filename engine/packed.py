@@ -1,0 +1,212 @@
+"""Packed decoder layers for inference: fewer, larger ops per layer.
+
+A decode step of a small model on a CPU is dominated by per-op overhead, not arithmetic: an
+eager SmolLM2 layer ran ~65 ops (~0.28 ms) around its 7 matrix products. `pack_model` lays each
+layer's weights out as the few products inference needs, each a contiguous [in, out] operand
+(the fast layout for few-row products, engine.layout):
+
+    qkv      [H, (Hq + 2 Hkv) D]   q, k and v in one product (and one bias)
+    o        [Hq D, H]             fused with the residual add (addmm)
+    gate_up  [H, 2 I]              gate and up in one product
+    down     [I, H]                fused with the residual add
+
+The parameters keep their names, shapes and values: each becomes a view of the packed storage,
+so state dicts, saving and in-place weight updates (`param.data.copy_`) still work. On a CPU
+each product (and the LM head) also gets a copy packed for the skinny-product kernel
+(engine/kernels), used for up to 32 rows: after changing the weights, call `pack_model(model,
+refresh=True)` to re-pack those copies. `packed_forward` is the layer's forward with these
+operands (~25 ops); it computes the same function as `DecoderLayer.forward`, up to float rounding
+order (tests check both against transformers). Training never uses it: autograd goes through
+the modules as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kernels import decode_ops, skinny
+from engine.kernels.library import available
+from engine.kv_cache import KVCache
+
+
+class Product:
+    """x @ w for a weight w [in, out], through the skinny kernel for few float32 rows."""
+
+    def __init__(self, w: torch.Tensor, kernel: bool) -> None:
+        self.w = w  # [in, out]
+        self.skinny = skinny.SkinnyMatrix(w) if kernel else None
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, in] -> [M, out] (+ bias [out] or + residual [M, out])."""
+        if self.skinny is not None and x.shape[0] <= skinny.MAX_ROWS and x.dtype == torch.float32:
+            return self.skinny.matmul(x, bias, residual)
+        if residual is not None:
+            return torch.addmm(residual, x, self.w)
+        if bias is not None:
+            return torch.addmm(bias, x, self.w)
+        return x @ self.w
+
+
+def use_kernel(w: torch.Tensor) -> bool:
+    """The skinny kernel serves float32 CPU weights where it builds (engine.kernels.skinny)."""
+    return w.device.type == "cpu" and w.dtype == torch.float32 and available()[0]
+
+
+@dataclass
+class PackedLayer:
+    qkv: Product  # [H, (Hq + 2 Hkv) D]
+    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) D]
+    o: Product  # [Hq D, H]
+    gate_up: Product  # [H, 2 I]
+    down: Product  # [I, H]
+    in_norm: torch.Tensor | None  # [H], None when the layer has no input norm (EAGLE's layer)
+    post_norm: torch.Tensor  # [H]
+    q_norm: torch.Tensor | None  # [D] (Qwen3)
+    k_norm: torch.Tensor | None
+    eps: float
+    n_q: int
+    n_kv: int
+    d: int
+    inter: int
+    kernels: bool  # float32 on a CPU with engine.kernels built: fused norm and attention too
+
+
+def _pack_linears(linears: list[nn.Linear]) -> torch.Tensor:
+    """Concatenates Linear weights [out_i, in] into one contiguous [in, sum out_i] and makes each
+    weight a view of it."""
+    packed = torch.cat([m.weight.detach().t() for m in linears], 1).contiguous()  # [in, out]
+    start = 0
+    for m in linears:
+        out = m.weight.shape[0]
+        m.weight.data = packed[:, start : start + out].t()  # [out, in] view
+        start += out
+    return packed
+
+
+@torch.no_grad()
+def pack_layer(layer: nn.Module) -> PackedLayer:
+    a, mlp = layer.self_attn, layer.mlp
+    kernel = use_kernel(a.q_proj.weight)
+    qkv = Product(_pack_linears([a.q_proj, a.k_proj, a.v_proj]), kernel)
+    bias = None
+    if a.q_proj.bias is not None:
+        bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).contiguous()
+        start = 0
+        for m in (a.q_proj, a.k_proj, a.v_proj):
+            n = m.bias.shape[0]
+            m.bias.data = bias[start : start + n]
+            start += n
+    in_norm = getattr(layer.input_layernorm, "weight", None)
+    return PackedLayer(
+        qkv=qkv, qkv_bias=bias, o=Product(_pack_linears([a.o_proj]), kernel),
+        gate_up=Product(_pack_linears([mlp.gate_proj, mlp.up_proj]), kernel), down=Product(_pack_linears([mlp.down_proj]), kernel),
+        in_norm=in_norm.detach() if in_norm is not None else None,
+        post_norm=layer.post_attention_layernorm.weight.detach(),
+        q_norm=a.q_norm.weight.detach() if a.q_norm is not None else None,
+        k_norm=a.k_norm.weight.detach() if a.k_norm is not None else None,
+        eps=layer.post_attention_layernorm.eps, n_q=a.n_q, n_kv=a.n_kv, d=a.d, inter=mlp.gate_proj.weight.shape[0],
+        kernels=kernel,
+    )
+
+
+@torch.no_grad()
+def pack_model(model: nn.Module, refresh: bool = False) -> nn.Module:
+    """Packs every DecoderLayer of `model` (layers then run `packed_forward`) and its LM head
+    (`Transformer.head`, `EagleModel.head`). Idempotent; `refresh=True` re-packs after the
+    weights changed."""
+    from engine.model import DecoderLayer, Transformer
+
+    for m in model.modules():
+        if isinstance(m, DecoderLayer) and (m.packed is None or refresh):
+            m.packed = pack_layer(m)
+        if isinstance(m, Transformer) and (m.head is None or refresh):
+            w = m.lm_head.weight
+            m.head = Product(w.t(), use_kernel(w))
+        if hasattr(m, "refresh_head") and not isinstance(m, Transformer):  # an EAGLE drafter
+            m.refresh_head(kernel=use_kernel(m.fc.weight))
+    return model
+
+
+@dataclass
+class StepInputs:
+    """What every layer of one forward shares, computed once per forward."""
+
+    cos: torch.Tensor  # [B, T, 1, D]
+    sin_signed: torch.Tensor  # [B, T, 1, D]: sin with the first half negated (rotate-half folded in)
+    mask: torch.Tensor  # [B, 1, G*T, S] bool, the GQA groups folded into the query length
+    mask_rows: torch.Tensor  # [B, T, S] bool, as given (for the fused attention)
+    rows: torch.Tensor  # [B, 1] row index, for cache writes
+    cache_pos: torch.Tensor | None  # [B, T]
+
+
+def step_inputs(cos, sin, mask, cache_pos, n_groups: int) -> StepInputs:
+    """cos, sin [B, T or 1, D]; mask [B, T, S] bool."""
+    B, T, D = cos.shape[0], mask.shape[-2], cos.shape[-1]
+    half = D // 2
+    sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), -1)
+    if n_groups > 1:
+        folded = mask.unsqueeze(1).expand(B, n_groups, T, mask.shape[-1]).reshape(B, 1, n_groups * T, mask.shape[-1])
+    else:
+        folded = mask.unsqueeze(1)
+    rows = torch.arange(B, device=cos.device).unsqueeze(1)
+    return StepInputs(cos.unsqueeze(2), sin_signed.unsqueeze(2), folded, mask, rows, cache_pos)
+
+
+def _rope(x: torch.Tensor, s: StepInputs) -> torch.Tensor:
+    """x [B, T, heads, D] -> rotated (HF's half-rotation: x cos + rotate_half(x) sin)."""
+    return x * s.cos + x.roll(x.shape[-1] // 2, -1) * s.sin_signed
+
+
+def _norm(p: PackedLayer, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return decode_ops.rms_norm(x, w, p.eps) if p.kernels and x.shape[0] <= skinny.MAX_ROWS else F.rms_norm(x, (x.shape[-1],), w, p.eps)
+
+
+def packed_forward(p: PackedLayer, x: torch.Tensor, s: StepInputs, cache: KVCache | None, layer: int) -> torch.Tensor:
+    """x [B, T, H] -> [B, T, H]; writes this layer's keys and values at s.cache_pos."""
+    B, T, H = x.shape
+    nq, nkv, d = p.n_q, p.n_kv, p.d
+    x2 = x.reshape(B * T, H)
+    h = _norm(p, x2, p.in_norm) if p.in_norm is not None else x2
+    qkv = p.qkv(h, bias=p.qkv_bias).view(B, T, nq + 2 * nkv, d)
+    if p.q_norm is None:
+        qk = _rope(qkv[:, :, : nq + nkv], s)
+        q, k = qk[:, :, :nq], qk[:, :, nq:]
+    else:
+        q = _rope(F.rms_norm(qkv[:, :, :nq], (d,), p.q_norm, p.eps), s)
+        k = _rope(F.rms_norm(qkv[:, :, nq : nq + nkv], (d,), p.k_norm, p.eps), s)
+    v = qkv[:, :, nq + nkv :]
+    S = s.mask.shape[-1]
+    if cache is not None:
+        ck, cv = cache.k[layer], cache.v[layer]  # [N, Hkv, M, D]
+        ck[s.rows, :, s.cache_pos] = k  # indexed view is [B, T, Hkv, D]
+        cv[s.rows, :, s.cache_pos] = v
+        if p.kernels and B * T <= skinny.MAX_ROWS:
+            out = decode_ops.attend(q, ck, cv, s.mask_rows, d**-0.5).view(B * T, nq * d)
+            x2 = p.o(out, residual=x2)
+            return _mlp(p, x2).view(B, T, H)
+        k, v = ck[:B, :, :S], cv[:B, :, :S]  # [B, Hkv, S, D]
+    else:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    G = nq // nkv
+    if T == 1:  # decode: folding the groups into the query length is a view
+        q = q.reshape(B, nkv, G, d)
+    else:
+        q = q.reshape(B, T, nkv, G, d).permute(0, 2, 3, 1, 4).reshape(B, nkv, G * T, d)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=s.mask)  # [B, Hkv, G*T, D]
+    if T == 1:
+        out = out.reshape(B, nq * d)
+    else:
+        out = out.view(B, nkv, G, T, d).permute(0, 3, 1, 2, 4).reshape(B * T, nq * d)
+    x2 = p.o(out, residual=x2)  # residual + attention
+    return _mlp(p, x2).view(B, T, H)
+
+
+def _mlp(p: PackedLayer, x2: torch.Tensor) -> torch.Tensor:
+    """x2 [M, H] -> x2 + MLP(norm(x2))."""
+    gu = p.gate_up(_norm(p, x2, p.post_norm))  # [M, 2I]
+    act = F.silu(gu[:, : p.inter]) * gu[:, p.inter :]
+    return p.down(act, residual=x2)
