@@ -29,11 +29,12 @@ def transpose_storage(module: nn.Module) -> nn.Module:
 
 
 def prepare_for_inference(module: nn.Module) -> nn.Module:
-    """The engine's one call after loading: decoder layers packed into few products
-    (engine.packed), and on a CPU every other Linear (LM head, drafter fc) stored [in, out]."""
-    from engine.packed import pack_model
+    """The engine's one call after loading: decoder layers and LM heads packed (engine.packed);
+    on a CPU without the compiled kernels every other Linear is stored [in, out] instead (with
+    them, the embedding keeps its row layout: a decode step's lookup stays one contiguous row)."""
+    from engine.packed import pack_model, use_kernel
 
-    pack_model(module)
-    if next(module.parameters()).device.type == "cpu":
-        transpose_storage(module)
-    return module
+    w = next(module.parameters())
+    if w.device.type == "cpu" and not use_kernel(w):
+        transpose_storage(module)  # with the kernels, the hot products have packed copies instead
+    return pack_model(module)  # after: the packed views see the final storage

@@ -20,6 +20,8 @@ from torch import nn
 
 from engine.kv_cache import KVCache
 from engine.model_config import ModelConfig
+from engine.kernels.decode_ops import rms_norm
+from engine.kernels.skinny import MAX_ROWS
 from engine.packed import PackedLayer, Product, packed_forward, step_inputs
 from engine.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
@@ -178,7 +180,11 @@ class Transformer(nn.Module):
                 x = layer(x, cos, sin, mask, cache, cache_pos)
                 if i in hidden_layers:
                     layer_hidden[i] = x
-        hidden = self.model.norm(x)
+        norm = self.model.norm
+        if self.head is not None and self.head.skinny is not None and use_packed(self.model.layers[0], x) and B * T <= MAX_ROWS:
+            hidden = rms_norm(x.reshape(B * T, -1), norm.weight, norm.eps).view(B, T, -1)
+        else:
+            hidden = norm(x)
         if not logits:
             return ModelOutput(hidden=hidden, logits=None, layer_hidden=layer_hidden)
         if self.head is not None and use_packed(self.model.layers[0], hidden):

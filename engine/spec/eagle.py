@@ -104,6 +104,7 @@ class EagleModel(nn.Module):
         # Stored [H, Vd] contiguous: few-row products are fastest with that operand (engine.layout).
         self.__dict__["head_t"] = (w[self.draft_vocab] if self.draft_vocab.numel() else w).t().contiguous()
         self.__dict__["head"] = Product(self.head_t, kernel)
+        self.__dict__["fc_product"] = Product(self.fc.weight.detach().t(), kernel)  # fc for inference
 
     @property
     def vocab_ids(self) -> torch.Tensor | None:
@@ -121,7 +122,11 @@ class EagleModel(nn.Module):
     ) -> torch.Tensor:
         """Returns the predicted features f_{t+1}: [B, T, F]."""
         emb = self.target.model.embed_tokens(tokens).detach()  # [B, T, H]
-        x = self.fc(torch.cat([emb, features], -1))  # [B, T, H]
+        pair = torch.cat([emb, features], -1)  # [B, T, H + F]
+        if torch.is_grad_enabled():
+            x = self.fc(pair)  # [B, T, H]
+        else:
+            x = self.fc_product(pair.reshape(-1, pair.shape[-1])).view(*pair.shape[:-1], -1)
         if cache is not None and cache_pos is None:
             cache_pos = positions
         if attn_mask is None:
