@@ -62,6 +62,9 @@ class KVCache:
         # Where not kept, copy a slot onto itself: a no-op that keeps the gather rectangular.
         src = torch.where(keep, src_slots, dst).clamp(max=self.max_len - 1)
         dst = dst.clamp(max=self.max_len - 1)
+        if bool((src == dst).all()):  # a chain's accepted prefix is already in place
+            self.lengths[:B] += count
+            return
         rows = torch.arange(B, device=src_slots.device).unsqueeze(1)
         for t in (self.k, self.v):
             moved = t[:, rows, :, src]  # [B, P, L, Hkv, D]

@@ -22,7 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = ("skinny.cpp", "decode_ops.cpp")
+SOURCES = ("skinny.cpp", "decode_ops.cpp", "eagle_chain.cpp")
 BUILD_DIR = HERE / "build"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
@@ -60,6 +60,7 @@ def library() -> ctypes.CDLL:
         "skinny_pack": [P, I, P, I, I],
         "rms_norm_rows": [P, I, P, F32, P, I, I, I],
         "attend_rows": [P, I, I, P, P, I, I, P, P, I, I, I, I, I, I, F32, INT],
+        "eagle_chain": [I] * 9 + [P, P, P, P, F32, P, P] + [P] * 7 + [P, F32, P, P, I, I, P, P, INT],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)

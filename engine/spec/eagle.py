@@ -105,6 +105,8 @@ class EagleModel(nn.Module):
         self.__dict__["head_t"] = (w[self.draft_vocab] if self.draft_vocab.numel() else w).t().contiguous()
         self.__dict__["head"] = Product(self.head_t, kernel)
         self.__dict__["fc_product"] = Product(self.fc.weight.detach().t(), kernel)  # fc for inference
+        if self.fc_out is not None:
+            self.__dict__["fc_out_product"] = Product(self.fc_out.weight.detach().t(), kernel)
 
     @property
     def vocab_ids(self) -> torch.Tensor | None:

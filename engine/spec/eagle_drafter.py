@@ -24,7 +24,9 @@ import math
 
 import torch
 
+from engine.kernels import eagle_chain as chain_kernel
 from engine.model import Transformer
+from engine.rope import rope_cos_sin
 from engine.sampling import SamplingParams, derive_keys, gumbel, mask_logits
 from engine.spec.drafter import Admission, DraftContext, DrafterBase
 from engine.spec.eagle import EagleModel
@@ -117,6 +119,13 @@ class EagleDrafter(DrafterBase):
             noise = gumbel(ctx.keys.repeat_interleave(D), pos, vocab).view(b, D, -1)
         plain = p.top_k == 0 and p.top_p == 1.0
         lengths = self.cache.lengths[:b]
+        if (plain or noise is None) and chain_kernel.supported(self.net):  # all levels in one compiled call
+            pos = lengths.unsqueeze(1) + 1 + torch.arange(D, device=pred.device)  # [b, D]
+            cos, sin = rope_cos_sin(pos, self.net.inv_freq, self.net.attention_factor, pred.dtype)
+            half = cos.shape[-1] // 2
+            sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), -1)
+            tokens = chain_kernel.chain_draft(self.net, pred, D, noise, p.temperature, cos, sin_signed, self.cache, lengths)
+            return DraftTree.chains(tokens)
         tokens = torch.empty(b, D, dtype=torch.long, device=pred.device)
         for d in range(D):
             logits = self.net.logits(pred)  # [b, Vd]

@@ -1,0 +1,55 @@
+"""A whole EAGLE chain draft in one compiled call (engine/kernels/eagle_chain.cpp via ctypes).
+
+`chain_draft` runs D draft levels for b rows of an `EagleModel` packed with the kernels
+(engine.packed): the same function as EagleDrafter's Python chain, without ~40 dispatched ops
+per level. It serves plain sampling (no top-k / top-p) and greedy; the drafter uses the Python
+path otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.library import library
+
+
+def supported(net) -> bool:
+    """Whether `net` (an EagleModel) is packed with the kernels and shaped for the chain kernel."""
+    layer = net.layers[0]
+    p = layer.packed
+    emb = net.target.model.embed_tokens.weight
+    return (
+        p is not None and p.kernels and p.qkv_bias is None and p.q_norm is None and p.in_norm is None
+        and net.head.skinny is not None and net.fc_product.skinny is not None
+        and (net.fc_out is None or getattr(net, "fc_out_product", None) is not None)
+        and emb.is_contiguous() and emb.dtype == torch.float32 and p.d <= 1024
+    )
+
+
+def chain_draft(net, pred: torch.Tensor, depth: int, noise: torch.Tensor | None, temperature: float,
+                cos: torch.Tensor, sin_signed: torch.Tensor, cache, lengths: torch.Tensor) -> torch.Tensor:
+    """pred [b, F] root predictions; noise [b, D, Vd] or None (greedy); cos / sin_signed [b, D, hd]
+    at positions lengths + 1 + d; cache: the drafter's KVCache (layer 0) -> tokens [b, D]."""
+    p, c = net.layers[0].packed, net.config
+    b, F = pred.shape
+    H = c.hidden_size
+    pred = pred.contiguous()
+    ids = net.vocab_ids
+    vd = net.head.skinny.N
+    tokens = torch.empty(b, depth, dtype=torch.long)
+    ck, cv = cache.k[0], cache.v[0]
+    lengths = lengths.contiguous()
+    cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
+    noise = noise.contiguous() if noise is not None else None
+    fc_out = net.fc_out_product.skinny.panels.data_ptr() if net.fc_out is not None else None
+    library().eagle_chain(
+        b, depth, H, F, p.n_q, p.n_kv, p.d, p.inter, vd,
+        pred.data_ptr(), net.target.model.embed_tokens.weight.data_ptr(), ids.data_ptr() if ids is not None else None,
+        noise.data_ptr() if noise is not None else None, float(temperature),
+        cos.data_ptr(), sin_signed.data_ptr(),
+        net.fc_product.skinny.panels.data_ptr(), p.qkv.skinny.panels.data_ptr(), p.o.skinny.panels.data_ptr(),
+        p.gate_up.skinny.panels.data_ptr(), p.down.skinny.panels.data_ptr(), net.head.skinny.panels.data_ptr(), fc_out,
+        p.post_norm.data_ptr(), float(p.eps), ck.data_ptr(), cv.data_ptr(), ck.stride(0), ck.stride(1),
+        lengths.data_ptr(), tokens.data_ptr(), torch.get_num_threads(),
+    )
+    return tokens

@@ -1,0 +1,127 @@
+"""The compiled CPU kernels (engine/kernels) and the packed inference path that uses them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.checkpoint import load_checkpoint
+from engine.kernels import decode_ops
+from engine.kernels import eagle_chain as chain_kernel
+from engine.kernels.library import available
+from engine.kernels.skinny import SkinnyMatrix
+from engine.kv_cache import KVCache
+from engine.layout import prepare_for_inference
+from engine.sampling import SamplingParams, row_keys
+from engine.spec.drafter import DraftContext, DraftShape
+from engine.spec.eagle import EagleConfig, EagleModel
+from engine.spec.eagle_drafter import EagleDrafter
+from tests.conftest import FAMILIES
+
+OK, WHY = available()
+pytestmark = pytest.mark.skipif(not OK, reason=f"CPU kernels unavailable here: {WHY}")
+
+
+@pytest.mark.parametrize("K,N", [(64, 96), (37, 50), (576, 192)])
+def test_skinny_product_equals_torch_with_bias_and_residual(K, N):
+    torch.manual_seed(0)
+    w, bias = torch.randn(K, N), torch.randn(N)
+    sm = SkinnyMatrix(w)
+    for M in (1, 3, 8, 9, 17, 40):
+        x, res = torch.randn(M, K), torch.randn(M, N)
+        torch.testing.assert_close(sm.matmul(x), x @ w, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(sm.matmul(x, bias=bias), x @ w + bias, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(sm.matmul(x, residual=res), res + x @ w, rtol=1e-5, atol=1e-4)
+
+
+def test_skinny_row_does_not_depend_on_how_many_rows_share_the_call():
+    torch.manual_seed(1)
+    w, x = torch.randn(200, 130), torch.randn(21, 200)
+    sm = SkinnyMatrix(w)
+    full = sm.matmul(x)
+    for i in (0, 5, 8, 20):
+        assert torch.equal(sm.matmul(x[i : i + 1]), full[i : i + 1])  # bit for bit
+
+
+def test_rms_norm_equals_torch():
+    torch.manual_seed(2)
+    x, w = torch.randn(7, 96), torch.randn(96)
+    torch.testing.assert_close(decode_ops.rms_norm(x, w, 1e-6), F.rms_norm(x, (96,), w, 1e-6), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(decode_ops.rms_norm(x, None, 1e-6), F.rms_norm(x, (96,), None, 1e-6), rtol=1e-5, atol=1e-6)
+
+
+def test_masked_attention_equals_sdpa_and_rows_are_independent():
+    torch.manual_seed(3)
+    B, T, Hq, Hkv, M, D, S = 2, 5, 4, 2, 40, 16, 23
+    q = torch.randn(B, T, Hq, D)
+    k, v = torch.randn(B, Hkv, M, D), torch.randn(B, Hkv, M, D)
+    mask = torch.rand(B, T, S) < 0.6
+    mask[..., 0] = True  # every query sees something
+    got = decode_ops.attend(q, k, v, mask, D**-0.5)
+    kk = k[:, :, :S].repeat_interleave(Hq // Hkv, 1)
+    vv = v[:, :, :S].repeat_interleave(Hq // Hkv, 1)
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, attn_mask=mask.unsqueeze(1)).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    alone = decode_ops.attend(q[1:, 2:3].contiguous(), k[1:], v[1:], mask[1:, 2:3].contiguous(), D**-0.5)
+    assert torch.equal(alone, got[1:, 2:3])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_forward_with_kernels_equals_the_module_forward(hf_folders, family):
+    plain = load_checkpoint(hf_folders[family])
+    packed = prepare_for_inference(copy.deepcopy(plain))
+    assert packed.model.layers[0].packed.kernels
+    ids = torch.tensor([[3, 17, 42, 8, 9, 11], [5, 6, 7, 1, 2, 4]])
+    pos = torch.arange(6).expand(2, 6)
+    cache_a = KVCache.for_model(plain.config, 2, 16, torch.float32)
+    cache_b = KVCache.for_model(plain.config, 2, 16, torch.float32)
+    with torch.inference_mode():
+        a = plain(ids[:, :5], pos[:, :5], cache=cache_a)
+        b = packed(ids[:, :5], pos[:, :5], cache=cache_b)
+        torch.testing.assert_close(b.logits, a.logits, rtol=1e-4, atol=1e-4)
+        a = plain(ids[:, 5:], pos[:, 5:], cache=cache_a)  # one decode step through the cache
+        b = packed(ids[:, 5:], pos[:, 5:], cache=cache_b)
+        torch.testing.assert_close(b.logits, a.logits, rtol=1e-4, atol=1e-4)
+    # Parameters are still the same values under the same names.
+    for (name, p), (_, q) in zip(plain.state_dict().items(), packed.state_dict().items()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_compiled_chain_draft_proposes_what_the_python_chain_proposes(hf_folders, kind, temperature, monkeypatch):
+    target = prepare_for_inference(load_checkpoint(hf_folders["llama"]))
+    torch.manual_seed(4)
+    net = EagleModel(EagleConfig.for_target(target.config, kind, draft_vocab_size=40), target, torch.arange(0, 80, 2))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.mul_(3.0)  # sharper drafts: more distinct tokens to compare
+    prepare_for_inference(net)
+    assert chain_kernel.supported(net)
+    params = SamplingParams(temperature=temperature)
+    prompt = torch.tensor([[5, 9, 14, 20, 7], [4, 4, 8, 1, 3]])
+    with torch.no_grad():
+        out = target(prompt, torch.arange(5).expand(2, 5), hidden_layers=tuple(net.config.aux_layers))
+    feats = torch.cat([out.layer_hidden[i] for i in net.config.aux_layers] + [out.hidden], -1)
+
+    def draft() -> list[list[int]]:
+        from engine.spec.drafter import Admission
+
+        drafter = EagleDrafter(net)
+        drafter.reset(2, 64, params)
+        drafter.admit(Admission(slots=torch.tensor([0, 1]), owner=torch.tensor([0, 1]), tokens=prompt,
+                                lengths=torch.tensor([5, 5]), features=feats))
+        ctx = DraftContext(
+            roots=torch.tensor([11, 12]), positions=torch.tensor([0, 0]),
+            keys=row_keys(0, 0, torch.tensor([3, 4]), torch.tensor([0, 0])), responses=torch.tensor([[11], [12]]),
+            generated=torch.tensor([1, 1]), prompts=list(prompt), prompt_ids=["a", "b"], params=params,
+            shape=DraftShape(depth=6, topk=1, verify_tokens=6),
+        )
+        return drafter.propose(ctx).padded().tokens.tolist()
+
+    compiled = draft()
+    monkeypatch.setattr(chain_kernel, "supported", lambda net: False)
+    assert draft() == compiled
