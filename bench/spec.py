@@ -24,7 +24,7 @@ from engine.kv_cache import KVCache
 from engine.sampling import SamplingParams
 from engine.spec.config import DRAFTERS, SpecConfig
 from engine.spec.factory import build_drafter
-from engine.types import Request
+from engine.types import GenerateStats, Request
 
 
 def bench_prompts(model_dir: str, tokenizer, n: int, prompts_file: str | None) -> list[list[int]]:
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompts", default=None, help="JSONL prompts (default: chat prompts, or arith problems)")
     p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=4, help="distinct request sets per batch size (totals summed)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cost-model", action="store_true")
     p.add_argument("--json", action="store_true")
@@ -98,13 +99,19 @@ def main(argv: list[str] | None = None) -> int:
               "temperature": args.temperature}
     print(f"{'batch':>5} {'spec tok/s':>10} {'ar tok/s':>9} {'ratio':>6} {'accept len':>10} {'draft s':>8} {'verify s':>8}", file=sys.stderr)
     for b in batches:
-        reqs = [Request(prompt_id=f"bench-{i}", prompt=x) for i, x in enumerate(bench_prompts(args.model, tokenizer, b, args.prompts))]
-        ref, t_ar = timed(lambda: ar.generate(reqs, params), args.repeat)
-        out, t_sp = timed(lambda: sp.generate(reqs, params), args.repeat)
-        same = all(a.tokens == c.tokens for a, c in zip(ref, out))
+        prompts = bench_prompts(args.model, tokenizer, b * args.rounds, args.prompts)
+        t_ar = t_sp = 0.0
+        tokens, same, s = 0, True, GenerateStats()
+        for r in range(args.rounds):  # one request set per round: batch-1 figures over several prompts
+            reqs = [Request(prompt_id=f"bench-{r * b + i}", prompt=x) for i, x in enumerate(prompts[r * b : (r + 1) * b])]
+            ref, t = timed(lambda: ar.generate(reqs, params), args.repeat)
+            t_ar += t
+            out, t = timed(lambda: sp.generate(reqs, params), args.repeat)
+            t_sp += t
+            same &= all(a.tokens == c.tokens for a, c in zip(ref, out))
+            tokens += sum(len(x.tokens) for x in ref)
+            s.merge(sp.last_stats)
         result["identical"] &= same
-        tokens = sum(len(r.tokens) for r in ref)
-        s = sp.last_stats
         key = str(b)
         result["tok_s"][key] = round(tokens / t_sp, 2)
         result["baseline_tok_s"][key] = round(tokens / t_ar, 2)
@@ -116,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         costs = forward_costs(target)
         result["forward_s"] = {k: round(v, 5) for k, v in costs.items()}
         b1 = str(batches[0])
-        steps = max(len(sp.last_stats.batch_sizes), 1)
-        draft_step = sp.last_stats.draft_s / steps
+        steps = max(len(s.batch_sizes), 1)
+        draft_step = s.draft_s / steps
         print("target forward, batch 1: " + ", ".join(f"{k} tok {v * 1e3:.1f} ms" for k, v in costs.items()), file=sys.stderr)
-        print(f"drafter: {draft_step * 1e3:.1f} ms per step (last batch)", file=sys.stderr)
+        print(f"drafter: {draft_step * 1e3:.2f} ms per step (batch {batches[-1]})", file=sys.stderr)
         result["draft_step_s"] = round(draft_step, 5)
         if b1 in result["accept_len"]:
             w = min((int(k) for k in costs), key=lambda k: abs(k - (args.verify_tokens + 1)))

@@ -222,7 +222,7 @@ class _Run:
         lengths = e.cache.lengths[:b]
         pos, slots = tree_positions(pt.depth, lengths)  # [b, 1+N]
         visible = int(lengths.max()) + N + 1
-        mask = tree_mask(pt.parents, pt.valid, lengths, visible)
+        mask = causal_mask(slots, visible) if pt.chain else tree_mask(pt.parents, pt.valid, lengths, visible)
         entries = torch.cat([state.roots(b).unsqueeze(1), pt.tokens], 1)  # [b, 1+N]
         td = time.perf_counter()
         out = e.model(entries, pos, cache=e.cache, cache_pos=slots, attn_mask=mask, hidden_layers=self._feature_layers())

@@ -49,6 +49,13 @@ class GenerateStats:
         """Mean tokens emitted per row per verify step (accepted drafts + 1)."""
         return sum(self.accept_hist) / len(self.accept_hist) if self.accept_hist else 1.0
 
+    def merge(self, other: GenerateStats) -> None:
+        """Adds another call's figures to these (benchmarks over several calls)."""
+        self.batch_sizes += other.batch_sizes
+        self.accept_hist += other.accept_hist
+        for name in ("prefill_s", "decode_s", "sample_s", "draft_s", "new_tokens", "wall_s", "drafted", "accepted"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0

@@ -79,3 +79,18 @@ def test_cache_after_partial_acceptance_continues_as_autoregressive_decoding(hf_
         step = model(nxt, cache.lengths[:2, None], cache=cache).logits[:, -1]
     assert torch.allclose(step[0], full_logits(model, prompt + [root, 21, 23, 7])[-1], atol=1e-9)
     assert torch.allclose(step[1], full_logits(model, prompt + [root, 9])[-1], atol=1e-9)
+
+
+def test_chain_shortcut_matches_the_general_tree_functions():
+    from engine.model import causal_mask
+    from engine.spec.tree import DraftTree, node_depths, tree_mask, tree_positions
+
+    tree = DraftTree.chains(torch.tensor([[4, 5, 6, 7], [8, 9, 1, 2]]), lengths=torch.tensor([4, 2]))
+    pt = tree.padded()
+    assert pt.chain and torch.equal(pt.depth, node_depths(pt.parents, pt.valid))
+    lengths = torch.tensor([3, 6])
+    _, slots = tree_positions(pt.depth, lengths)
+    general = tree_mask(pt.parents, pt.valid, lengths, 12)
+    shortcut = causal_mask(slots, 12)
+    rows = torch.cat([torch.ones(2, 1, dtype=torch.bool), pt.valid], 1)  # root and real nodes
+    assert torch.equal(shortcut[rows], general[rows])

@@ -1,8 +1,8 @@
 """A whole EAGLE chain draft in one compiled call (engine/kernels/eagle_chain.cpp via ctypes).
 
-`chain_draft` runs D draft levels for b rows of an `EagleModel` packed with the kernels
-(engine.packed): the same function as EagleDrafter's Python chain, without ~40 dispatched ops
-per level. It serves plain sampling (no top-k / top-p) and greedy; the drafter uses the Python
+`draft` runs the catch-up and D draft levels for b rows of an `EagleModel` packed with the
+kernels (engine.packed): the same function as EagleDrafter's Python catch-up and chain, without
+~40 dispatched ops per network call. It serves plain sampling (no top-k / top-p) and greedy; the drafter uses the Python
 path otherwise.
 """
 
@@ -26,25 +26,31 @@ def supported(net) -> bool:
     )
 
 
-def chain_draft(net, pred: torch.Tensor, depth: int, noise: torch.Tensor | None, temperature: float,
-                cos: torch.Tensor, sin_signed: torch.Tensor, cache, lengths: torch.Tensor) -> torch.Tensor:
-    """pred [b, F] root predictions; noise [b, D, Vd] or None (greedy); cos / sin_signed [b, D, hd]
-    at positions lengths + 1 + d; cache: the drafter's KVCache (layer 0) -> tokens [b, D]."""
+def draft(net, pend_tok: torch.Tensor, pend_feat: torch.Tensor, n_pend: torch.Tensor, depth: int,
+          noise: torch.Tensor | None, temperature: float, cos: torch.Tensor, sin_signed: torch.Tensor, cache,
+          lengths: torch.Tensor) -> torch.Tensor:
+    """Catch-up and chain in one call. pend_tok [b, T] pending tokens (each row's root at
+    n_pend - 1); pend_feat [b, >= T, F] their features; n_pend [b]; noise [b, D, Vd] or None
+    (greedy); cos / sin_signed [b, T + D, hd] at the catch-up positions lengths + 1 + j, then the
+    chain positions lengths + n_pend + 1 + d; cache: the drafter's KVCache (layer 0), whose
+    `lengths` the caller advances by n_pend -> tokens [b, D]."""
     p, c = net.layers[0].packed, net.config
-    b, F = pred.shape
-    H = c.hidden_size
-    pred = pred.contiguous()
+    b, T = pend_tok.shape
+    F = pend_feat.shape[-1]
     ids = net.vocab_ids
     vd = net.head.skinny.N
-    tokens = torch.empty(b, depth, dtype=torch.long)
-    ck, cv = cache.k[0], cache.v[0]
-    lengths = lengths.contiguous()
+    if pend_feat.stride(-1) != 1 or pend_feat.stride(1) != F:
+        raise ValueError("draft: pending features must have contiguous pairs")
+    pend_tok, n_pend, lengths = pend_tok.contiguous(), n_pend.contiguous(), lengths.contiguous()
     cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
     noise = noise.contiguous() if noise is not None else None
+    tokens = torch.empty(b, depth, dtype=torch.long)
+    ck, cv = cache.k[0], cache.v[0]
     fc_out = net.fc_out_product.skinny.panels.data_ptr() if net.fc_out is not None else None
-    library().eagle_chain(
-        b, depth, H, F, p.n_q, p.n_kv, p.d, p.inter, vd,
-        pred.data_ptr(), net.target.model.embed_tokens.weight.data_ptr(), ids.data_ptr() if ids is not None else None,
+    library().eagle_draft(
+        b, T, depth, c.hidden_size, F, p.n_q, p.n_kv, p.d, p.inter, vd,
+        pend_tok.data_ptr(), pend_feat.data_ptr(), pend_feat.stride(0), n_pend.data_ptr(),
+        net.target.model.embed_tokens.weight.data_ptr(), ids.data_ptr() if ids is not None else None,
         noise.data_ptr() if noise is not None else None, float(temperature),
         cos.data_ptr(), sin_signed.data_ptr(),
         net.fc_product.skinny.panels.data_ptr(), p.qkv.skinny.panels.data_ptr(), p.o.skinny.panels.data_ptr(),

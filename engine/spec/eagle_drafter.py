@@ -101,10 +101,47 @@ class EagleDrafter(DrafterBase):
     # -- drafting --------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> DraftTree:
+        if self._compiled_chain(ctx):
+            return self._chain_compiled(ctx)
         root_pred = self._catch_up(ctx.roots)  # [b, F]
         if ctx.shape.topk == 1 and not ctx.shape.iid_children:
             return self._chain(root_pred, ctx)
         return self._expand(root_pred, ctx)
+
+    def _compiled_chain(self, ctx: DraftContext) -> bool:
+        p = self.params
+        chain = ctx.shape.topk == 1 and not ctx.shape.iid_children
+        plain = p.temperature == 0 or (p.top_k == 0 and p.top_p == 1.0)
+        return chain and plain and chain_kernel.supported(self.net)
+
+    def _chain_noise(self, ctx: DraftContext, b: int, D: int) -> torch.Tensor | None:
+        """[b, D, Vd] the target's Gumbel noise at the chain's positions (None when greedy)."""
+        if self.params.temperature == 0:
+            return None
+        ids = self.net.vocab_ids
+        pos = (ctx.positions.unsqueeze(1) + torch.arange(1, D + 1, device=ctx.positions.device)).flatten()
+        vocab = ids if ids is not None else self.net.head_t.shape[1]
+        return gumbel(ctx.keys.repeat_interleave(D), pos, vocab).view(b, D, -1)
+
+    def _chain_compiled(self, ctx: DraftContext) -> DraftTree:
+        """Catch-up and chain in one compiled call (engine.kernels.eagle_chain)."""
+        b = ctx.roots.shape[0]
+        D = min(ctx.shape.depth, ctx.shape.verify_tokens)
+        n = self.pend_n[:b]
+        T = int(n.max())
+        rows = torch.arange(b, device=ctx.roots.device)
+        tokens = self.pend_tok[:b, :T].clone()
+        tokens[rows, n - 1] = ctx.roots
+        lengths = self.cache.lengths[:b]
+        steps = torch.arange(T + D, device=ctx.roots.device)
+        pos = lengths.unsqueeze(1) + 1 + torch.where(steps < T, steps, n.unsqueeze(1) + steps - T)  # [b, T+D]
+        cos, sin = rope_cos_sin(pos, self.net.inv_freq, self.net.attention_factor, self.pend_feat.dtype)
+        half = cos.shape[-1] // 2
+        sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), -1)
+        draft = chain_kernel.draft(self.net, tokens, self.pend_feat[:b], n, D, self._chain_noise(ctx, b, D),
+                                   self.params.temperature, cos, sin_signed, self.cache, lengths)
+        lengths += n
+        return DraftTree.chains(draft)
 
     def _chain(self, pred: torch.Tensor, ctx: DraftContext) -> DraftTree:
         """The tree with top-k 1, without tree bookkeeping: each level is the drafter's coupled
@@ -112,20 +149,9 @@ class EagleDrafter(DrafterBase):
         p, b = self.params, pred.shape[0]
         D = min(ctx.shape.depth, ctx.shape.verify_tokens)
         ids = self.net.vocab_ids
-        noise = None
-        if p.temperature > 0:  # all levels' noise at once: [b, D, Vd]
-            pos = (ctx.positions.unsqueeze(1) + torch.arange(1, D + 1, device=pred.device)).flatten()
-            vocab = ids if ids is not None else self.net.head_t.shape[1]
-            noise = gumbel(ctx.keys.repeat_interleave(D), pos, vocab).view(b, D, -1)
+        noise = self._chain_noise(ctx, b, D)  # all levels' noise at once: [b, D, Vd]
         plain = p.top_k == 0 and p.top_p == 1.0
         lengths = self.cache.lengths[:b]
-        if (plain or noise is None) and chain_kernel.supported(self.net):  # all levels in one compiled call
-            pos = lengths.unsqueeze(1) + 1 + torch.arange(D, device=pred.device)  # [b, D]
-            cos, sin = rope_cos_sin(pos, self.net.inv_freq, self.net.attention_factor, pred.dtype)
-            half = cos.shape[-1] // 2
-            sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), -1)
-            tokens = chain_kernel.chain_draft(self.net, pred, D, noise, p.temperature, cos, sin_signed, self.cache, lengths)
-            return DraftTree.chains(tokens)
         tokens = torch.empty(b, D, dtype=torch.long, device=pred.device)
         for d in range(D):
             logits = self.net.logits(pred)  # [b, Vd]

@@ -23,6 +23,7 @@ class PaddedTree:
     depth: torch.Tensor  # [B, N] 1-based depth (0 where invalid)
     valid: torch.Tensor  # [B, N] bool
     q_logits: torch.Tensor | None  # [B, N, V] drafter logits each node was drawn from, or None
+    chain: bool = False  # every row is a chain: the plain causal mask is the tree mask
 
     @property
     def width(self) -> int:
@@ -37,6 +38,7 @@ class DraftTree:
     # For `rejection` verification: the drafter's (masked, temperature-scaled) logits of the
     # distribution each node was drawn from, i.e. the drafter at the node's parent. [T, V]
     q_logits: torch.Tensor | None = None
+    chain: bool = False  # built by `chains`: node i's parent is i - 1 in every row
 
     @property
     def batch_size(self) -> int:
@@ -66,7 +68,9 @@ class DraftTree:
         B, D = tokens.shape
         idx = torch.arange(D, device=tokens.device).expand(B, D)
         valid = idx < (lengths.unsqueeze(1) if lengths is not None else D)
-        return cls.from_padded(tokens, idx - 1, valid)
+        tree = cls.from_padded(tokens, idx - 1, valid)
+        tree.chain = True
+        return tree
 
     @classmethod
     def make_dummy(cls, batch: int = 3, vocab: int = 50, seed: int = 0) -> DraftTree:
@@ -97,7 +101,8 @@ class DraftTree:
         q = None
         if self.q_logits is not None and self.tokens.numel():
             q = torch.where(valid.unsqueeze(-1), self.q_logits[flat], 0.0)
-        return PaddedTree(tokens, parents, node_depths(parents, valid), valid, q)
+        depth = torch.where(valid, idx + 1, 0) if self.chain else node_depths(parents, valid)
+        return PaddedTree(tokens, parents, depth, valid, q, self.chain)
 
 
 def _rounds(n: int) -> int:
