@@ -5,8 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
-# Two threads sharing a core with another process spin-wait >10x slower without this.
-export OMP_WAIT_POLICY := PASSIVE
+# OpenMP workers spin briefly between ops, then sleep (engine/__init__.py sets the same default).
+export GOMP_SPINCOUNT ?= 10000
 
 .PHONY: setup test test-fast train models pretrain-tiny bench bench-spec drafters clean help
 

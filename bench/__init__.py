@@ -1,0 +1,1 @@
+import engine  # noqa: F401  (OpenMP defaults, set before torch loads)

@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
               "drafter": name, "depth": args.depth, "topk": args.topk, "verify_tokens": args.verify_tokens,
               "temperature": args.temperature}
     print(f"{'batch':>5} {'spec tok/s':>10} {'ar tok/s':>9} {'ratio':>6} {'accept len':>10} {'draft s':>8} {'verify s':>8}", file=sys.stderr)
+    warm = [Request(prompt_id="warm-up", prompt=bench_prompts(args.model, tokenizer, 1, args.prompts)[0])]
+    for engine in (ar, sp):  # first calls pay one-time costs (allocation, kernel loading): not timed
+        engine.generate(warm, SamplingParams(max_new_tokens=8, temperature=args.temperature, stop_token_ids=stops))
     for b in batches:
         prompts = bench_prompts(args.model, tokenizer, b * args.rounds, args.prompts)
         t_ar = t_sp = 0.0

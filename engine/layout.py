@@ -3,10 +3,11 @@
 A Linear's weight is [out, in]; `F.linear(x, W)` multiplies by its transpose. With few rows in
 x (decode, a verify pass of k tokens), MKL is up to 2x faster per product when that transpose is
 the contiguous operand (one SmolLM2 layer's products at 8 rows: 1.42 vs 0.74 ms, in cache).
-Over a whole memory-bound forward the gain is 0-8% (`python -m bench.layout`,
-docs/BENCHMARKS.md). The parameter keeps its shape and values (a transposed view of the new
-storage), so nothing else changes: state dicts, tying and loading still work.
-Applied once, after the model is built, by the engine.
+Over a whole memory-bound forward the gain was 0-8% (docs/BENCHMARKS.md). The parameter keeps
+its shape and values (a transposed view of the new storage), so nothing else changes: state
+dicts, tying and loading still work. With the compiled kernels (engine.kernels) the hot products
+use packed copies instead and this layout is skipped. Applied once, by the engine, through
+`prepare_for_inference`.
 """
 
 from __future__ import annotations

@@ -139,6 +139,8 @@ class StepInputs:
     sin_signed: torch.Tensor  # [B, T, 1, D]: sin with the first half negated (rotate-half folded in)
     mask: torch.Tensor  # [B, 1, G*T, S] bool, the GQA groups folded into the query length
     mask_rows: torch.Tensor  # [B, T, S] bool, as given (for the fused attention)
+    cos_rows: torch.Tensor  # [B, T, D] contiguous, one row per new token (for the fused attention)
+    sin_rows: torch.Tensor  # [B, T, D] the same for sin_signed
     rows: torch.Tensor  # [B, 1] row index, for cache writes
     cache_pos: torch.Tensor | None  # [B, T]
 
@@ -153,7 +155,10 @@ def step_inputs(cos, sin, mask, cache_pos, n_groups: int) -> StepInputs:
     else:
         folded = mask.unsqueeze(1)
     rows = torch.arange(B, device=cos.device).unsqueeze(1)
-    return StepInputs(cos.unsqueeze(2), sin_signed.unsqueeze(2), folded, mask, rows, cache_pos)
+    if cache_pos is not None:
+        cache_pos = cache_pos.contiguous()
+    cos_rows, sin_rows = cos.expand(B, T, D).contiguous(), sin_signed.expand(B, T, D).contiguous()
+    return StepInputs(cos.unsqueeze(2), sin_signed.unsqueeze(2), folded, mask, cos_rows, sin_rows, rows, cache_pos)
 
 
 def _rope(x: torch.Tensor, s: StepInputs) -> torch.Tensor:
@@ -172,6 +177,12 @@ def packed_forward(p: PackedLayer, x: torch.Tensor, s: StepInputs, cache: KVCach
     x2 = x.reshape(B * T, H)
     h = _norm(p, x2, p.in_norm) if p.in_norm is not None else x2
     qkv = p.qkv(h, bias=p.qkv_bias).view(B, T, nq + 2 * nkv, d)
+    if p.kernels and cache is not None and p.q_norm is None and B * T <= skinny.MAX_ROWS:
+        # RoPE, the cache write and attention in one compiled call.
+        out = decode_ops.rope_write_attend(qkv, s.cos_rows, s.sin_rows, s.cache_pos, cache.k[layer], cache.v[layer],
+                                           s.mask_rows, nq, d**-0.5)
+        x2 = p.o(out.view(B * T, nq * d), residual=x2)
+        return _mlp(p, x2).view(B, T, H)
     if p.q_norm is None:
         qk = _rope(qkv[:, :, : nq + nkv], s)
         q, k = qk[:, :, :nq], qk[:, :, nq:]
@@ -184,7 +195,7 @@ def packed_forward(p: PackedLayer, x: torch.Tensor, s: StepInputs, cache: KVCach
         ck, cv = cache.k[layer], cache.v[layer]  # [N, Hkv, M, D]
         ck[s.rows, :, s.cache_pos] = k  # indexed view is [B, T, Hkv, D]
         cv[s.rows, :, s.cache_pos] = v
-        if p.kernels and B * T <= skinny.MAX_ROWS:
+        if p.kernels and B * T <= skinny.MAX_ROWS:  # Qwen3's q / k norms: rotated here, attention compiled
             out = decode_ops.attend(q, ck, cv, s.mask_rows, d**-0.5).view(B * T, nq * d)
             x2 = p.o(out, residual=x2)
             return _mlp(p, x2).view(B, T, H)
@@ -208,5 +219,8 @@ def packed_forward(p: PackedLayer, x: torch.Tensor, s: StepInputs, cache: KVCach
 def _mlp(p: PackedLayer, x2: torch.Tensor) -> torch.Tensor:
     """x2 [M, H] -> x2 + MLP(norm(x2))."""
     gu = p.gate_up(_norm(p, x2, p.post_norm))  # [M, 2I]
-    act = F.silu(gu[:, : p.inter]) * gu[:, p.inter :]
+    if p.kernels and gu.shape[0] <= skinny.MAX_ROWS:
+        act = decode_ops.silu_mul(gu)
+    else:
+        act = F.silu(gu[:, : p.inter]) * gu[:, p.inter :]
     return p.down(act, residual=x2)

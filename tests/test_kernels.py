@@ -125,3 +125,33 @@ def test_compiled_chain_draft_proposes_what_the_python_chain_proposes(hf_folders
     compiled = draft()
     monkeypatch.setattr(chain_kernel, "supported", lambda net: False)
     assert draft() == compiled
+
+
+def test_rope_write_attend_equals_rope_then_cache_write_then_attention():
+    from engine.packed import _rope, step_inputs
+    from engine.rope import rope_cos_sin
+
+    torch.manual_seed(5)
+    B, T, Hq, Hkv, D, M = 2, 3, 4, 2, 16, 20
+    qkv = torch.randn(B, T, Hq + 2 * Hkv, D)
+    lengths = torch.tensor([5, 9])
+    slots = lengths.unsqueeze(1) + torch.arange(T)  # [B, T]
+    cos, sin = rope_cos_sin(slots, 1.0 / (10000 ** (torch.arange(0, D, 2) / D)), 1.0, torch.float32)
+    mask = torch.arange(12) <= slots.unsqueeze(-1)  # [B, T, S] causal
+    s = step_inputs(cos, sin, mask, slots, Hq // Hkv)
+    k_cache, v_cache = torch.randn(B, Hkv, M, D), torch.randn(B, Hkv, M, D)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    qk = _rope(qkv[:, :, : Hq + Hkv], s)
+    rows = torch.arange(B).unsqueeze(1)
+    k_ref[rows, :, slots] = qk[:, :, Hq:]
+    v_ref[rows, :, slots] = qkv[:, :, Hq + Hkv :]
+    want = decode_ops.attend(qk[:, :, :Hq], k_ref, v_ref, mask, D**-0.5)
+    got = decode_ops.rope_write_attend(qkv.clone(), s.cos_rows, s.sin_rows, slots, k_cache, v_cache, mask, Hq, D**-0.5)
+    torch.testing.assert_close(k_cache, k_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(v_cache, v_ref)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_silu_mul_equals_torch():
+    x = torch.randn(5, 2 * 24)
+    torch.testing.assert_close(decode_ops.silu_mul(x), F.silu(x[:, :24]) * x[:, 24:], rtol=1e-5, atol=1e-6)

@@ -7,6 +7,7 @@
 // a verify pass over [root, draft tree] gives bit for bit the values sequential decoding gives.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 extern "C" {
@@ -71,6 +72,45 @@ void attend_rows(const float* q, int64_t sqb, int64_t sqt, const float* k, const
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
+  }
+}
+
+// The attention half of a decoder layer from its fused q/k/v projection, in one call:
+// RoPE on the q and k heads of every new token, its k / v written to the cache at slots[b, t],
+// then attend_rows over the cache with the mask (new tokens see each other through the cache).
+// qkv: [B, T, Hq + 2 Hkv, D] contiguous (modified in place: q and k rotated);
+// cos / sin_signed: [B, T, D] (sin_signed: the first half negated, HF's rotate-half folded in);
+// slots: [B, T]; k, v: a cache layer [N, Hkv, M, D] with row / head strides skb / skh;
+// mask [B, T, S]; out: [B, T, Hq, D].
+void rope_write_attend(float* qkv, const float* cos, const float* sin_signed, const int64_t* slots, float* k, float* v,
+                       int64_t skb, int64_t skh, const bool* mask, float* out, int64_t B, int64_t T, int64_t Hq,
+                       int64_t Hkv, int64_t S, int64_t D, float scale, int nthreads) {
+  const int64_t W = (Hq + 2 * Hkv) * D, half = D / 2;
+  std::vector<float> tmp(D);
+  for (int64_t bt = 0; bt < B * T; ++bt) {
+    float* row = qkv + bt * W;
+    const float* c = cos + bt * D;
+    const float* s = sin_signed + bt * D;
+    for (int64_t h = 0; h < Hq + Hkv; ++h) {
+      float* x = row + h * D;
+      for (int64_t i = 0; i < D; ++i) tmp[i] = x[(i + half) % D];
+      for (int64_t i = 0; i < D; ++i) x[i] = x[i] * c[i] + tmp[i] * s[i];
+    }
+    const int64_t b = bt / T, slot = slots[bt];
+    for (int64_t h = 0; h < Hkv; ++h) {
+      std::memcpy(k + b * skb + h * skh + slot * D, row + (Hq + h) * D, D * sizeof(float));
+      std::memcpy(v + b * skb + h * skh + slot * D, row + (Hq + Hkv + h) * D, D * sizeof(float));
+    }
+  }
+  attend_rows(qkv, T * W, W, k, v, skb, skh, mask, out, B, T, Hq, Hkv, S, D, scale, nthreads);
+}
+
+// y[m, i] = silu(x[m, i]) * x[m, I + i] for x [M, 2I] (the gate and up halves of one product).
+void silu_mul_rows(const float* x, float* y, int64_t M, int64_t I) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* g = x + m * 2 * I;
+    float* out = y + m * I;
+    for (int64_t i = 0; i < I; ++i) out[i] = (g[i] / (1.f + std::exp(-g[i]))) * g[I + i];
   }
 }
 }

@@ -1,4 +1,5 @@
-"""Fused RMSNorm and masked attention for a few rows (engine/kernels/decode_ops.cpp via ctypes)."""
+"""Fused RMSNorm, masked attention (with RoPE and the cache write) and SiLU-gating for a few rows
+(engine/kernels/decode_ops.cpp via ctypes)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,33 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         out.data_ptr(), B, T, Hq, Hkv, mask.shape[-1], D, scale, torch.get_num_threads(),
     )
     return out
+
+
+def rope_write_attend(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, slots: torch.Tensor,
+                      k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, n_q: int, scale: float) -> torch.Tensor:
+    """qkv [B, T, Hq + 2 Hkv, D] contiguous (q and k are rotated in place); cos / sin_signed
+    [B, T, D]; slots [B, T] cache slots of the new tokens; k, v a cache layer [N, Hkv, M, D];
+    mask [B, T, S] -> attention output [B, T, Hq, D]. Writes the new keys and values."""
+    B, T, W, D = qkv.shape
+    Hkv = k.shape[1]
+    if not (qkv.is_contiguous() and cos.is_contiguous() and sin_signed.is_contiguous() and slots.is_contiguous()):
+        raise ValueError("rope_write_attend: qkv, cos, sin and slots must be contiguous")
+    if k.stride(3) != 1 or k.stride(2) != D or v.stride() != k.stride():
+        raise ValueError("rope_write_attend: keys and values must be cache rows [N, Hkv, M, D] with contiguous heads")
+    if not mask.is_contiguous():
+        mask = mask.contiguous()
+    out = torch.empty(B, T, n_q, D, dtype=torch.float32)
+    library().rope_write_attend(
+        qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), k.data_ptr(), v.data_ptr(),
+        k.stride(0), k.stride(1), mask.data_ptr(), out.data_ptr(), B, T, n_q, Hkv, mask.shape[-1], D, scale,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [M, 2I] contiguous (gate, then up) -> silu(gate) * up [M, I]."""
+    M, two_i = x.shape
+    y = torch.empty(M, two_i // 2, dtype=torch.float32)
+    library().silu_mul_rows(x.data_ptr(), y.data_ptr(), M, two_i // 2)
+    return y

@@ -60,6 +60,8 @@ def library() -> ctypes.CDLL:
         "skinny_pack": [P, I, P, I, I],
         "rms_norm_rows": [P, I, P, F32, P, I, I, I],
         "attend_rows": [P, I, I, P, P, I, I, P, P, I, I, I, I, I, I, F32, INT],
+        "rope_write_attend": [P, P, P, P, P, P, I, I, P, P, I, I, I, I, I, I, F32, INT],
+        "silu_mul_rows": [P, P, I, I],
         "eagle_draft": [I] * 10 + [P, P, I, P, P, P, P, F32, P, P] + [P] * 7 + [P, F32, P, P, I, I, P, P, INT],
     }
     for name, args in signatures.items():
