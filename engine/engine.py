@@ -76,6 +76,13 @@ class RolloutEngine:
         self.max_len = min(self.cfg.max_len, model.config.max_position_embeddings)
         margin = self.shape.verify_tokens + 1 if drafter is not None else 0  # room for tentative tree entries
         self.cache = KVCache.for_model(model.config, self.cfg.max_batch, self.max_len + margin, model.dtype, model.device)
+        # RoPE rows for every position the target and drafters reach (drafts run ahead of the cache).
+        reach = self.max_len + margin + 2 * self.shape.verify_tokens + 2 * spec.depth + 2
+        model.build_rope_table(reach)
+        if drafter is not None:
+            for part in getattr(drafter, "drafters", [drafter]):
+                if hasattr(part, "net"):
+                    part.net.build_rope_table(reach)
         self.last_stats = GenerateStats()
 
     @classmethod

@@ -23,7 +23,7 @@ from engine.model_config import ModelConfig
 from engine.kernels.decode_ops import rms_norm
 from engine.kernels.skinny import MAX_ROWS
 from engine.packed import PackedLayer, Product, packed_forward, step_inputs
-from engine.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from engine.rope import RopeTable, apply_rope, inverse_frequencies, rope_cos_sin
 
 
 @dataclass
@@ -136,11 +136,23 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", torch.empty(0), persistent=False)
         self.init_rope()
         self.head: Product | None = None  # the LM head packed for inference (engine.packed.pack_model)
+        self.rope_table: RopeTable | None = None  # set by the engine (build_rope_table)
 
     def init_rope(self) -> None:
         cfg = self.config
         inv_freq, self.attention_factor = inverse_frequencies(cfg.rope_spec(), cfg.head_dim, cfg.max_position_embeddings)
         self.inv_freq = inv_freq.to(self.lm_head.weight.device)
+
+    def build_rope_table(self, length: int) -> None:
+        """Precompute RoPE for positions < length (the engine's reach): forwards gather rows."""
+        if self.rope_table is not None and self.rope_table.length >= length:
+            return  # engines sharing a model: the longest reach serves all
+        self.rope_table = RopeTable(length, self.inv_freq, self.attention_factor, self.dtype)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rope_table is not None and dtype == self.rope_table.cos.dtype:
+            return self.rope_table.lookup(positions)
+        return rope_cos_sin(positions, self.inv_freq, self.attention_factor, dtype)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -165,7 +177,7 @@ class Transformer(nn.Module):
             cache_pos = positions
         if attn_mask is None:
             attn_mask = causal_mask(cache_pos if cache is not None else positions)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.attention_factor, self.dtype)
+        cos, sin = self.rope(positions, self.dtype)
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
         layer_hidden = {}
         if use_packed(self.model.layers[0], x):

@@ -97,3 +97,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
+
+
+class RopeTable:
+    """cos / sin of positions 0..length-1, computed once by `rope_cos_sin` (so the same values):
+    a forward then gathers rows instead of recomputing (~6 small ops per forward on a CPU).
+    Built by the engine for the positions it can reach; `lookup` past the table is an error."""
+
+    def __init__(self, length: int, inv_freq: torch.Tensor, attention_factor: float, dtype: torch.dtype) -> None:
+        pos = torch.arange(length, device=inv_freq.device).unsqueeze(0)  # [1, P]
+        cos, sin = rope_cos_sin(pos, inv_freq, attention_factor, dtype)
+        self.cos, self.sin = cos[0], sin[0]  # [P, D]
+        self.length = length
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, T, D]."""
+        return self.cos[positions], self.sin[positions]

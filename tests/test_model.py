@@ -136,3 +136,15 @@ def test_missing_weights_file_is_reported(hf_folders, tmp_path):
     (tmp_path / "config.json").write_text((hf_folders["llama"] / "config.json").read_text())
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         load_checkpoint(tmp_path)
+
+
+def test_rope_table_gives_exactly_the_computed_values():
+    from engine.rope import RopeSpec, RopeTable, inverse_frequencies, rope_cos_sin
+
+    spec = RopeSpec(theta=10000.0, rope_type="yarn", params={"factor": 4.0, "original_max_position_embeddings": 64})
+    inv_freq, factor = inverse_frequencies(spec, 32, 256)
+    assert factor != 1.0
+    table = RopeTable(300, inv_freq, factor, torch.float32)
+    positions = torch.tensor([[0, 5, 299], [17, 17, 128]])
+    for got, want in zip(table.lookup(positions), rope_cos_sin(positions, inv_freq, factor, torch.float32)):
+        assert torch.equal(got, want)

@@ -34,7 +34,7 @@ void attend_rows(const float* q, int64_t sqb, int64_t sqt, const float* k, const
                  float scale, int nthreads) {
   const int64_t G = Hq / Hkv;
   const int64_t jobs = B * T * Hq;
-  const bool parallel = nthreads > 1 && jobs * S * D > 200000;
+  const bool parallel = nthreads > 1 && jobs * S * D > 32768;
 #pragma omp parallel num_threads(parallel ? nthreads : 1)
   {
     std::vector<float> p(S);
@@ -93,7 +93,7 @@ void rope_write_attend(float* qkv, const float* cos, const float* sin_signed, co
     const float* s = sin_signed + bt * D;
     for (int64_t h = 0; h < Hq + Hkv; ++h) {
       float* x = row + h * D;
-      for (int64_t i = 0; i < D; ++i) tmp[i] = x[(i + half) % D];
+      for (int64_t i = 0; i < half; ++i) { tmp[i] = x[i + half]; tmp[i + half] = x[i]; }
       for (int64_t i = 0; i < D; ++i) x[i] = x[i] * c[i] + tmp[i] * s[i];
     }
     const int64_t b = bt / T, slot = slots[bt];

@@ -62,7 +62,7 @@ void step(Net& n, int64_t b, const int64_t* tok, const float* feat, int64_t ldf,
     float tmp[1024];
     for (int64_t head_i = 0; head_i < nq + nkv; ++head_i) {  // RoPE on q and k heads
       float* v = row + head_i * hd;
-      for (int64_t i = 0; i < hd; ++i) tmp[i] = v[(i + half) % hd];
+      for (int64_t i = 0; i < half; ++i) { tmp[i] = v[i + half]; tmp[i + half] = v[i]; }
       for (int64_t i = 0; i < hd; ++i) v[i] = v[i] * c[i] + tmp[i] * s[i];
     }
     const int64_t sl = slot[r];

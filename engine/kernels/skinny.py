@@ -12,7 +12,7 @@ import torch
 
 from engine.kernels.library import library
 
-MAX_ROWS = 32  # above this many rows torch's GEMM is as fast (docs/BENCHMARKS.md)
+MAX_ROWS = 96  # measured faster than torch's GEMM up to 96 rows on SmolLM2's shapes (docs/BENCHMARKS.md)
 
 
 class SkinnyMatrix:

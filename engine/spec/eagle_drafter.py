@@ -26,7 +26,6 @@ import torch
 
 from engine.kernels import eagle_chain as chain_kernel
 from engine.model import Transformer
-from engine.rope import rope_cos_sin
 from engine.sampling import SamplingParams, derive_keys, gumbel, mask_logits
 from engine.spec.drafter import Admission, DraftContext, DrafterBase
 from engine.spec.eagle import EagleModel
@@ -135,7 +134,7 @@ class EagleDrafter(DrafterBase):
         lengths = self.cache.lengths[:b]
         steps = torch.arange(T + D, device=ctx.roots.device)
         pos = lengths.unsqueeze(1) + 1 + torch.where(steps < T, steps, n.unsqueeze(1) + steps - T)  # [b, T+D]
-        cos, sin = rope_cos_sin(pos, self.net.inv_freq, self.net.attention_factor, self.pend_feat.dtype)
+        cos, sin = self.net.rope(pos, self.pend_feat.dtype)
         half = cos.shape[-1] // 2
         sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), -1)
         draft = chain_kernel.draft(self.net, tokens, self.pend_feat[:b], n, D, self._chain_noise(ctx, b, D),
