@@ -298,7 +298,7 @@ class _Run:
 
             p_logits = mask_logits(logits.flatten(0, 1), self.params.temperature, self.params.top_k, self.params.top_p)
             return rejection_verify(pt, p_logits.view_as(logits), keys, noise_pos)
-        return coupled_verify(pt.tokens, pt.parents, pt.valid, target)
+        return coupled_verify(pt.tokens, pt.parents, pt.valid, target, chain=pt.chain)
 
     def _emitted_logprobs(self, logits, logp, src, verdict: Verdict) -> torch.Tensor:
         """[b, N+1] log-prob of each emitted token under the sampling distribution at its entry."""

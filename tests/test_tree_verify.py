@@ -94,3 +94,21 @@ def test_chain_shortcut_matches_the_general_tree_functions():
     shortcut = causal_mask(slots, 12)
     rows = torch.cat([torch.ones(2, 1, dtype=torch.bool), pt.valid], 1)  # root and real nodes
     assert torch.equal(shortcut[rows], general[rows])
+
+
+def test_chain_verdict_equals_the_general_verdict():
+    from engine.spec.verify import chain_verdict
+
+    torch.manual_seed(0)
+    for _ in range(20):
+        B, N = 4, 6
+        tokens = torch.randint(0, 3, (B, N))
+        lengths = torch.randint(0, N + 1, (B,))
+        valid = torch.arange(N) < lengths.unsqueeze(1)
+        parents = torch.where(valid, torch.arange(N) - 1, -1)
+        target = torch.randint(0, 3, (B, N + 1))
+        general = coupled_verify(tokens, parents, valid, target)
+        match = valid & (tokens == target[:, :-1])
+        short = chain_verdict(match, tokens, target)
+        for name in ("accepted", "num_accepted", "last_index", "path", "tokens", "num_emitted"):
+            assert torch.equal(getattr(short, name), getattr(general, name)), name

@@ -66,12 +66,28 @@ def verdict_from_accepted(accepted: torch.Tensor, tokens: torch.Tensor, next_tok
     return Verdict(accepted, num, last, path, out, num + 1)
 
 
+def chain_verdict(match: torch.Tensor, tokens: torch.Tensor, next_token_at: torch.Tensor) -> Verdict:
+    """`verdict_from_accepted` for chains (node i's parent is i - 1): the accepted nodes are the
+    leading run of matches, and the path is 0..num-1 (a few ops instead of pointer jumping)."""
+    B, N = match.shape
+    accepted = match.cumprod(1).bool()
+    num = accepted.sum(1)
+    idx = torch.arange(N, device=match.device).expand(B, N)
+    out = torch.zeros(B, N + 1, dtype=torch.long, device=match.device)
+    out[:, :N] = torch.where(accepted, tokens, 0)
+    out.scatter_(1, num.unsqueeze(1), next_token_at.gather(1, num.unsqueeze(1)))
+    return Verdict(accepted, num, num, torch.where(accepted, idx, -1), out, num + 1)
+
+
 def coupled_verify(
     tokens: torch.Tensor,  # [B, N] draft tokens
     parents: torch.Tensor,  # [B, N] parent index, -1 = root
     valid: torch.Tensor,  # [B, N] bool
     target: torch.Tensor,  # [B, 1+N] the target's sample at the root and at every node
+    chain: bool = False,  # every row is a chain (DraftTree.chains): the shortcut applies
 ) -> Verdict:
     at_parent = target.gather(1, parents + 1)  # [B, N] target's sample where the node's parent is
     match = valid & (tokens == at_parent)
+    if chain:
+        return chain_verdict(match, tokens, target)
     return verdict_from_accepted(accepted_nodes(match, parents), tokens, target)
