@@ -65,8 +65,8 @@ bench: models
 	$(PY) -m bench.engine --model checkpoints/smollm2-135m-instruct --batch 1,8
 
 bench-spec: drafters
-	$(PY) -m bench.spec --model checkpoints/tiny --drafter checkpoints/tiny-drafter --batch 1,4,16 --depth 8 --verify-tokens 8 --cost-model
-	$(PY) -m bench.spec --model checkpoints/smollm2-135m-instruct --drafter checkpoints/smollm2-drafter --batch 1,4,16 --cost-model
+	$(PY) -m bench.spec --model checkpoints/tiny --drafter checkpoints/tiny-drafter --batch 1,4,16 --depth 16 --verify-tokens 16 --rounds 6 --cost-model
+	$(PY) -m bench.spec --model checkpoints/smollm2-135m-instruct --drafter checkpoints/smollm2-drafter --batch 1,4 --depth 3 --verify-tokens 3 --new-tokens 64 --rounds 3 --cost-model
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -6,8 +6,10 @@
 // little arithmetic; here it is a few skinny products (skinny.cpp) and plain loops. It computes
 // the same function as EagleDrafter._catch_up + _chain over engine.packed weights (up to float
 // rounding). Catch-up: pair j of row r (token pend_tok[r, j], feature pend_feat[r, j]) runs at
-// position lengths[r] + j + 1, writing cache slot lengths[r] + j, for j < n[r]; the root's
-// prediction is the output of pair n[r] - 1. Then, with lengths' = lengths + n:
+// position lengths[r] + j + 1, writing cache slot lengths[r] + j, for j < n[r], all pairs of all
+// rows in one pass (the weights are read once: a drafter's ~36 MB do not stay cached between
+// target forwards); the root's prediction is the output of pair n[r] - 1. Then, with
+// lengths' = lengths + n:
 //   level d: logits = pred[:, F-H:] @ head; pick = argmax(logits / T + noise[:, d]) (T = 0: argmax);
 //            token = vocab_ids[pick];
 //            if d + 1 < D: x = fc([embed(token); pred]); one decoder layer (no input norm) at
@@ -32,51 +34,59 @@ struct Net {
   float *ck, *cv;
   int64_t skb, skh;
   int nthreads;
-  std::vector<float> xin, x, qkvb, attn, h, gu, act, scores;
 };
 
-// One token per row through fc and the layer: x = fc([embed(tok); feat]); K / V written at
-// slot[r]; RoPE rows cos / sin_signed (row stride ldc); pred_out[r] (row stride F) = the new
-// feature, for rows with active[r] (null: all rows).
-void step(Net& n, int64_t b, const int64_t* tok, const float* feat, int64_t ldf, const float* cos,
-          const float* sin_signed, int64_t ldc, const int64_t* slot, const uint8_t* active, float* pred_out) {
+// One pass of M tokens through fc and the layer. Token m belongs to cache row row[m], has input
+// token tok[m] and feature feat[m] (F floats), RoPE rows cos[m] / sin_signed[m] (hd floats),
+// and its K / V go to slot[m]; it attends to its row's slots <= slot[m] (the pass writes every
+// token's K / V first, so tokens of one row in the same pass see each other causally). Tokens
+// with active[m] == 0 are computed but neither written nor attended. out[m] (F floats) = the
+// predicted feature, for active tokens.
+void step(Net& n, int64_t M, const int64_t* tok, const float* const* feat, const float* const* cos,
+          const float* const* sin_signed, const int64_t* row, const int64_t* slot, const uint8_t* active,
+          float* const* out) {
   const int64_t H = n.H, F = n.F, hd = n.hd, nq = n.nq, nkv = n.nkv, Q = n.Q, I = n.I;
   const int64_t G = nq / nkv, half = hd / 2;
   const float scale = 1.f / std::sqrt((float)hd);
-  for (int64_t r = 0; r < b; ++r) {
-    const int64_t t = (active && !active[r]) ? 0 : tok[r];  // inactive rows: any valid row, result unused
-    std::memcpy(n.xin.data() + r * (H + F), n.embed + t * H, H * sizeof(float));
-    std::memcpy(n.xin.data() + r * (H + F) + H, feat + r * ldf, F * sizeof(float));
+  std::vector<float> xin(M * (H + F)), x(M * H), qkvb(M * Q), attn(M * nq * hd), h(M * H), gu(M * 2 * I), act(M * I);
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t t = active[m] ? tok[m] : 0;  // inactive: any valid row, result unused
+    std::memcpy(xin.data() + m * (H + F), n.embed + t * H, H * sizeof(float));
+    std::memcpy(xin.data() + m * (H + F) + H, feat[m], F * sizeof(float));
   }
-  skinny_gemm(n.xin.data(), H + F, n.fc, nullptr, nullptr, 0, n.x.data(), H, b, H + F, H, n.nthreads);
-  skinny_gemm(n.x.data(), H, n.qkv, nullptr, nullptr, 0, n.qkvb.data(), Q, b, H, Q, n.nthreads);
-  for (int64_t r = 0; r < b; ++r) {
-    float* out_r = n.attn.data() + r * nq * hd;
-    if (active && !active[r]) {
-      for (int64_t i = 0; i < nq * hd; ++i) out_r[i] = 0.f;
-      continue;
-    }
-    float* row = n.qkvb.data() + r * Q;
-    const float* c = cos + r * ldc;
-    const float* s = sin_signed + r * ldc;
-    float tmp[1024];
-    for (int64_t head_i = 0; head_i < nq + nkv; ++head_i) {  // RoPE on q and k heads
-      float* v = row + head_i * hd;
+  skinny_gemm(xin.data(), H + F, n.fc, nullptr, nullptr, 0, x.data(), H, M, H + F, H, n.nthreads);
+  skinny_gemm(x.data(), H, n.qkv, nullptr, nullptr, 0, qkvb.data(), Q, M, H, Q, n.nthreads);
+  float tmp[1024];
+  for (int64_t m = 0; m < M; ++m) {  // RoPE on q and k heads, then K / V into the cache
+    if (!active[m]) continue;
+    float* r = qkvb.data() + m * Q;
+    const float* c = cos[m];
+    const float* s = sin_signed[m];
+    for (int64_t head_i = 0; head_i < nq + nkv; ++head_i) {
+      float* v = r + head_i * hd;
       for (int64_t i = 0; i < half; ++i) { tmp[i] = v[i + half]; tmp[i + half] = v[i]; }
       for (int64_t i = 0; i < hd; ++i) v[i] = v[i] * c[i] + tmp[i] * s[i];
     }
-    const int64_t sl = slot[r];
     for (int64_t kh = 0; kh < nkv; ++kh) {
-      std::memcpy(n.ck + r * n.skb + kh * n.skh + sl * hd, row + (nq + kh) * hd, hd * sizeof(float));
-      std::memcpy(n.cv + r * n.skb + kh * n.skh + sl * hd, row + (nq + nkv + kh) * hd, hd * sizeof(float));
+      std::memcpy(n.ck + row[m] * n.skb + kh * n.skh + slot[m] * hd, r + (nq + kh) * hd, hd * sizeof(float));
+      std::memcpy(n.cv + row[m] * n.skb + kh * n.skh + slot[m] * hd, r + (nq + nkv + kh) * hd, hd * sizeof(float));
     }
-    const int64_t S = sl + 1;
-    n.scores.resize(S);
-    float* sc = n.scores.data();
+  }
+  std::vector<float> scores;
+  for (int64_t m = 0; m < M; ++m) {
+    float* out_m = attn.data() + m * nq * hd;
+    if (!active[m]) {
+      for (int64_t i = 0; i < nq * hd; ++i) out_m[i] = 0.f;
+      continue;
+    }
+    const float* r = qkvb.data() + m * Q;
+    const int64_t S = slot[m] + 1;
+    scores.resize(S);
+    float* sc = scores.data();
     for (int64_t hq = 0; hq < nq; ++hq) {
-      const float* qr = row + hq * hd;
-      const float* kb = n.ck + r * n.skb + (hq / G) * n.skh;
-      const float* vb = n.cv + r * n.skb + (hq / G) * n.skh;
+      const float* qr = r + hq * hd;
+      const float* kb = n.ck + row[m] * n.skb + (hq / G) * n.skh;
+      const float* vb = n.cv + row[m] * n.skb + (hq / G) * n.skh;
       float mx = -INFINITY;
       for (int64_t j = 0; j < S; ++j) {
         float acc = 0.f;
@@ -85,37 +95,36 @@ void step(Net& n, int64_t b, const int64_t* tok, const float* feat, int64_t ldf,
         sc[j] = acc * scale;
         mx = sc[j] > mx ? sc[j] : mx;
       }
-      float* out = out_r + hq * hd;
-      for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
+      float* o = out_m + hq * hd;
+      for (int64_t i = 0; i < hd; ++i) o[i] = 0.f;
       float total = 0.f;
       for (int64_t j = 0; j < S; ++j) {
         const float e = std::exp(sc[j] - mx);
         total += e;
 #pragma omp simd
-        for (int64_t i = 0; i < hd; ++i) out[i] += e * vb[j * hd + i];
+        for (int64_t i = 0; i < hd; ++i) o[i] += e * vb[j * hd + i];
       }
-      for (int64_t i = 0; i < hd; ++i) out[i] /= total;
+      for (int64_t i = 0; i < hd; ++i) o[i] /= total;
     }
   }
-  skinny_gemm(n.attn.data(), nq * hd, n.o, nullptr, n.x.data(), H, n.x.data(), H, b, nq * hd, H, n.nthreads);  // x += attn @ o
-  rms_norm_rows(n.x.data(), H, n.post_norm, n.eps, n.h.data(), H, b, H);
-  skinny_gemm(n.h.data(), H, n.gate_up, nullptr, nullptr, 0, n.gu.data(), 2 * I, b, H, 2 * I, n.nthreads);
-  for (int64_t r = 0; r < b; ++r)
+  skinny_gemm(attn.data(), nq * hd, n.o, nullptr, x.data(), H, x.data(), H, M, nq * hd, H, n.nthreads);  // x += attn @ o
+  rms_norm_rows(x.data(), H, n.post_norm, n.eps, h.data(), H, M, H);
+  skinny_gemm(h.data(), H, n.gate_up, nullptr, nullptr, 0, gu.data(), 2 * I, M, H, 2 * I, n.nthreads);
+  for (int64_t m = 0; m < M; ++m)
     for (int64_t i = 0; i < I; ++i) {
-      const float g = n.gu[r * 2 * I + i];
-      n.act[r * I + i] = (g / (1.f + std::exp(-g))) * n.gu[r * 2 * I + I + i];
+      const float g = gu[m * 2 * I + i];
+      act[m * I + i] = (g / (1.f + std::exp(-g))) * gu[m * 2 * I + I + i];
     }
-  skinny_gemm(n.act.data(), I, n.down, nullptr, n.x.data(), H, n.x.data(), H, b, I, H, n.nthreads);  // x += mlp
-  // eagle3 also predicts the auxiliary features: [fc_out(x); x].
-  std::vector<float> aux;
+  skinny_gemm(act.data(), I, n.down, nullptr, x.data(), H, x.data(), H, M, I, H, n.nthreads);  // x += mlp
+  std::vector<float> aux;  // eagle3 also predicts the auxiliary features: [fc_out(x); x]
   if (n.fc_out) {
-    aux.resize(b * (F - H));
-    skinny_gemm(n.x.data(), H, n.fc_out, nullptr, nullptr, 0, aux.data(), F - H, b, H, F - H, n.nthreads);
+    aux.resize(M * (F - H));
+    skinny_gemm(x.data(), H, n.fc_out, nullptr, nullptr, 0, aux.data(), F - H, M, H, F - H, n.nthreads);
   }
-  for (int64_t r = 0; r < b; ++r) {
-    if (active && !active[r]) continue;
-    std::memcpy(pred_out + r * F + (F - H), n.x.data() + r * H, H * sizeof(float));
-    if (n.fc_out) std::memcpy(pred_out + r * F, aux.data() + r * (F - H), (F - H) * sizeof(float));
+  for (int64_t m = 0; m < M; ++m) {
+    if (!active[m]) continue;
+    std::memcpy(out[m] + (F - H), x.data() + m * H, H * sizeof(float));
+    if (n.fc_out) std::memcpy(out[m], aux.data() + m * (F - H), (F - H) * sizeof(float));
   }
 }
 
@@ -138,25 +147,36 @@ extern "C" void eagle_draft(
     int64_t* tokens,                      // [b, D] out
     int nthreads) {
   Net n{H, F, nq, nkv, hd, I, Vd, (nq + 2 * nkv) * hd, embed, fc, qkv, o, gate_up, down, head, fc_out, post_norm, eps,
-        ck, cv, skb, skh, nthreads, {}, {}, {}, {}, {}, {}, {}, {}};
-  n.xin.resize(b * (H + F)); n.x.resize(b * H); n.qkvb.resize(b * n.Q); n.attn.resize(b * nq * hd);
-  n.h.resize(b * H); n.gu.resize(b * 2 * I); n.act.resize(b * I);
-  const int64_t ldc = (T + D) * hd;
-  std::vector<float> pred(b * F), scratch(b * F), logits(b * Vd);
-  std::vector<int64_t> tok(b), slot(b);
-  std::vector<uint8_t> active(b);
-  // Catch-up: pair j of every row that has one, in lockstep.
-  for (int64_t j = 0; j < T; ++j) {
-    for (int64_t r = 0; r < b; ++r) {
-      active[r] = j < n_pend[r];
-      tok[r] = pend_tok[r * T + j];
-      slot[r] = lengths[r] + j;
-    }
-    step(n, b, tok.data(), pend_feat + j * F, ldp, cos + j * hd, sin_signed + j * hd, ldc, slot.data(), active.data(),
-         scratch.data());
+        ck, cv, skb, skh, nthreads};
+  const int64_t L = T + D;  // RoPE rows per cache row
+  std::vector<float> pred(b * F), scratch(b * T * F), logits(b * Vd);
+  // Catch-up: every pending pair of every row in one pass.
+  {
+    const int64_t M = b * T;
+    std::vector<int64_t> tok(M), row(M), slot(M);
+    std::vector<uint8_t> active(M);
+    std::vector<const float*> feat(M), c(M), s(M);
+    std::vector<float*> out(M);
     for (int64_t r = 0; r < b; ++r)
-      if (j == n_pend[r] - 1) std::memcpy(pred.data() + r * F, scratch.data() + r * F, F * sizeof(float));
+      for (int64_t j = 0; j < T; ++j) {
+        const int64_t m = r * T + j;
+        active[m] = j < n_pend[r];
+        tok[m] = pend_tok[m];
+        feat[m] = pend_feat + r * ldp + j * F;
+        c[m] = cos + (r * L + j) * hd;
+        s[m] = sin_signed + (r * L + j) * hd;
+        row[m] = r;
+        slot[m] = lengths[r] + j;
+        out[m] = scratch.data() + m * F;
+      }
+    step(n, M, tok.data(), feat.data(), c.data(), s.data(), row.data(), slot.data(), active.data(), out.data());
+    for (int64_t r = 0; r < b; ++r)
+      std::memcpy(pred.data() + r * F, scratch.data() + (r * T + n_pend[r] - 1) * F, F * sizeof(float));
   }
+  std::vector<int64_t> tok(b), row(b), slot(b);
+  std::vector<uint8_t> active(b, 1);
+  std::vector<const float*> feat(b), c(b), s(b);
+  std::vector<float*> out(b);
   for (int64_t d = 0; d < D; ++d) {
     // Draft distribution and the coupled sample.
     skinny_gemm(pred.data() + (F - H), F, head, nullptr, nullptr, 0, logits.data(), Vd, b, H, Vd, nthreads);
@@ -166,17 +186,21 @@ extern "C" void eagle_draft(
       int64_t best = 0;
       float best_v = -INFINITY;
       for (int64_t j = 0; j < Vd; ++j) {
-        const float s = nr ? lr[j] / temperature + nr[j] : lr[j];
-        if (s > best_v) { best_v = s; best = j; }
+        const float v = nr ? lr[j] / temperature + nr[j] : lr[j];
+        if (v > best_v) { best_v = v; best = j; }
       }
       tokens[r * D + d] = vocab_ids ? vocab_ids[best] : best;
     }
     if (d + 1 == D) break;
     for (int64_t r = 0; r < b; ++r) {
       tok[r] = tokens[r * D + d];
+      feat[r] = pred.data() + r * F;
+      c[r] = cos + (r * L + T + d) * hd;
+      s[r] = sin_signed + (r * L + T + d) * hd;
+      row[r] = r;
       slot[r] = lengths[r] + n_pend[r] + d;
+      out[r] = pred.data() + r * F;
     }
-    step(n, b, tok.data(), pred.data(), F, cos + (T + d) * hd, sin_signed + (T + d) * hd, ldc, slot.data(), nullptr,
-         pred.data());
+    step(n, b, tok.data(), feat.data(), c.data(), s.data(), row.data(), slot.data(), active.data(), out.data());
   }
 }
