@@ -104,11 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     for b in batches:
         prompts = bench_prompts(args.model, tokenizer, b * args.rounds, args.prompts)
         t_ar = t_sp = 0.0
-        tokens, same, s = 0, True, GenerateStats()
+        tokens, same, s, s_ar = 0, True, GenerateStats(), GenerateStats()
         for r in range(args.rounds):  # one request set per round: batch-1 figures over several prompts
             reqs = [Request(prompt_id=f"bench-{r * b + i}", prompt=x) for i, x in enumerate(prompts[r * b : (r + 1) * b])]
             ref, t = timed(lambda: ar.generate(reqs, params), args.repeat)
             t_ar += t
+            s_ar.merge(ar.last_stats)
             out, t = timed(lambda: sp.generate(reqs, params), args.repeat)
             t_sp += t
             same &= all(a.tokens == c.tokens for a, c in zip(ref, out))
@@ -120,17 +121,20 @@ def main(argv: list[str] | None = None) -> int:
         result["baseline_tok_s"][key] = round(tokens / t_ar, 2)
         result["ratio"][key] = round(t_ar / t_sp, 3)
         result["accept_len"][key] = round(s.accept_len, 3)
+        result.setdefault("draft_step_s", {})[key] = round(s.draft_s / max(len(s.batch_sizes), 1), 5)
+        result.setdefault("step_s", {})[key] = round(t_sp / max(len(s.batch_sizes), 1), 5)  # wall per step, prefill included
+        result.setdefault("baseline_step_s", {})[key] = round(t_ar / max(len(s_ar.batch_sizes), 1), 5)
         print(f"{b:>5} {tokens / t_sp:>10.1f} {tokens / t_ar:>9.1f} {t_ar / t_sp:>6.2f} {s.accept_len:>10.2f} "
               f"{s.draft_s:>8.2f} {s.decode_s:>8.2f}{'' if same else '  TOKENS DIFFER'}", file=sys.stderr)
     if args.cost_model:
         costs = forward_costs(target)
         result["forward_s"] = {k: round(v, 5) for k, v in costs.items()}
         b1 = str(batches[0])
-        steps = max(len(s.batch_sizes), 1)
-        draft_step = s.draft_s / steps
+        draft_step = result["draft_step_s"][b1]
         print("target forward, batch 1: " + ", ".join(f"{k} tok {v * 1e3:.1f} ms" for k, v in costs.items()), file=sys.stderr)
-        print(f"drafter: {draft_step * 1e3:.2f} ms per step (batch {batches[-1]})", file=sys.stderr)
-        result["draft_step_s"] = round(draft_step, 5)
+        print("drafter per step: " + ", ".join(f"batch {k} {v * 1e3:.2f} ms" for k, v in result["draft_step_s"].items()), file=sys.stderr)
+        print("wall per step (spec / autoregressive): " + ", ".join(
+            f"batch {k} {result['step_s'][k] * 1e3:.2f} / {result['baseline_step_s'][k] * 1e3:.2f} ms" for k in result["step_s"]), file=sys.stderr)
         if b1 in result["accept_len"]:
             w = min((int(k) for k in costs), key=lambda k: abs(k - (args.verify_tokens + 1)))
             bound = result["accept_len"][b1] * costs["1"] / (costs[str(w)] + draft_step)
