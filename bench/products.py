@@ -1,0 +1,66 @@
+"""`python -m bench.products`: skinny matrix products, torch's GEMM against engine/kernels/skinny.
+
+Times one pass over `--layers` layers' worth of a decoder's products (SmolLM2's shapes by default:
+fused qkv 576x960, o 576x576, gate-up 576x3072, down 1536x576; random weights, 425 MB for 30
+layers, so they stream from memory as in a real forward) for M rows, best of `--repeat`. This is
+what a decode step (M = batch) or a verify pass (M = batch x tokens) spends in products; it is
+how `engine.kernels.skinny.MAX_ROWS` was chosen. `--json`: `{"ratio": {M: torch / skinny}, ...}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from bench.common import batch_list, emit_json, timed
+from engine.kernels.library import available
+from engine.kernels.skinny import SkinnyMatrix
+
+SMOLLM2 = ((576, 960), (576, 576), (576, 3072), (1536, 576))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.products", description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=batch_list, default="1,2,4,8,16,32,64,96,128")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    ok, why = available()
+    if not ok:
+        print(f"error: the CPU kernels are unavailable here: {why}", file=sys.stderr)
+        return 1
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    weights = [[torch.randn(k, n) * 0.02 for k, n in SMOLLM2] for _ in range(args.layers)]
+    packed = [[SkinnyMatrix(w) for w in layer] for layer in weights]
+    result = {"ratio": {}, "ms": {}, "baseline_ms": {}}
+    print(f"{'rows':>5} {'torch ms':>9} {'skinny ms':>10} {'ratio':>6}", file=sys.stderr)
+    for m in args.rows:
+        x = {k: torch.randn(m, k) for k in {k for k, _ in SMOLLM2}}
+
+        def with_torch():
+            for layer in weights:
+                for w in layer:
+                    x[w.shape[0]] @ w
+
+        def with_skinny():
+            for layer in packed:
+                for sm in layer:
+                    sm.matmul(x[sm.K])
+
+        _, base = timed(with_torch, args.repeat)
+        _, ours = timed(with_skinny, args.repeat)
+        key = str(m)
+        result["baseline_ms"][key], result["ms"][key], result["ratio"][key] = round(base * 1e3, 2), round(ours * 1e3, 2), round(base / ours, 3)
+        print(f"{m:>5} {base * 1e3:>9.1f} {ours * 1e3:>10.1f} {base / ours:>6.2f}", file=sys.stderr)
+    if args.json:
+        emit_json(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
