@@ -5,7 +5,8 @@ The sources are compiled on first use with the machine's compiler (`g++ -O3 -mar
 sources, flags and host, and loaded with ctypes; their OpenMP threads come from the runtime
 torch already loaded (same soname). Where they cannot be built (no compiler, not x86-64 Linux),
 `available()` says why and the engine uses torch's ops: the same results up to float summation
-order, only slower. `TAILSPEC_CPU_KERNELS=0` turns them off (for side-by-side measurements).
+order, only slower. `TAILSPEC_CPU_KERNELS=0` turns them off (for side-by-side measurements);
+`TAILSPEC_CPU_MARCH` overrides `-march=native`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from pathlib import Path
 HERE = Path(__file__).parent
 SOURCES = ("skinny.cpp", "decode_ops.cpp", "eagle_chain.cpp")
 BUILD_DIR = HERE / "build"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# TAILSPEC_CPU_MARCH picks another target (e.g. x86-64-v3 to test the AVX2 code path on an AVX-512 machine).
+FLAGS = ["-O3", f"-march={os.environ.get('TAILSPEC_CPU_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
 class KernelUnavailable(RuntimeError):
@@ -53,6 +55,9 @@ def library() -> ctypes.CDLL:
             if proc.returncode != 0:
                 raise KernelUnavailable(f"{cxx} failed to build {', '.join(SOURCES)}: {proc.stderr.strip()[-500:]}")
             os.replace(out, lib_path)  # atomic: a concurrent builder sees a whole library or none
+        for stale in BUILD_DIR.glob("*.so"):  # builds of older sources (a loaded one stays mapped)
+            if stale != lib_path and stale.stat().st_mtime < lib_path.stat().st_mtime - 60:
+                stale.unlink(missing_ok=True)
     lib = ctypes.CDLL(str(lib_path))
     P, I, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     signatures = {
