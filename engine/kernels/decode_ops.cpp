@@ -10,6 +10,8 @@
 #include <cstring>
 #include <vector>
 
+#include "common.h"
+
 extern "C" {
 
 // y[m] = (x[m] * rsqrt(mean(x[m]^2) + eps)) * w, for M rows of H (HF Llama's order of operations).
@@ -41,36 +43,8 @@ void attend_rows(const float* q, int64_t sqb, int64_t sqt, const float* k, const
 #pragma omp for schedule(static)
     for (int64_t job = 0; job < jobs; ++job) {
       const int64_t b = job / (T * Hq), t = (job / Hq) % T, hq = job % Hq, h = hq / G;
-      const float* qr = q + b * sqb + t * sqt + hq * D;
-      const float* kb = k + b * skb + h * skh;
-      const float* vb = v + b * skb + h * skh;
-      const bool* mr = mask + (b * T + t) * S;
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < S; ++j) {
-        if (!mr[j]) continue;
-        const float* kr = kb + j * D;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < D; ++d) s += qr[d] * kr[d];
-        s *= scale;
-        p[j] = s;
-        mx = s > mx ? s : mx;
-      }
-      float* o = out + ((b * T + t) * Hq + hq) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-      if (mx == -INFINITY) continue;  // nothing visible: zeros (never happens for a real token)
-      float total = 0.f;
-      for (int64_t j = 0; j < S; ++j) {
-        if (!mr[j]) continue;
-        const float e = std::exp(p[j] - mx);
-        total += e;
-        const float* vr = vb + j * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] += e * vr[d];
-      }
-      const float inv = 1.f / total;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      tailspec::attend_one(q + b * sqb + t * sqt + hq * D, k + b * skb + h * skh, v + b * skb + h * skh,
+                           mask + (b * T + t) * S, S, D, scale, p.data(), out + ((b * T + t) * Hq + hq) * D);
     }
   }
 }
@@ -85,17 +59,10 @@ void attend_rows(const float* q, int64_t sqb, int64_t sqt, const float* k, const
 void rope_write_attend(float* qkv, const float* cos, const float* sin_signed, const int64_t* slots, float* k, float* v,
                        int64_t skb, int64_t skh, const bool* mask, float* out, int64_t B, int64_t T, int64_t Hq,
                        int64_t Hkv, int64_t S, int64_t D, float scale, int nthreads) {
-  const int64_t W = (Hq + 2 * Hkv) * D, half = D / 2;
-  std::vector<float> tmp(D);
+  const int64_t W = (Hq + 2 * Hkv) * D;
   for (int64_t bt = 0; bt < B * T; ++bt) {
     float* row = qkv + bt * W;
-    const float* c = cos + bt * D;
-    const float* s = sin_signed + bt * D;
-    for (int64_t h = 0; h < Hq + Hkv; ++h) {
-      float* x = row + h * D;
-      for (int64_t i = 0; i < half; ++i) { tmp[i] = x[i + half]; tmp[i + half] = x[i]; }
-      for (int64_t i = 0; i < D; ++i) x[i] = x[i] * c[i] + tmp[i] * s[i];
-    }
+    tailspec::rope_heads(row, Hq + Hkv, D, cos + bt * D, sin_signed + bt * D);
     const int64_t b = bt / T, slot = slots[bt];
     for (int64_t h = 0; h < Hkv; ++h) {
       std::memcpy(k + b * skb + h * skh + slot * D, row + (Hq + h) * D, D * sizeof(float));

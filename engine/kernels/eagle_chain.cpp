@@ -20,8 +20,11 @@
 #include <cstring>
 #include <vector>
 
+#include "common.h"
+
 extern "C" void skinny_gemm(const float* x, int64_t ldx, const float* wp, const float* bias, const float* c, int64_t ldc,
                             float* y, int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads);
+extern "C" void silu_mul_rows(const float* x, float* y, int64_t M, int64_t I);
 extern "C" void rms_norm_rows(const float* x, int64_t ldx, const float* w, float eps, float* y, int64_t ldy, int64_t M, int64_t H);
 
 
@@ -46,7 +49,7 @@ void step(Net& n, int64_t M, const int64_t* tok, const float* const* feat, const
           const float* const* sin_signed, const int64_t* row, const int64_t* slot, const uint8_t* active,
           float* const* out) {
   const int64_t H = n.H, F = n.F, hd = n.hd, nq = n.nq, nkv = n.nkv, Q = n.Q, I = n.I;
-  const int64_t G = nq / nkv, half = hd / 2;
+  const int64_t G = nq / nkv;
   const float scale = 1.f / std::sqrt((float)hd);
   std::vector<float> xin(M * (H + F)), x(M * H), qkvb(M * Q), attn(M * nq * hd), h(M * H), gu(M * 2 * I), act(M * I);
   for (int64_t m = 0; m < M; ++m) {
@@ -56,17 +59,10 @@ void step(Net& n, int64_t M, const int64_t* tok, const float* const* feat, const
   }
   skinny_gemm(xin.data(), H + F, n.fc, nullptr, nullptr, 0, x.data(), H, M, H + F, H, n.nthreads);
   skinny_gemm(x.data(), H, n.qkv, nullptr, nullptr, 0, qkvb.data(), Q, M, H, Q, n.nthreads);
-  float tmp[1024];
   for (int64_t m = 0; m < M; ++m) {  // RoPE on q and k heads, then K / V into the cache
     if (!active[m]) continue;
     float* r = qkvb.data() + m * Q;
-    const float* c = cos[m];
-    const float* s = sin_signed[m];
-    for (int64_t head_i = 0; head_i < nq + nkv; ++head_i) {
-      float* v = r + head_i * hd;
-      for (int64_t i = 0; i < half; ++i) { tmp[i] = v[i + half]; tmp[i + half] = v[i]; }
-      for (int64_t i = 0; i < hd; ++i) v[i] = v[i] * c[i] + tmp[i] * s[i];
-    }
+    tailspec::rope_heads(r, nq + nkv, hd, cos[m], sin_signed[m]);
     for (int64_t kh = 0; kh < nkv; ++kh) {
       std::memcpy(n.ck + row[m] * n.skb + kh * n.skh + slot[m] * hd, r + (nq + kh) * hd, hd * sizeof(float));
       std::memcpy(n.cv + row[m] * n.skb + kh * n.skh + slot[m] * hd, r + (nq + nkv + kh) * hd, hd * sizeof(float));
@@ -83,38 +79,14 @@ void step(Net& n, int64_t M, const int64_t* tok, const float* const* feat, const
     const int64_t S = slot[m] + 1;
     scores.resize(S);
     float* sc = scores.data();
-    for (int64_t hq = 0; hq < nq; ++hq) {
-      const float* qr = r + hq * hd;
-      const float* kb = n.ck + row[m] * n.skb + (hq / G) * n.skh;
-      const float* vb = n.cv + row[m] * n.skb + (hq / G) * n.skh;
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < S; ++j) {
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < hd; ++i) acc += qr[i] * kb[j * hd + i];
-        sc[j] = acc * scale;
-        mx = sc[j] > mx ? sc[j] : mx;
-      }
-      float* o = out_m + hq * hd;
-      for (int64_t i = 0; i < hd; ++i) o[i] = 0.f;
-      float total = 0.f;
-      for (int64_t j = 0; j < S; ++j) {
-        const float e = std::exp(sc[j] - mx);
-        total += e;
-#pragma omp simd
-        for (int64_t i = 0; i < hd; ++i) o[i] += e * vb[j * hd + i];
-      }
-      for (int64_t i = 0; i < hd; ++i) o[i] /= total;
-    }
+    for (int64_t hq = 0; hq < nq; ++hq)
+      tailspec::attend_one(r + hq * hd, n.ck + row[m] * n.skb + (hq / G) * n.skh, n.cv + row[m] * n.skb + (hq / G) * n.skh,
+                           nullptr, S, hd, scale, sc, out_m + hq * hd);
   }
   skinny_gemm(attn.data(), nq * hd, n.o, nullptr, x.data(), H, x.data(), H, M, nq * hd, H, n.nthreads);  // x += attn @ o
   rms_norm_rows(x.data(), H, n.post_norm, n.eps, h.data(), H, M, H);
   skinny_gemm(h.data(), H, n.gate_up, nullptr, nullptr, 0, gu.data(), 2 * I, M, H, 2 * I, n.nthreads);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t i = 0; i < I; ++i) {
-      const float g = gu[m * 2 * I + i];
-      act[m * I + i] = (g / (1.f + std::exp(-g))) * gu[m * 2 * I + I + i];
-    }
+  silu_mul_rows(gu.data(), act.data(), M, I);
   skinny_gemm(act.data(), I, n.down, nullptr, x.data(), H, x.data(), H, M, I, H, n.nthreads);  // x += mlp
   std::vector<float> aux;  // eagle3 also predicts the auxiliary features: [fc_out(x); x]
   if (n.fc_out) {

@@ -44,7 +44,7 @@ def library() -> ctypes.CDLL:
         raise KernelUnavailable("no C++ compiler (install g++)")
     sources = [HERE / name for name in SOURCES]
     digest = hashlib.sha256(" ".join([cxx, *FLAGS, platform.node()]).encode())
-    for src in sources:
+    for src in [*sources, HERE / "common.h"]:
         digest.update(src.read_bytes())
     lib_path = BUILD_DIR / f"tailspec_cpu-{digest.hexdigest()[:16]}.so"
     if not lib_path.exists():
