@@ -24,6 +24,7 @@ from engine.checkpoint import load_checkpoint, parse_dtype
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.layout import prepare_for_inference
+from engine.packed import pack_model
 from engine.model import Transformer, causal_mask
 from engine.sampling import SamplingParams, mask_logits, prompt_key, row_keys, sample
 from engine.spec.drafter import Admission, DraftContext, Drafter, DraftShape
@@ -109,6 +110,15 @@ class RolloutEngine:
             bad = [t for t in r.prompt if not 0 <= t < self.model.config.vocab_size]
             if bad:
                 raise ValueError(f"prompt {r.prompt_id!r} has token ids outside the vocabulary: {bad[:5]}")
+
+    def refresh_weights(self) -> None:
+        """Re-packs the target's and drafters' inference copies after their weights changed (a
+        policy update, `model.to(...)`): the compiled kernels read packed copies, not the
+        parameters, so without this they would keep serving the old weights."""
+        pack_model(self.model, refresh=True)
+        for part in getattr(self.drafter, "drafters", [self.drafter]) if self.drafter is not None else []:
+            if hasattr(part, "net"):
+                pack_model(part.net, refresh=True)
 
     @torch.inference_mode()
     def generate(self, requests: list[Request], params: SamplingParams, progress=None) -> list[Rollout]:

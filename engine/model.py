@@ -12,6 +12,7 @@ Hq / Hkv query / key-value heads, D head dim, G = Hq // Hkv query heads per key-
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -199,7 +200,7 @@ class Transformer(nn.Module):
             hidden = norm(x)
         if not logits:
             return ModelOutput(hidden=hidden, logits=None, layer_hidden=layer_hidden)
-        if self.head is not None and use_packed(self.model.layers[0], hidden):
+        if self.head is not None and self.head.skinny is not None and use_packed(self.model.layers[0], hidden):
             out = self.head(hidden.reshape(B * T, -1)).view(B, T, -1)
         else:
             out = self.lm_head(hidden)
@@ -208,8 +209,19 @@ class Transformer(nn.Module):
 
 def use_packed(layer: DecoderLayer, x: torch.Tensor) -> bool:
     """The packed path serves inference in float32 / float64 (in bf16 the modules' norm keeps HF's
-    float32 detour); anything that needs gradients takes the modules."""
-    return layer.packed is not None and x.dtype in (torch.float32, torch.float64) and not torch.is_grad_enabled()
+    float32 detour); anything that needs gradients takes the modules. Weights replaced after
+    packing (`model.to(...)`, assigning `.data`) leave the packed copy stale: then the modules
+    run, with a warning to re-pack."""
+    if layer.packed is None or x.dtype not in (torch.float32, torch.float64) or torch.is_grad_enabled():
+        return False
+    if layer.packed.qkv.w.data_ptr() != layer.self_attn.q_proj.weight.data_ptr():
+        warnings.warn(
+            "the model's weights were replaced after engine.packed packed them; running the unpacked modules. "
+            "Call RolloutEngine.refresh_weights() (or engine.packed.pack_model(model, refresh=True)).",
+            stacklevel=3,
+        )
+        return False
+    return True
 
 
 def causal_mask(slots: torch.Tensor, length: int | None = None) -> torch.Tensor:

@@ -167,7 +167,7 @@ def _rope(x: torch.Tensor, s: StepInputs) -> torch.Tensor:
 
 
 def _norm(p: PackedLayer, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return decode_ops.rms_norm(x, w, p.eps) if p.kernels and x.shape[0] <= skinny.MAX_ROWS else F.rms_norm(x, (x.shape[-1],), w, p.eps)
+    return decode_ops.rms_norm(x, w, p.eps) if p.kernels and x.shape[0] <= decode_ops.MAX_TOKENS else F.rms_norm(x, (x.shape[-1],), w, p.eps)
 
 
 def packed_forward(p: PackedLayer, x: torch.Tensor, s: StepInputs, cache: KVCache | None, layer: int) -> torch.Tensor:
@@ -177,7 +177,7 @@ def packed_forward(p: PackedLayer, x: torch.Tensor, s: StepInputs, cache: KVCach
     x2 = x.reshape(B * T, H)
     h = _norm(p, x2, p.in_norm) if p.in_norm is not None else x2
     qkv = p.qkv(h, bias=p.qkv_bias).view(B, T, nq + 2 * nkv, d)
-    if p.kernels and cache is not None and p.q_norm is None and B * T <= skinny.MAX_ROWS:
+    if p.kernels and cache is not None and p.q_norm is None and B * T <= decode_ops.MAX_TOKENS:
         # RoPE, the cache write and attention in one compiled call.
         out = decode_ops.rope_write_attend(qkv, s.cos_rows, s.sin_rows, s.cache_pos, cache.k[layer], cache.v[layer],
                                            s.mask_rows, nq, d**-0.5)
@@ -195,7 +195,7 @@ def packed_forward(p: PackedLayer, x: torch.Tensor, s: StepInputs, cache: KVCach
         ck, cv = cache.k[layer], cache.v[layer]  # [N, Hkv, M, D]
         ck[s.rows, :, s.cache_pos] = k  # indexed view is [B, T, Hkv, D]
         cv[s.rows, :, s.cache_pos] = v
-        if p.kernels and B * T <= skinny.MAX_ROWS:  # Qwen3's q / k norms: rotated here, attention compiled
+        if p.kernels and B * T <= decode_ops.MAX_TOKENS:  # Qwen3's q / k norms: rotated here, attention compiled
             out = decode_ops.attend(q, ck, cv, s.mask_rows, d**-0.5).view(B * T, nq * d)
             x2 = p.o(out, residual=x2)
             return _mlp(p, x2).view(B, T, H)

@@ -155,3 +155,43 @@ def test_rope_write_attend_equals_rope_then_cache_write_then_attention():
 def test_silu_mul_equals_torch():
     x = torch.randn(5, 2 * 24)
     torch.testing.assert_close(decode_ops.silu_mul(x), F.silu(x[:, :24]) * x[:, 24:], rtol=1e-5, atol=1e-6)
+
+
+def test_engine_serves_new_weights_after_refresh_weights(hf_folders):
+    from engine.config import EngineConfig
+    from engine.engine import RolloutEngine
+    from engine.types import Request
+
+    model = load_checkpoint(hf_folders["llama"])
+    engine = RolloutEngine(model, EngineConfig(max_batch=2, max_len=64))
+    reqs = [Request(prompt_id="p", prompt=[3, 4, 5])]
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    before = engine.generate(reqs, params)[0].tokens
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0)  # in place: the packed torch views see it, the kernels' copies do not
+    engine.refresh_weights()
+    after = engine.generate(reqs, params)[0].tokens
+    fresh = RolloutEngine(load_checkpoint(hf_folders["llama"]), EngineConfig(max_batch=2, max_len=64))
+    with torch.no_grad():
+        for p in fresh.model.parameters():
+            p.mul_(-1.0)
+    fresh.refresh_weights()
+    assert after == fresh.generate(reqs, params)[0].tokens
+    assert after != before
+
+
+def test_weights_replaced_after_packing_fall_back_to_the_modules_with_a_warning(hf_folders):
+    model = prepare_for_inference(load_checkpoint(hf_folders["llama"]))
+    reference = load_checkpoint(hf_folders["llama"])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone() * 2.0  # new storage: the packed copies are stale now
+        for p in reference.parameters():
+            p.mul_(2.0)
+    ids = torch.tensor([[3, 4, 5]])
+    with torch.inference_mode(), pytest.warns(UserWarning, match="refresh_weights"):
+        got = model(ids, torch.arange(3)[None]).logits
+    with torch.inference_mode():
+        want = reference(ids, torch.arange(3)[None]).logits
+    torch.testing.assert_close(got, want)

@@ -7,6 +7,10 @@ import torch
 
 from engine.kernels.library import library
 
+# New tokens per call up to which the fused norm and attention serve (a verify pass of 16 rows x
+# 17 tokens is 272); longer prefills go to torch (SDPA's flash kernel wins on long sequences).
+MAX_TOKENS = 512
+
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
     """x [M, H] float32 (rows contiguous) -> (x * rsqrt(mean(x^2) + eps)) * w."""

@@ -20,8 +20,8 @@ def supported(net) -> bool:
     emb = net.target.model.embed_tokens.weight
     return (
         p is not None and p.kernels and p.qkv_bias is None and p.q_norm is None and p.in_norm is None
-        and net.head.skinny is not None and net.fc_product.skinny is not None
-        and (net.fc_out is None or getattr(net, "fc_out_product", None) is not None)
+        and net.head is not None and net.fc_product is not None
+        and (net.fc_out is None or net.fc_out_product is not None)
         and emb.is_contiguous() and emb.dtype == torch.float32 and p.d <= 1024
     )
 

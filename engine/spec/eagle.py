@@ -115,10 +115,10 @@ class EagleModel(nn.Module):
         w = self.target.lm_head.weight.detach()  # [V, H]
         # Stored [H, Vd] contiguous: few-row products are fastest with that operand (engine.layout).
         self.__dict__["head_t"] = (w[self.draft_vocab] if self.draft_vocab.numel() else w).t().contiguous()
-        self.__dict__["head"] = Product(self.head_t, kernel)
-        self.__dict__["fc_product"] = Product(self.fc.weight.detach().t(), kernel)  # fc for inference
-        if self.fc_out is not None:
-            self.__dict__["fc_out_product"] = Product(self.fc_out.weight.detach().t(), kernel)
+        # Packed copies for the compiled kernels (inference only; None: the modules serve).
+        self.__dict__["head"] = Product(self.head_t, True) if kernel else None
+        self.__dict__["fc_product"] = Product(self.fc.weight.detach().t(), True) if kernel else None
+        self.__dict__["fc_out_product"] = Product(self.fc_out.weight.detach().t(), True) if kernel and self.fc_out is not None else None
 
     @property
     def vocab_ids(self) -> torch.Tensor | None:
@@ -137,7 +137,7 @@ class EagleModel(nn.Module):
         """Returns the predicted features f_{t+1}: [B, T, F]."""
         emb = self.target.model.embed_tokens(tokens).detach()  # [B, T, H]
         pair = torch.cat([emb, features], -1)  # [B, T, H + F]
-        if torch.is_grad_enabled():
+        if self.fc_product is None or torch.is_grad_enabled():
             x = self.fc(pair)  # [B, T, H]
         else:
             x = self.fc_product(pair.reshape(-1, pair.shape[-1])).view(*pair.shape[:-1], -1)
@@ -160,7 +160,7 @@ class EagleModel(nn.Module):
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """[..., F] predicted features -> [..., Vd] draft logits (frozen target head, draft vocab rows)."""
         h = predicted[..., -self.config.hidden_size :]
-        if torch.is_grad_enabled():
+        if self.head is None or torch.is_grad_enabled():
             return h @ self.head_t
         return self.head(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
 
