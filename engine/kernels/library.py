@@ -19,12 +19,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
 HERE = Path(__file__).parent
 SOURCES = ("skinny.cpp", "decode_ops.cpp", "eagle_chain.cpp")
-BUILD_DIR = HERE / "build"
+BUILD_DIR = HERE / "build"  # or, where the package is read-only, ~/.cache/tailspec/kernels
 # TAILSPEC_CPU_MARCH picks another target (e.g. x86-64-v3 to test the AVX2 code path on an AVX-512 machine).
 FLAGS = ["-O3", f"-march={os.environ.get('TAILSPEC_CPU_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
@@ -46,16 +47,16 @@ def library() -> ctypes.CDLL:
     digest = hashlib.sha256(" ".join([cxx, *FLAGS, platform.node()]).encode())
     for src in [*sources, HERE / "common.h"]:
         digest.update(src.read_bytes())
-    lib_path = BUILD_DIR / f"tailspec_cpu-{digest.hexdigest()[:16]}.so"
+    build_dir = _build_dir()
+    lib_path = build_dir / f"tailspec_cpu-{digest.hexdigest()[:16]}.so"
     if not lib_path.exists():
-        BUILD_DIR.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=BUILD_DIR) as tmp:
+        with tempfile.TemporaryDirectory(dir=build_dir) as tmp:
             out = Path(tmp) / lib_path.name
             proc = subprocess.run([cxx, *FLAGS, *map(str, sources), "-o", str(out)], capture_output=True, text=True)
             if proc.returncode != 0:
                 raise KernelUnavailable(f"{cxx} failed to build {', '.join(SOURCES)}: {proc.stderr.strip()[-500:]}")
             os.replace(out, lib_path)  # atomic: a concurrent builder sees a whole library or none
-        for stale in BUILD_DIR.glob("*.so"):  # builds of older sources (a loaded one stays mapped)
+        for stale in build_dir.glob("*.so"):  # builds of older sources (a loaded one stays mapped)
             if stale != lib_path and stale.stat().st_mtime < lib_path.stat().st_mtime - 60:
                 stale.unlink(missing_ok=True)
     lib = ctypes.CDLL(str(lib_path))
@@ -75,10 +76,24 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+def _build_dir() -> Path:
+    for candidate in (BUILD_DIR, Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tailspec" / "kernels"):
+        try:
+            candidate.mkdir(parents=True, exist_ok=True)
+            if os.access(candidate, os.W_OK):
+                return candidate
+        except OSError:
+            continue
+    raise KernelUnavailable(f"no writable folder to build the kernels in ({BUILD_DIR} or ~/.cache/tailspec/kernels)")
+
+
+@lru_cache(maxsize=1)
 def available() -> tuple[bool, str]:
-    """(usable, reason): whether the kernels build and load here, and if not, why."""
+    """(usable, reason): whether the kernels build and load here, and if not, why (asked once per
+    process: a failed build is not retried on every call)."""
     try:
         library()
         return True, "ok"
     except (KernelUnavailable, OSError) as e:
+        warnings.warn(f"TailSpec CPU kernels unavailable, using torch ops (slower): {e}", stacklevel=2)
         return False, str(e)
