@@ -31,6 +31,7 @@ from torch import nn
 from engine.kernels import decode_ops, skinny
 from engine.kernels.library import available
 from engine.kv_cache import KVCache
+from engine.rope import signed_sin
 
 
 class Product:
@@ -148,8 +149,7 @@ class StepInputs:
 def step_inputs(cos, sin, mask, cache_pos, n_groups: int) -> StepInputs:
     """cos, sin [B, T or 1, D]; mask [B, T, S] bool."""
     B, T, D = cos.shape[0], mask.shape[-2], cos.shape[-1]
-    half = D // 2
-    sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), -1)
+    sin_signed = signed_sin(sin)
     if n_groups > 1:
         folded = mask.unsqueeze(1).expand(B, n_groups, T, mask.shape[-1]).reshape(B, 1, n_groups * T, mask.shape[-1])
     else:

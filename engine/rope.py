@@ -92,6 +92,13 @@ def rope_cos_sin(
     return cos.to(dtype), sin.to(dtype)
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """[..., D] sin -> sin with its first half negated: then rotate_half(x) * sin is
+    x.roll(D / 2, -1) * signed_sin(sin), one op instead of a slice-negate-cat."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), -1)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, T, heads, D]; cos, sin [B, T, D] (the half-rotation layout of HF Llama)."""
     half = x.shape[-1] // 2

@@ -26,6 +26,7 @@ import torch
 
 from engine.kernels import eagle_chain as chain_kernel
 from engine.model import Transformer
+from engine.rope import signed_sin
 from engine.sampling import SamplingParams, derive_keys, gumbel, mask_logits
 from engine.spec.drafter import Admission, DraftContext, DrafterBase
 from engine.spec.eagle import EagleModel
@@ -135,10 +136,8 @@ class EagleDrafter(DrafterBase):
         steps = torch.arange(T + D, device=ctx.roots.device)
         pos = lengths.unsqueeze(1) + 1 + torch.where(steps < T, steps, n.unsqueeze(1) + steps - T)  # [b, T+D]
         cos, sin = self.net.rope(pos, self.pend_feat.dtype)
-        half = cos.shape[-1] // 2
-        sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), -1)
         draft = chain_kernel.draft(self.net, tokens, self.pend_feat[:b], n, D, self._chain_noise(ctx, b, D),
-                                   self.params.temperature, cos, sin_signed, self.cache, lengths)
+                                   self.params.temperature, cos, signed_sin(sin), self.cache, lengths)
         lengths += n
         return DraftTree.chains(draft)
 
