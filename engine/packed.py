@@ -91,7 +91,7 @@ def _pack_linears(linears: list[nn.Linear]) -> torch.Tensor:
 @torch.no_grad()
 def pack_layer(layer: nn.Module) -> PackedLayer:
     a, mlp = layer.self_attn, layer.mlp
-    kernel = use_kernel(a.q_proj.weight)
+    kernel = use_kernel(a.q_proj.weight) and a.d <= 1024  # the kernels' RoPE scratch holds 1024 floats
     qkv = Product(_pack_linears([a.q_proj, a.k_proj, a.v_proj]), kernel)
     bias = None
     if a.q_proj.bias is not None:
