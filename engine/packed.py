@@ -219,7 +219,7 @@ def packed_forward(p: PackedLayer, x: torch.Tensor, s: StepInputs, cache: KVCach
 def _mlp(p: PackedLayer, x2: torch.Tensor) -> torch.Tensor:
     """x2 [M, H] -> x2 + MLP(norm(x2))."""
     gu = p.gate_up(_norm(p, x2, p.post_norm))  # [M, 2I]
-    if p.kernels and gu.shape[0] <= 4:  # scalar exp: only a win for a few rows (torch vectorises it)
+    if p.kernels and gu.shape[0] <= decode_ops.MAX_TOKENS:
         act = decode_ops.silu_mul(gu)
     else:
         act = F.silu(gu[:, : p.inter]) * gu[:, p.inter :]

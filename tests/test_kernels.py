@@ -195,3 +195,27 @@ def test_weights_replaced_after_packing_fall_back_to_the_modules_with_a_warning(
     with torch.inference_mode():
         want = reference(ids, torch.arange(3)[None]).logits
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_verify_pass_reproduces_sequential_decoding_bit_for_bit(hf_folders, family):
+    """With the kernels every row is computed on its own in a fixed order, so the logits of k
+    tokens verified in one pass (in a batch with other rows) equal, bit for bit, those of
+    decoding them one at a time alone: what makes speculative rollouts the same tokens."""
+    model = prepare_for_inference(load_checkpoint(hf_folders[family]))
+    cfg = model.config
+    prompt, cont = [3, 17, 42, 8], [9, 11, 5, 7, 2, 30]
+    P, K = len(prompt), len(cont)
+    with torch.inference_mode():
+        cache = KVCache.for_model(cfg, 1, 32, torch.float32)
+        model(torch.tensor([prompt]), torch.arange(P)[None], cache=cache)
+        sequential = torch.stack([
+            model(torch.tensor([[t]]), torch.tensor([[P + i]]), cache=cache).logits[0, 0] for i, t in enumerate(cont)
+        ])
+        others = [[5, 6, 7, 1], [2, 2, 9, 4]]
+        batch = KVCache.for_model(cfg, 3, 32, torch.float32)
+        ids = torch.tensor([others[0], prompt, others[1]])
+        model(ids, torch.arange(P).expand(3, P), cache=batch)
+        verify = torch.tensor([[1, 2, 3, 4, 5, 6], cont, [7, 8, 9, 10, 11, 12]])
+        one_pass = model(verify, (P + torch.arange(K)).expand(3, K), cache=batch).logits[1]
+    assert torch.equal(one_pass, sequential)

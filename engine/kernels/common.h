@@ -5,6 +5,25 @@
 
 namespace tailspec {
 
+// exp(x) in float32 to ~2 ulp (Cephes' expf polynomial), written so that GCC vectorises it
+// without -ffast-math (no floor, no min / max calls, no type-punning through memory): every
+// element goes through the same operations whatever the vector width or loop length, so results
+// do not depend on batch shape.
+inline float fast_expf(float x) {
+  x = x < -87.33654f ? -87.33654f : x;
+  x = x > 88.72283f ? 88.72283f : x;
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2): 1.5 * 2^23 trick
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln 2, in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * (r * r) + r + 1.0f;
+  return y * __builtin_bit_cast(float, ((int32_t)n + 127) << 23);  // y * 2^n
+}
+
 // HF Llama's half rotation, in place, on `heads` consecutive heads of D floats:
 // x = x * cos + rotate_half(x) * sin, with sin_signed = sin whose first half is negated.
 inline void rope_heads(float* x, int64_t heads, int64_t D, const float* cos, const float* sin_signed) {
@@ -24,7 +43,10 @@ inline void attend_one(const float* q, const float* k, const float* v, const boo
                        float scale, float* scores, float* out) {
   float mx = -INFINITY;
   for (int64_t j = 0; j < S; ++j) {
-    if (mask && !mask[j]) continue;
+    if (mask && !mask[j]) {
+      scores[j] = -INFINITY;
+      continue;
+    }
     const float* kr = k + j * D;
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -35,10 +57,12 @@ inline void attend_one(const float* q, const float* k, const float* v, const boo
   }
   for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
   if (mx == -INFINITY) return;  // nothing visible: zeros (never happens for a real token)
+#pragma omp simd
+  for (int64_t j = 0; j < S; ++j) scores[j] = fast_expf(scores[j] - mx);  // masked slots: unused
   float total = 0.f;
   for (int64_t j = 0; j < S; ++j) {
     if (mask && !mask[j]) continue;
-    const float e = std::exp(scores[j] - mx);
+    const float e = scores[j];
     total += e;
     const float* vr = v + j * D;
 #pragma omp simd

@@ -7,9 +7,10 @@ import torch
 
 from engine.kernels.library import library
 
-# New tokens per call up to which the fused norm and attention serve (a verify pass of 16 rows x
-# 17 tokens is 272); longer prefills go to torch (SDPA's flash kernel wins on long sequences).
-MAX_TOKENS = 512
+# New tokens per call up to which the fused norm, attention and gating serve: every decode and
+# verify pass (128 rows x 17 tokens is 2176), for the same bit-for-bit reason as skinny.MAX_ROWS;
+# longer prefills go to torch (SDPA's flash kernel wins on long sequences).
+MAX_TOKENS = 4096
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
