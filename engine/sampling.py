@@ -74,7 +74,31 @@ def row_keys(seed: int, step: int, prompts: torch.Tensor, samples: torch.Tensor)
 
 
 def uniform(keys: torch.Tensor, positions: torch.Tensor, vocab: int | torch.Tensor) -> torch.Tensor:
-    """keys [N], positions [N] -> uniforms in (0, 1) [N, V] (float32); `vocab` may be an id tensor [V]."""
+    """keys [N], positions [N] -> uniforms in (0, 1) [N, V] (float32); `vocab` may be an id tensor [V].
+
+    On a CPU with the compiled kernels this is one pass (engine/kernels/noise.cpp), bit for bit
+    the same values as the tensor ops below (integer hashing; an exact float conversion)."""
+    if keys.device.type == "cpu" and _kernel_ok():
+        from engine.kernels.library import library
+
+        k, p = keys.contiguous(), positions.expand_as(keys).contiguous()
+        ids = None if isinstance(vocab, int) else vocab.contiguous()
+        V = vocab if isinstance(vocab, int) else vocab.numel()
+        out = torch.empty(k.numel(), V, dtype=torch.float32)
+        library().uniform_rows(k.data_ptr(), p.data_ptr(), ids.data_ptr() if ids is not None else None, k.numel(), V,
+                               out.data_ptr(), torch.get_num_threads())
+        return out
+    return uniform_reference(keys, positions, vocab)
+
+
+def _kernel_ok() -> bool:
+    from engine.kernels.library import available
+
+    return available()[0]
+
+
+def uniform_reference(keys: torch.Tensor, positions: torch.Tensor, vocab: int | torch.Tensor) -> torch.Tensor:
+    """`uniform` in tensor ops (any device): the definition the compiled kernel reproduces."""
     ids = torch.arange(vocab, device=keys.device) if isinstance(vocab, int) else vocab
     site = mix64(keys ^ mix64(positions + _GOLDEN))  # [N], fully mixed per (row, position)
     # Per token one multiply-xorshift-multiply round suffices: site is already uniform and

@@ -219,3 +219,12 @@ def test_a_verify_pass_reproduces_sequential_decoding_bit_for_bit(hf_folders, fa
         verify = torch.tensor([[1, 2, 3, 4, 5, 6], cont, [7, 8, 9, 10, 11, 12]])
         one_pass = model(verify, (P + torch.arange(K)).expand(3, K), cache=batch).logits[1]
     assert torch.equal(one_pass, sequential)
+
+
+def test_compiled_uniforms_equal_the_tensor_definition_bit_for_bit():
+    from engine.sampling import row_keys, uniform, uniform_reference
+
+    keys = row_keys(7, 3, torch.tensor([1, 99, 123456789, 5]), torch.tensor([0, 1, 2, 3]))
+    positions = torch.tensor([0, 17, 4095, 2**40])
+    for vocab in (50, 49152, torch.tensor([3, 0, 77, 49151, 12])):
+        assert torch.equal(uniform(keys, positions, vocab), uniform_reference(keys, positions, vocab))

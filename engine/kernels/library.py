@@ -24,7 +24,7 @@ from functools import lru_cache
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = ("skinny.cpp", "decode_ops.cpp", "eagle_chain.cpp")
+SOURCES = ("skinny.cpp", "decode_ops.cpp", "eagle_chain.cpp", "noise.cpp")
 BUILD_DIR = HERE / "build"  # or, where the package is read-only, ~/.cache/tailspec/kernels
 # TAILSPEC_CPU_MARCH picks another target (e.g. x86-64-v3 to test the AVX2 code path on an AVX-512 machine).
 FLAGS = ["-O3", f"-march={os.environ.get('TAILSPEC_CPU_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -68,6 +68,7 @@ def library() -> ctypes.CDLL:
         "attend_rows": [P, I, I, P, P, I, I, P, P, I, I, I, I, I, I, F32, INT],
         "rope_write_attend": [P, P, P, P, P, P, I, I, P, P, I, I, I, I, I, I, F32, INT],
         "silu_mul_rows": [P, P, I, I],
+        "uniform_rows": [P, P, P, I, I, P, INT],
         "eagle_draft": [I] * 10 + [P, P, I, P, P, P, P, F32, P, P] + [P] * 7 + [P, F32, P, P, I, I, P, P, INT],
     }
     for name, args in signatures.items():
