@@ -68,3 +68,10 @@ def batch_list(text: str) -> list[int]:
 
 def emit_json(obj: dict) -> None:
     print(json.dumps(obj, sort_keys=True))
+
+
+def record_ms(result: dict, key: str, baseline_s: float, ours_s: float) -> None:
+    """Stores a side-by-side timing under `key`: ms of both and the ratio baseline / ours."""
+    result["baseline_ms"][key] = round(baseline_s * 1e3, 2)
+    result["ms"][key] = round(ours_s * 1e3, 2)
+    result["ratio"][key] = round(baseline_s / ours_s, 3)

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from bench.common import emit_json
+from bench.common import emit_json, record_ms
 from bench.spec import forward_costs
 from engine.checkpoint import load_checkpoint
 from engine.layout import prepare_for_inference
@@ -41,10 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'rows x tokens':>13} {'loaded ms':>10} {'engine ms':>10} {'ratio':>6}", file=sys.stderr)
     for rows, width in SHAPES:
         key = f"{rows}x{width}"
-        base = forward_costs(plain, (width,), batch=rows, repeat=args.repeat)[str(width)] * 1e3
-        new = forward_costs(ours, (width,), batch=rows, repeat=args.repeat)[str(width)] * 1e3
-        result["baseline_ms"][key], result["ms"][key], result["ratio"][key] = round(base, 2), round(new, 2), round(base / new, 3)
-        print(f"{key:>13} {base:>10.2f} {new:>10.2f} {base / new:>6.2f}", file=sys.stderr)
+        base = forward_costs(plain, (width,), batch=rows, repeat=args.repeat)[str(width)]
+        new = forward_costs(ours, (width,), batch=rows, repeat=args.repeat)[str(width)]
+        record_ms(result, key, base, new)
+        print(f"{key:>13} {base * 1e3:>10.2f} {new * 1e3:>10.2f} {base / new:>6.2f}", file=sys.stderr)
     if args.json:
         emit_json(result)
     return 0

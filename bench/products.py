@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from bench.common import batch_list, emit_json, timed
+from bench.common import batch_list, emit_json, record_ms, timed
 from engine.kernels.library import available
 from engine.kernels.skinny import SkinnyMatrix
 
@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
         _, base = timed(with_torch, args.repeat)
         _, ours = timed(with_skinny, args.repeat)
-        key = str(m)
-        result["baseline_ms"][key], result["ms"][key], result["ratio"][key] = round(base * 1e3, 2), round(ours * 1e3, 2), round(base / ours, 3)
+        record_ms(result, str(m), base, ours)
         print(f"{m:>5} {base * 1e3:>9.1f} {ours * 1e3:>10.1f} {base / ours:>6.2f}", file=sys.stderr)
     if args.json:
         emit_json(result)

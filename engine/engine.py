@@ -66,12 +66,9 @@ class RolloutEngine:
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
         self.model = model.eval()
-        prepare_for_inference(model)
         self.drafter = drafter
-        if drafter is not None:
-            for part in getattr(drafter, "drafters", [drafter]):  # a FallbackDrafter's parts too
-                if hasattr(part, "net"):
-                    prepare_for_inference(part.net)
+        for net in [model, *self._drafter_nets()]:
+            prepare_for_inference(net)
         spec = self.cfg.spec
         self.shape = DraftShape(depth=spec.depth, topk=spec.topk, verify_tokens=spec.verify_tokens, iid_children=spec.verify == "rejection")
         self.max_len = min(self.cfg.max_len, model.config.max_position_embeddings)
@@ -79,11 +76,8 @@ class RolloutEngine:
         self.cache = KVCache.for_model(model.config, self.cfg.max_batch, self.max_len + margin, model.dtype, model.device)
         # RoPE rows for every position the target and drafters reach (drafts run ahead of the cache).
         reach = self.max_len + margin + 2 * self.shape.verify_tokens + 2 * spec.depth + 2
-        model.build_rope_table(reach)
-        if drafter is not None:
-            for part in getattr(drafter, "drafters", [drafter]):
-                if hasattr(part, "net"):
-                    part.net.build_rope_table(reach)
+        for net in [model, *self._drafter_nets()]:
+            net.build_rope_table(reach)
         self.last_stats = GenerateStats()
 
     @classmethod
@@ -115,10 +109,14 @@ class RolloutEngine:
         """Re-packs the target's and drafters' inference copies after their weights changed (a
         policy update, `model.to(...)`): the compiled kernels read packed copies, not the
         parameters, so without this they would keep serving the old weights."""
-        pack_model(self.model, refresh=True)
-        for part in getattr(self.drafter, "drafters", [self.drafter]) if self.drafter is not None else []:
-            if hasattr(part, "net"):
-                pack_model(part.net, refresh=True)
+        for net in [self.model, *self._drafter_nets()]:
+            pack_model(net, refresh=True)
+
+    def _drafter_nets(self) -> list:
+        """The drafters' networks (a FallbackDrafter's parts too); model-free drafters have none."""
+        if self.drafter is None:
+            return []
+        return [part.net for part in getattr(self.drafter, "drafters", [self.drafter]) if hasattr(part, "net")]
 
     @torch.inference_mode()
     def generate(self, requests: list[Request], params: SamplingParams, progress=None) -> list[Rollout]:

@@ -21,10 +21,9 @@ from torch import nn
 
 from engine.kv_cache import KVCache
 from engine.model_config import ModelConfig
-from engine.kernels.decode_ops import rms_norm
-from engine.kernels.skinny import MAX_ROWS
+from engine.kernels.decode_ops import MAX_TOKENS, rms_norm
 from engine.packed import PackedLayer, Product, packed_forward, step_inputs
-from engine.rope import RopeTable, apply_rope, inverse_frequencies, rope_cos_sin
+from engine.rope import RopeSource, apply_rope, inverse_frequencies
 
 
 @dataclass
@@ -126,7 +125,7 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class Transformer(nn.Module):
+class Transformer(RopeSource, nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -137,23 +136,15 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", torch.empty(0), persistent=False)
         self.init_rope()
         self.head: Product | None = None  # the LM head packed for inference (engine.packed.pack_model)
-        self.rope_table: RopeTable | None = None  # set by the engine (build_rope_table)
 
     def init_rope(self) -> None:
         cfg = self.config
         inv_freq, self.attention_factor = inverse_frequencies(cfg.rope_spec(), cfg.head_dim, cfg.max_position_embeddings)
         self.inv_freq = inv_freq.to(self.lm_head.weight.device)
 
-    def build_rope_table(self, length: int) -> None:
-        """Precompute RoPE for positions < length (the engine's reach): forwards gather rows."""
-        if self.rope_table is not None and self.rope_table.length >= length:
-            return  # engines sharing a model: the longest reach serves all
-        self.rope_table = RopeTable(length, self.inv_freq, self.attention_factor, self.dtype)
-
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.rope_table is not None and dtype == self.rope_table.cos.dtype:
-            return self.rope_table.lookup(positions)
-        return rope_cos_sin(positions, self.inv_freq, self.attention_factor, dtype)
+    @property
+    def rope_dtype(self) -> torch.dtype:
+        return self.dtype
 
     @property
     def dtype(self) -> torch.dtype:
@@ -181,29 +172,22 @@ class Transformer(nn.Module):
         cos, sin = self.rope(positions, self.dtype)
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
         layer_hidden = {}
-        if use_packed(self.model.layers[0], x):
+        packed = use_packed(self.model.layers[0], x)
+        if packed:
             s = step_inputs(cos, sin, attn_mask, cache_pos, self.config.num_attention_heads // self.config.num_key_value_heads)
-            for i, layer in enumerate(self.model.layers):
-                x = packed_forward(layer.packed, x, s, cache, i)
-                if i in hidden_layers:
-                    layer_hidden[i] = x
         else:
             mask = attn_mask.unsqueeze(1)  # [B, 1, T, S]
-            for i, layer in enumerate(self.model.layers):
-                x = layer(x, cos, sin, mask, cache, cache_pos)
-                if i in hidden_layers:
-                    layer_hidden[i] = x
+        for i, layer in enumerate(self.model.layers):
+            x = packed_forward(layer.packed, x, s, cache, i) if packed else layer(x, cos, sin, mask, cache, cache_pos)
+            if i in hidden_layers:
+                layer_hidden[i] = x
+        # With the kernels: the final norm and the LM head are compiled too (rows stay independent).
+        kernels = packed and self.model.layers[0].packed.kernels and self.head is not None and B * T <= MAX_TOKENS
         norm = self.model.norm
-        if self.head is not None and self.head.skinny is not None and use_packed(self.model.layers[0], x) and B * T <= MAX_ROWS:
-            hidden = rms_norm(x.reshape(B * T, -1), norm.weight, norm.eps).view(B, T, -1)
-        else:
-            hidden = norm(x)
+        hidden = rms_norm(x.reshape(B * T, -1), norm.weight, norm.eps).view(B, T, -1) if kernels else norm(x)
         if not logits:
             return ModelOutput(hidden=hidden, logits=None, layer_hidden=layer_hidden)
-        if self.head is not None and self.head.skinny is not None and use_packed(self.model.layers[0], hidden):
-            out = self.head(hidden.reshape(B * T, -1)).view(B, T, -1)
-        else:
-            out = self.lm_head(hidden)
+        out = self.head(hidden.reshape(B * T, -1)).view(B, T, -1) if kernels else self.lm_head(hidden)
         return ModelOutput(hidden=hidden, logits=out, layer_hidden=layer_hidden)
 
 

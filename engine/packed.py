@@ -126,7 +126,7 @@ def pack_model(model: nn.Module, refresh: bool = False) -> nn.Module:
             m.packed = pack_layer(m)
         if isinstance(m, Transformer) and (m.head is None or refresh):
             w = m.lm_head.weight
-            m.head = Product(w.t(), use_kernel(w))
+            m.head = Product(w.t(), True) if use_kernel(w) else None  # without the kernels lm_head serves
         if hasattr(m, "refresh_head") and not isinstance(m, Transformer):  # an EAGLE drafter
             m.refresh_head(kernel=use_kernel(m.fc.weight))
     return model
@@ -136,12 +136,10 @@ def pack_model(model: nn.Module, refresh: bool = False) -> nn.Module:
 class StepInputs:
     """What every layer of one forward shares, computed once per forward."""
 
-    cos: torch.Tensor  # [B, T, 1, D]
-    sin_signed: torch.Tensor  # [B, T, 1, D]: sin with the first half negated (rotate-half folded in)
-    mask: torch.Tensor  # [B, 1, G*T, S] bool, the GQA groups folded into the query length
-    mask_rows: torch.Tensor  # [B, T, S] bool, as given (for the fused attention)
-    cos_rows: torch.Tensor  # [B, T, D] contiguous, one row per new token (for the fused attention)
-    sin_rows: torch.Tensor  # [B, T, D] the same for sin_signed
+    cos: torch.Tensor  # [B, T, D] contiguous, one row per new token
+    sin_signed: torch.Tensor  # [B, T, D]: sin with the first half negated (rotate-half folded in)
+    mask: torch.Tensor  # [B, 1, G*T, S] bool, the GQA groups folded into the query length (SDPA)
+    mask_rows: torch.Tensor  # [B, T, S] bool, as given (the fused attention)
     rows: torch.Tensor  # [B, 1] row index, for cache writes
     cache_pos: torch.Tensor | None  # [B, T]
 
@@ -157,13 +155,12 @@ def step_inputs(cos, sin, mask, cache_pos, n_groups: int) -> StepInputs:
     rows = torch.arange(B, device=cos.device).unsqueeze(1)
     if cache_pos is not None:
         cache_pos = cache_pos.contiguous()
-    cos_rows, sin_rows = cos.expand(B, T, D).contiguous(), sin_signed.expand(B, T, D).contiguous()
-    return StepInputs(cos.unsqueeze(2), sin_signed.unsqueeze(2), folded, mask, cos_rows, sin_rows, rows, cache_pos)
+    return StepInputs(cos.expand(B, T, D).contiguous(), sin_signed.expand(B, T, D).contiguous(), folded, mask, rows, cache_pos)
 
 
 def _rope(x: torch.Tensor, s: StepInputs) -> torch.Tensor:
     """x [B, T, heads, D] -> rotated (HF's half-rotation: x cos + rotate_half(x) sin)."""
-    return x * s.cos + x.roll(x.shape[-1] // 2, -1) * s.sin_signed
+    return x * s.cos.unsqueeze(2) + x.roll(x.shape[-1] // 2, -1) * s.sin_signed.unsqueeze(2)
 
 
 def _norm(p: PackedLayer, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -173,16 +170,22 @@ def _norm(p: PackedLayer, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def packed_forward(p: PackedLayer, x: torch.Tensor, s: StepInputs, cache: KVCache | None, layer: int) -> torch.Tensor:
     """x [B, T, H] -> [B, T, H]; writes this layer's keys and values at s.cache_pos."""
     B, T, H = x.shape
-    nq, nkv, d = p.n_q, p.n_kv, p.d
     x2 = x.reshape(B * T, H)
     h = _norm(p, x2, p.in_norm) if p.in_norm is not None else x2
-    qkv = p.qkv(h, bias=p.qkv_bias).view(B, T, nq + 2 * nkv, d)
-    if p.kernels and cache is not None and p.q_norm is None and B * T <= decode_ops.MAX_TOKENS:
-        # RoPE, the cache write and attention in one compiled call.
-        out = decode_ops.rope_write_attend(qkv, s.cos_rows, s.sin_rows, s.cache_pos, cache.k[layer], cache.v[layer],
+    qkv = p.qkv(h, bias=p.qkv_bias).view(B, T, p.n_q + 2 * p.n_kv, p.d)
+    x2 = p.o(_attention(p, qkv, s, cache, layer), residual=x2)  # residual + attention
+    return _mlp(p, x2).view(B, T, H)
+
+
+def _attention(p: PackedLayer, qkv: torch.Tensor, s: StepInputs, cache: KVCache | None, layer: int) -> torch.Tensor:
+    """qkv [B, T, Hq + 2 Hkv, D] -> attention output [B*T, Hq D]; writes the new keys and values."""
+    B, T = qkv.shape[:2]
+    nq, nkv, d = p.n_q, p.n_kv, p.d
+    fused = p.kernels and cache is not None and B * T <= decode_ops.MAX_TOKENS
+    if fused and p.q_norm is None:  # RoPE, the cache write and attention in one compiled call
+        out = decode_ops.rope_write_attend(qkv, s.cos, s.sin_signed, s.cache_pos, cache.k[layer], cache.v[layer],
                                            s.mask_rows, nq, d**-0.5)
-        x2 = p.o(out.view(B * T, nq * d), residual=x2)
-        return _mlp(p, x2).view(B, T, H)
+        return out.view(B * T, nq * d)
     if p.q_norm is None:
         qk = _rope(qkv[:, :, : nq + nkv], s)
         q, k = qk[:, :, :nq], qk[:, :, nq:]
@@ -195,10 +198,8 @@ def packed_forward(p: PackedLayer, x: torch.Tensor, s: StepInputs, cache: KVCach
         ck, cv = cache.k[layer], cache.v[layer]  # [N, Hkv, M, D]
         ck[s.rows, :, s.cache_pos] = k  # indexed view is [B, T, Hkv, D]
         cv[s.rows, :, s.cache_pos] = v
-        if p.kernels and B * T <= decode_ops.MAX_TOKENS:  # Qwen3's q / k norms: rotated here, attention compiled
-            out = decode_ops.attend(q, ck, cv, s.mask_rows, d**-0.5).view(B * T, nq * d)
-            x2 = p.o(out, residual=x2)
-            return _mlp(p, x2).view(B, T, H)
+        if fused:  # Qwen3's q / k norms: rotated above, attention compiled
+            return decode_ops.attend(q, ck, cv, s.mask_rows, d**-0.5).view(B * T, nq * d)
         k, v = ck[:B, :, :S], cv[:B, :, :S]  # [B, Hkv, S, D]
     else:
         k, v = k.transpose(1, 2), v.transpose(1, 2)
@@ -209,11 +210,8 @@ def packed_forward(p: PackedLayer, x: torch.Tensor, s: StepInputs, cache: KVCach
         q = q.reshape(B, T, nkv, G, d).permute(0, 2, 3, 1, 4).reshape(B, nkv, G * T, d)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=s.mask)  # [B, Hkv, G*T, D]
     if T == 1:
-        out = out.reshape(B, nq * d)
-    else:
-        out = out.view(B, nkv, G, T, d).permute(0, 3, 1, 2, 4).reshape(B * T, nq * d)
-    x2 = p.o(out, residual=x2)  # residual + attention
-    return _mlp(p, x2).view(B, T, H)
+        return out.reshape(B, nq * d)
+    return out.view(B, nkv, G, T, d).permute(0, 3, 1, 2, 4).reshape(B * T, nq * d)
 
 
 def _mlp(p: PackedLayer, x2: torch.Tensor) -> torch.Tensor:

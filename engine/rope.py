@@ -120,3 +120,22 @@ class RopeTable:
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> cos, sin [B, T, D]."""
         return self.cos[positions], self.sin[positions]
+
+
+class RopeSource:
+    """Mixin for a module with `inv_freq` and `attention_factor`: RoPE for positions, from a
+    table the engine builds once (`build_rope_table`) or computed when there is none."""
+
+    rope_table: RopeTable | None = None
+
+    def build_rope_table(self, length: int) -> None:
+        """Precompute RoPE for positions < length (the engine's reach): forwards gather rows."""
+        if self.rope_table is not None and self.rope_table.length >= length:
+            return  # engines sharing a model: the longest reach serves all
+        self.rope_table = RopeTable(length, self.inv_freq, self.attention_factor, self.rope_dtype)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, T, D] in `dtype`."""
+        if self.rope_table is not None and dtype == self.rope_table.cos.dtype:
+            return self.rope_table.lookup(positions)
+        return rope_cos_sin(positions, self.inv_freq, self.attention_factor, dtype)

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.library import available
+from engine.kernels.noise import uniform_rows
+
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # splitmix64 constants as signed int64
 _M2 = 0x94D049BB133111EB - (1 << 64)
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -78,23 +81,9 @@ def uniform(keys: torch.Tensor, positions: torch.Tensor, vocab: int | torch.Tens
 
     On a CPU with the compiled kernels this is one pass (engine/kernels/noise.cpp), bit for bit
     the same values as the tensor ops below (integer hashing; an exact float conversion)."""
-    if keys.device.type == "cpu" and _kernel_ok():
-        from engine.kernels.library import library
-
-        k, p = keys.contiguous(), positions.expand_as(keys).contiguous()
-        ids = None if isinstance(vocab, int) else vocab.contiguous()
-        V = vocab if isinstance(vocab, int) else vocab.numel()
-        out = torch.empty(k.numel(), V, dtype=torch.float32)
-        library().uniform_rows(k.data_ptr(), p.data_ptr(), ids.data_ptr() if ids is not None else None, k.numel(), V,
-                               out.data_ptr(), torch.get_num_threads())
-        return out
+    if keys.device.type == "cpu" and available()[0]:
+        return uniform_rows(keys, positions, vocab)
     return uniform_reference(keys, positions, vocab)
-
-
-def _kernel_ok() -> bool:
-    from engine.kernels.library import available
-
-    return available()[0]
 
 
 def uniform_reference(keys: torch.Tensor, positions: torch.Tensor, vocab: int | torch.Tensor) -> torch.Tensor:

@@ -146,7 +146,7 @@ def test_rope_write_attend_equals_rope_then_cache_write_then_attention():
     k_ref[rows, :, slots] = qk[:, :, Hq:]
     v_ref[rows, :, slots] = qkv[:, :, Hq + Hkv :]
     want = decode_ops.attend(qk[:, :, :Hq], k_ref, v_ref, mask, D**-0.5)
-    got = decode_ops.rope_write_attend(qkv.clone(), s.cos_rows, s.sin_rows, slots, k_cache, v_cache, mask, Hq, D**-0.5)
+    got = decode_ops.rope_write_attend(qkv.clone(), s.cos, s.sin_signed, slots, k_cache, v_cache, mask, Hq, D**-0.5)
     torch.testing.assert_close(k_cache, k_ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(v_cache, v_ref)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -23,6 +23,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tenso
     return y
 
 
+def _check_cache_layer(who: str, k: torch.Tensor, v: torch.Tensor, D: int, mask: torch.Tensor) -> torch.Tensor:
+    """Keys / values must be cache rows [N, Hkv, M, D] with contiguous heads; returns the mask contiguous."""
+    if k.stride(3) != 1 or k.stride(2) != D or v.stride() != k.stride():
+        raise ValueError(f"{who}: keys and values must be cache rows [N, Hkv, M, D] with contiguous heads")
+    return mask.contiguous()
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, T, Hq, D] (each head's D contiguous, heads adjacent); k, v [B, Hkv, M, D] (a cache
     layer's rows, contiguous); mask [B, T, S] bool (S <= M) -> [B, T, Hq, D]."""
@@ -30,10 +37,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     Hkv = k.shape[1]
     if q.stride(3) != 1 or q.stride(2) != D:
         q = q.contiguous()
-    if k.stride(3) != 1 or k.stride(2) != D or v.stride() != k.stride():
-        raise ValueError("attend: keys and values must be cache rows [B, Hkv, M, D] with contiguous heads")
-    if not mask.is_contiguous():
-        mask = mask.contiguous()
+    mask = _check_cache_layer("attend", k, v, D, mask)
     out = torch.empty(B, T, Hq, D, dtype=torch.float32)
     library().attend_rows(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), mask.data_ptr(),
@@ -51,10 +55,7 @@ def rope_write_attend(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Te
     Hkv = k.shape[1]
     if not (qkv.is_contiguous() and cos.is_contiguous() and sin_signed.is_contiguous() and slots.is_contiguous()):
         raise ValueError("rope_write_attend: qkv, cos, sin and slots must be contiguous")
-    if k.stride(3) != 1 or k.stride(2) != D or v.stride() != k.stride():
-        raise ValueError("rope_write_attend: keys and values must be cache rows [N, Hkv, M, D] with contiguous heads")
-    if not mask.is_contiguous():
-        mask = mask.contiguous()
+    mask = _check_cache_layer("rope_write_attend", k, v, D, mask)
     out = torch.empty(B, T, n_q, D, dtype=torch.float32)
     library().rope_write_attend(
         qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), k.data_ptr(), v.data_ptr(),
@@ -65,7 +66,8 @@ def rope_write_attend(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Te
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [M, 2I] contiguous (gate, then up) -> silu(gate) * up [M, I]."""
+    """x [M, 2I] (gate, then up) -> silu(gate) * up [M, I]."""
+    x = x.contiguous()
     M, two_i = x.shape
     y = torch.empty(M, two_i // 2, dtype=torch.float32)
     library().silu_mul_rows(x.data_ptr(), y.data_ptr(), M, two_i // 2)

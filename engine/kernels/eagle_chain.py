@@ -2,8 +2,8 @@
 
 `draft` runs the catch-up and D draft levels for b rows of an `EagleModel` packed with the
 kernels (engine.packed): the same function as EagleDrafter's Python catch-up and chain, without
-~40 dispatched ops per network call. It serves plain sampling (no top-k / top-p) and greedy; the drafter uses the Python
-path otherwise.
+~40 dispatched ops per network call. It serves plain sampling (no top-k / top-p) and greedy;
+the drafter uses the Python path otherwise.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from engine.kv_cache import KVCache
 from engine.model import DecoderLayer, Transformer, causal_mask, use_packed
 from engine.packed import Product, packed_forward, step_inputs
 from engine.model_config import ModelConfig
-from engine.rope import RopeTable, inverse_frequencies, rope_cos_sin
+from engine.rope import RopeSource, inverse_frequencies
 
 ARCH = "TailSpecEagleDrafter"
 
@@ -77,7 +77,7 @@ class EagleConfig:
         )
 
 
-class EagleModel(nn.Module):
+class EagleModel(RopeSource, nn.Module):
     def __init__(self, cfg: EagleConfig, target: Transformer, draft_vocab: torch.Tensor | None = None) -> None:
         super().__init__()
         self.config = cfg
@@ -95,19 +95,11 @@ class EagleModel(nn.Module):
             cfg.layer_config().rope_spec(), cfg.head_dim, cfg.max_position_embeddings
         )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.rope_table: RopeTable | None = None  # set by the engine (build_rope_table)
         self.refresh_head()
 
-    def build_rope_table(self, length: int) -> None:
-        """Precompute RoPE for positions < length (the engine's reach): drafting gathers rows."""
-        if self.rope_table is not None and self.rope_table.length >= length:
-            return  # engines sharing a model: the longest reach serves all
-        self.rope_table = RopeTable(length, self.inv_freq, self.attention_factor, self.fc.weight.dtype)
-
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.rope_table is not None and dtype == self.rope_table.cos.dtype:
-            return self.rope_table.lookup(positions)
-        return rope_cos_sin(positions, self.inv_freq, self.attention_factor, dtype)
+    @property
+    def rope_dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
 
     def refresh_head(self, kernel: bool = False) -> None:
         """Re-reads the target's LM head rows of the draft vocabulary (after the target changes);

@@ -105,12 +105,12 @@ class DraftTree:
         return PaddedTree(tokens, parents, depth, valid, q, self.chain)
 
 
-def _rounds(n: int) -> int:
+def jump_rounds(n: int) -> int:
     """Pointer-jumping rounds that cover paths of up to n edges."""
     return max(1, (n).bit_length())
 
 
-def _pointers(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def parent_pointers(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """[B, N] -> [B, 1+N] index of each entry's parent in [root, nodes]; root and padding point to themselves."""
     B, N = parents.shape
     own = torch.arange(N + 1, device=parents.device).expand(B, N + 1)
@@ -120,9 +120,9 @@ def _pointers(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def node_depths(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """parents [B, N] (-1 = root) -> 1-based depth [B, N], 0 where invalid (list ranking)."""
     B, N = parents.shape
-    jump = _pointers(parents, valid)  # [B, 1+N]
+    jump = parent_pointers(parents, valid)  # [B, 1+N]
     depth = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=parents.device), valid.long()], 1)
-    for _ in range(_rounds(N)):  # after r rounds, depth counts up to 2^r edges
+    for _ in range(jump_rounds(N)):  # after r rounds, depth counts up to 2^r edges
         depth = depth + depth.gather(1, jump)
         jump = jump.gather(1, jump)
     return depth[:, 1:]
@@ -135,9 +135,9 @@ def ancestors(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """
     B, N = parents.shape
     eye = torch.eye(N + 1, device=parents.device).expand(B, N + 1, N + 1)
-    step = eye + torch.zeros_like(eye).scatter(2, _pointers(parents, valid).unsqueeze(-1), 1.0)  # self and parent
+    step = eye + torch.zeros_like(eye).scatter(2, parent_pointers(parents, valid).unsqueeze(-1), 1.0)  # self and parent
     anc = step.clamp(max=1)
-    for _ in range(_rounds(N)):  # paths double in length each round
+    for _ in range(jump_rounds(N)):  # paths double in length each round
         anc = (anc @ anc).clamp(max=1)
     return anc > 0
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.spec.tree import jump_rounds, parent_pointers
+
 
 @dataclass
 class Verdict:
@@ -40,9 +42,9 @@ def accepted_nodes(match: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     """
     B, N = match.shape
     ok = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=match.device), match], 1)  # [B, 1+N], root ok
-    own = torch.arange(N + 1, device=match.device).expand(B, N + 1)
-    jump = torch.cat([own[:, :1], torch.where(parents >= 0, parents + 1, 0)], 1)
-    for _ in range(max(1, N.bit_length())):
+    # Nodes that do not match point to themselves: they stay rejected and stop every walk through them.
+    jump = parent_pointers(parents, match)  # [B, 1+N]
+    for _ in range(jump_rounds(N)):
         ok = ok & ok.gather(1, jump)
         jump = jump.gather(1, jump)
     return ok[:, 1:]
