@@ -1,9 +1,14 @@
-"""General instruction prompts from templates: `python -m spot.prompts --num N --out FILE [--seed S]`.
+"""General instruction prompts from templates: `python -m spot.prompts --num N --out FILE [--split S] [--seed S]`.
 
 Drafter warm-start for a chat model needs prompts like the ones it will answer, and nothing can
 be downloaded, so prompts are composed: instruction templates x subjects, plus arithmetic word
-problems with random numbers. Each line is `{"id": "gen-<i>", "prompt": "..."}`; the draw is
-deterministic in the seed, and different seeds give different mixes of the same families.
+problems with random numbers. Each line is `{"id": "<split>-<i>", "prompt": "..."}`; the draw
+is deterministic in the split and the seed.
+
+Splits: every fifth subject and every fourth item belong to `test` only, the rest to `train`, so
+a test prompt never appears in a train file whatever the seeds (a drafter benchmarked on
+prompts it was trained on would be measured on memorised responses: at T = 0 they are the very
+same tokens).
 """
 
 from __future__ import annotations
@@ -23,6 +28,23 @@ SUBJECTS = (
     "the periodic table", "music theory", "sleep", "the ocean tides", "bread baking", "the Olympic Games",
     "renewable energy", "dinosaurs", "the solar system", "friendship", "time management", "a small village",
     "a lost robot", "a lighthouse keeper", "a dragon who is afraid of fire", "the first day at a new school",
+    "glaciers", "ancient Egypt", "suspension bridges", "wind turbines", "the violin", "tea", "the Silk Road",
+    "mushrooms", "whales", "the human brain", "money", "a talking cat", "deserts", "the telescope", "gardening",
+    # Appended, never reordered: a subject's split is fixed by its index.
+    "the Renaissance", "submarines", "hurricanes", "the Pyramids of Giza", "electric cars", "yoga", "the Vikings",
+    "spiders", "the blockchain", "tornadoes", "the human skeleton", "origami", "the Arctic", "bacteria",
+    "the Eiffel Tower", "magnets", "the piano", "kangaroos", "the Cold War", "rain", "batteries", "cheese making",
+    "the Milky Way", "soccer", "the Amazon rainforest", "elephants", "the Great Depression", "trains", "owls",
+    "nuclear power", "the alphabet", "pizza", "the Himalayas", "butterflies", "the French language", "clouds",
+    "the United Nations", "sharks", "plastic pollution", "the wheel", "jazz", "ants", "Mars", "the camera",
+    "ancient Greece", "wolves", "the Sahara", "vitamins", "a haunted house", "a time traveller", "a brave knight",
+    "a pirate ship", "a rainy afternoon", "a secret garden", "a talking tree", "the last day of summer",
+    "a city on the Moon", "an old clock", "a friendly ghost", "a mountain climber", "a busy airport",
+    "public libraries", "video games", "social media", "the immune response to a cold", "exercise", "breakfast",
+    "the Roman Colosseum", "the printing of money", "satellites", "comets", "the Dead Sea", "chocolate",
+    "bamboo", "frogs", "the Great Barrier Reef", "Shakespeare", "Albert Einstein", "Marie Curie", "the telephone",
+    "cryptography", "the metric system", "bicycles in cities", "volunteering", "learning a language",
+    "saving money", "public speaking", "first aid", "camping", "photography", "knitting", "the Mona Lisa",
 )
 
 TEMPLATES = (
@@ -41,51 +63,72 @@ TEMPLATES = (
     "Write a short dialogue between two friends talking about {s}.",
     "How would you teach a class about {s}? Give a short lesson plan.",
     "Compare {s} with {t}.",
+    "How does {s} work? Keep it short.",
+    "Tell me an interesting story involving {s}.",
+    "Write a short news report about {s}.",
+    "Give three tips for someone curious about {s}.",
+    "Describe {s} in five sentences.",
+    "What questions do people often ask about {s}? Answer two of them.",
 )
 
 NAMES = ("Anna", "Ben", "Carla", "David", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kofi", "Lena")
 ITEMS = ("apples", "books", "marbles", "stickers", "cookies", "pencils", "coins", "cards")
 
 
-def word_problem(rng: random.Random) -> str:
+SPLITS = ("train", "test")
+
+
+def split_subjects(split: str) -> tuple[str, ...]:
+    return tuple(s for i, s in enumerate(SUBJECTS) if (i % 5 == 4) == (split == "test"))
+
+
+def split_items(split: str) -> tuple[str, ...]:
+    return tuple(s for i, s in enumerate(ITEMS) if (i % 4 == 3) == (split == "test"))
+
+
+def word_problem(rng: random.Random, items: tuple[str, ...] = ITEMS) -> str:
     a, b, c = rng.randint(3, 60), rng.randint(2, 40), rng.randint(2, 9)
-    name, other, item = rng.choice(NAMES), rng.choice(NAMES), rng.choice(ITEMS)
+    name, other, item = rng.choice(NAMES), rng.choice(NAMES), rng.choice(items)
     forms = (
         f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now? Explain step by step.",
         f"{name} has {a + b} {item} and gives {b} to {other}. How many are left? Show your reasoning.",
         f"A box holds {c} {item}. {name} has {a} boxes. How many {item} is that in total? Solve step by step.",
         f"{name} shares {a * c} {item} equally among {c} friends. How many does each friend get? Explain.",
-        f"{name} reads {c} pages a day. How many days does a {a * c}-page book take? Explain your answer.",
-        f"What is {a} + {b} * {c}? Explain the order of operations.",
+        f"{name} packs {c} {item} a day. How many days does it take to pack {a * c} {item}? Explain your answer.",
+        f"{name} has {a} {item} and buys {b} packs of {c} {item}. How many {item} is that? Write it as {a} + {b} * {c}.",
     )
     return rng.choice(forms)
 
 
-def make_prompts(num: int, seed: int = 0) -> list[dict]:
-    """`num` prompts: about 3 in 4 from templates x subjects, the rest word problems; no duplicates while possible."""
+def make_prompts(num: int, seed: int = 0, split: str = "train") -> list[dict]:
+    """`num` prompts of `split`: about 3 in 4 from templates x subjects, the rest word problems; no duplicates while possible."""
     if num <= 0:
         raise ValueError(f"num must be > 0, got {num}")
-    rng = random.Random(f"spot.prompts:{seed}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    subjects, items = split_subjects(split), split_items(split)
+    rng = random.Random(f"spot.prompts:{split}:{seed}")
     seen: set[str] = set()
     rows: list[dict] = []
     attempts = 0
     while len(rows) < num:
         attempts += 1
         if rng.random() < 0.75:
-            s, t = rng.sample(SUBJECTS, 2)
+            s, t = rng.sample(subjects, 2)
             text = rng.choice(TEMPLATES).format(s=s, t=t)
         else:
-            text = word_problem(rng)
+            text = word_problem(rng, items)
         if text in seen and attempts < 100 * num:
             continue
         seen.add(text)
-        rows.append({"id": f"gen-{len(rows)}", "prompt": text})
+        rows.append({"id": f"{split}-{len(rows)}", "prompt": text})
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m spot.prompts", description=__doc__.splitlines()[0])
     p.add_argument("--num", type=int, required=True, help="number of prompts (> 0)")
+    p.add_argument("--split", choices=SPLITS, default="train", help="train: drafter data; test: held-out subjects")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True, help="output JSONL file")
     args = p.parse_args(argv)
@@ -93,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--num must be > 0, got {args.num}")
     if not args.out.parent.is_dir():
         p.error(f"output folder {str(args.out.parent)!r} does not exist")
-    rows = make_prompts(args.num, args.seed)
+    rows = make_prompts(args.num, args.seed, args.split)
     args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"wrote {len(rows)} prompts to {args.out}", file=sys.stderr)
+    print(f"wrote {len(rows)} {args.split} prompts to {args.out}", file=sys.stderr)
     return 0
 
 

@@ -201,3 +201,12 @@ def test_template_prompts_are_distinct_and_deterministic():
     a = make_prompts(200, seed=1)
     assert a == make_prompts(200, seed=1) and a != make_prompts(200, seed=2)
     assert len({r["prompt"] for r in a}) == 200 and len({r["id"] for r in a}) == 200
+
+
+def test_test_split_prompts_never_occur_in_a_train_split_whatever_the_seeds():
+    train = {r["prompt"] for seed in range(3) for r in make_prompts(2000, seed=seed, split="train")}
+    test = [r["prompt"] for seed in range(3) for r in make_prompts(400, seed=seed, split="test")]
+    assert len(set(test)) > 300 and not train.intersection(test)
+    assert all(r["id"].startswith("test-") for r in make_prompts(5, split="test"))
+    with pytest.raises(ValueError, match="split must be one of"):
+        make_prompts(5, split="dev")
