@@ -19,6 +19,7 @@ import random
 import sys
 from pathlib import Path
 
+# New subjects and items go at the end, never in between: a value's split is fixed by its index.
 SUBJECTS = (
     "photosynthesis", "the water cycle", "black holes", "the French Revolution", "volcanoes", "honey bees",
     "the human heart", "climate change", "the internet", "machine learning", "the Roman Empire", "coral reefs",
@@ -30,7 +31,6 @@ SUBJECTS = (
     "a lost robot", "a lighthouse keeper", "a dragon who is afraid of fire", "the first day at a new school",
     "glaciers", "ancient Egypt", "suspension bridges", "wind turbines", "the violin", "tea", "the Silk Road",
     "mushrooms", "whales", "the human brain", "money", "a talking cat", "deserts", "the telescope", "gardening",
-    # Appended, never reordered: a subject's split is fixed by its index.
     "the Renaissance", "submarines", "hurricanes", "the Pyramids of Giza", "electric cars", "yoga", "the Vikings",
     "spiders", "the blockchain", "tornadoes", "the human skeleton", "origami", "the Arctic", "bacteria",
     "the Eiffel Tower", "magnets", "the piano", "kangaroos", "the Cold War", "rain", "batteries", "cheese making",
@@ -78,12 +78,9 @@ ITEMS = ("apples", "books", "marbles", "stickers", "cookies", "pencils", "coins"
 SPLITS = ("train", "test")
 
 
-def split_subjects(split: str) -> tuple[str, ...]:
-    return tuple(s for i, s in enumerate(SUBJECTS) if (i % 5 == 4) == (split == "test"))
-
-
-def split_items(split: str) -> tuple[str, ...]:
-    return tuple(s for i, s in enumerate(ITEMS) if (i % 4 == 3) == (split == "test"))
+def in_split(values: tuple[str, ...], every: int, split: str) -> tuple[str, ...]:
+    """Every `every`-th value (the last of each run) is test-only; the others are train."""
+    return tuple(v for i, v in enumerate(values) if (i % every == every - 1) == (split == "test"))
 
 
 def word_problem(rng: random.Random, items: tuple[str, ...] = ITEMS) -> str:
@@ -106,7 +103,7 @@ def make_prompts(num: int, seed: int = 0, split: str = "train") -> list[dict]:
         raise ValueError(f"num must be > 0, got {num}")
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
-    subjects, items = split_subjects(split), split_items(split)
+    subjects, items = in_split(SUBJECTS, 5, split), in_split(ITEMS, 4, split)
     rng = random.Random(f"spot.prompts:{split}:{seed}")
     seen: set[str] = set()
     rows: list[dict] = []
