@@ -1,0 +1,203 @@
+"""dashboard.png: one figure of a run, drawn from its folder's files alone.
+
+Panels: mean reward (with its std band) and held-out accuracy over steps; the response-length
+distribution of the first and last quarter of the steps; the step time split into rollout /
+idle / log-prob / update / sync / other; accept length and rate; each rank's idle share;
+rollout throughput. A panel whose metrics the run did not log says so instead.
+
+`python -m pipeline.metrics.dashboard runs/<run>` rebuilds the dashboard and summary.txt.
+Drawn on matplotlib's Agg canvas directly (no pyplot, no global backend switch).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from PIL import Image
+
+from engine.atomic import atomic_write
+from pipeline.metrics.history import TIME_SPLIT, RunHistory, load_history
+from pipeline.metrics.summary import write_summary
+
+DASHBOARD_FILE = "dashboard.png"
+COLORS = {"rollout": "#4C72B0", "idle": "#C44E52", "logprob": "#8172B2", "update": "#55A868", "sync": "#CCB974",
+          "other": "#B0B0B0"}
+
+
+def _no_data(ax: Axes, what: str) -> None:
+    ax.text(0.5, 0.5, f"no {what} logged", ha="center", va="center", transform=ax.transAxes, color="0.45")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _reward(ax: Axes, h: RunHistory) -> None:
+    ax.set_title("Reward and held-out accuracy")
+    steps, mean = h.series("reward/mean")
+    eval_steps, accuracy = h.series("eval/accuracy")
+    if not steps and not eval_steps:
+        return _no_data(ax, "reward/mean or eval/accuracy")
+    handles = []
+    if steps:
+        handles += ax.plot(steps, mean, color="#4C72B0", label="reward/mean")
+        std = dict(zip(*h.series("reward/std")))
+        if std:
+            band = [(s, m, std[s]) for s, m in zip(steps, mean) if s in std]
+            ax.fill_between([s for s, _, _ in band], [m - d for _, m, d in band], [m + d for _, m, d in band],
+                            color="#4C72B0", alpha=0.15, linewidth=0)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    if eval_steps:
+        acc_ax = ax.twinx()
+        handles += acc_ax.plot(eval_steps, accuracy, "o-", color="#DD8452", markersize=3, label="eval/accuracy")
+        acc_ax.set_ylabel("held-out accuracy")
+        acc_ax.set_ylim(0, 1)
+    ax.legend(handles=handles, loc="lower right", fontsize=8)
+
+
+def _lengths(ax: Axes, h: RunHistory) -> None:
+    ax.set_title("Response lengths")
+    steps = list(h.lengths)
+    if not steps:
+        return _no_data(ax, "response lengths (lengths.jsonl)")
+    quarter = max(1, len(steps) // 4)
+    groups = [steps[:quarter]] if len(steps) <= quarter else [steps[:quarter], steps[-quarter:]]
+    longest = max(max(h.lengths[s], default=0) for g in groups for s in g)
+    bins = np.linspace(0, max(longest, 1), 31)  # shared, so the two quarters compare bar for bar
+    for group, color in zip(groups, ("#4C72B0", "#DD8452")):
+        values = [n for s in group for n in h.lengths[s]]
+        label = f"step {group[0]}" if len(group) == 1 else f"steps {group[0]}-{group[-1]}"
+        ax.hist(values, bins=bins, color=color, alpha=0.55, label=f"{label} (n={len(values)})")
+    ax.set_xlabel("response length (tokens)")
+    ax.set_ylabel("rollouts")
+    ax.legend(fontsize=8)
+
+
+def _time_split(ax: Axes, h: RunHistory) -> None:
+    ax.set_title("Step time split")
+    rows = [(s, r) for s, r in h.rows.items() if "timing/step" in r]
+    if not rows:
+        return _no_data(ax, "timing/step")
+    top = 1.3 * max(r["timing/step"] for _, r in rows)  # headroom for the legend
+    rows = _chunk_means(rows, max_points=150)  # a long run's per-step noise hides the split
+    steps = [s for s, _ in rows]
+    layers = {name: [r.get(f"timing/{name}", 0.0) for _, r in rows] for name in TIME_SPLIT}
+    layers = {name: values for name, values in layers.items() if any(values)}
+    layers["other"] = [max(r["timing/step"] - sum(v[i] for v in layers.values()), 0.0) for i, (_, r) in enumerate(rows)]
+    if len(steps) == 1:
+        bottom = 0.0
+        for name, values in layers.items():
+            ax.bar(steps, values, bottom=bottom, color=COLORS[name], label=name, width=0.6)
+            bottom += values[0]
+    else:
+        ax.stackplot(steps, *layers.values(), labels=list(layers), colors=[COLORS[n] for n in layers], alpha=0.85)
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.set_ylim(0, top)
+    ax.legend(loc="upper left", fontsize=8, ncol=3)
+
+
+def _chunk_means(rows: list[tuple[int, dict]], max_points: int) -> list[tuple[float, dict]]:
+    """At most max_points rows: consecutive steps averaged in equal chunks (at its mean step)."""
+    size = -(-len(rows) // max_points)
+    if size == 1:
+        return rows
+    out = []
+    for start in range(0, len(rows), size):
+        chunk = rows[start:start + size]
+        names = {k for _, r in chunk for k in r if k.startswith("timing/")}
+        out.append((sum(s for s, _ in chunk) / len(chunk),
+                    {k: sum(r.get(k, 0.0) for _, r in chunk) / len(chunk) for k in names}))
+    return out
+
+
+def _speculation(ax: Axes, h: RunHistory) -> None:
+    ax.set_title("Speculation")
+    steps, accept_len = h.series("spec/accept_len")
+    rate_steps, rate = h.series("spec/accept_rate")
+    if not steps and not rate_steps:
+        return _no_data(ax, "spec/accept_len or spec/accept_rate")
+    handles = []
+    if steps:
+        handles += ax.plot(steps, accept_len, color="#55A868", label="accept length")
+        ax.set_ylabel("accepted tokens per verify")
+    ax.set_xlabel("step")
+    if rate_steps:
+        rate_ax = ax.twinx()
+        handles += rate_ax.plot(rate_steps, rate, color="#8172B2", linestyle="--", label="accept rate")
+        rate_ax.set_ylabel("accept rate")
+        rate_ax.set_ylim(0, 1)
+    ax.legend(handles=handles, loc="lower right", fontsize=8)
+
+
+def _idle(ax: Axes, h: RunHistory) -> None:
+    ax.set_title("Idle share per rank")
+    shares = [(r, h.share(f"timing/idle/rank{r}")) for r in h.ranks("timing/idle")]
+    shares = [(r, s) for r, s in shares if s is not None]
+    if not shares:
+        return _no_data(ax, "timing/idle/rank<r> with timing/step")
+    ax.bar([str(r) for r, _ in shares], [s for _, s in shares], color=COLORS["idle"])
+    overall = h.share("timing/idle")
+    if overall is not None:
+        ax.axhline(overall, color="0.3", linestyle=":", label=f"mean {overall:.1%}")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("rank")
+    ax.set_ylabel("share of step time waiting")
+    ax.yaxis.set_major_formatter(lambda v, _: f"{v:.0%}")
+
+
+def _throughput(ax: Axes, h: RunHistory) -> None:
+    ax.set_title("Rollout throughput")
+    steps, tps = h.series("rollout/tokens_per_s")
+    if not steps:
+        return _no_data(ax, "rollout/tokens_per_s")
+    ax.plot(steps, tps, color="#4C72B0")
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens / s")
+    ax.set_ylim(bottom=0)
+
+
+PANELS = (_reward, _lengths, _time_split, _speculation, _idle, _throughput)
+
+
+def dashboard_figure(history: RunHistory, title: str) -> Figure:
+    fig = Figure(figsize=(15, 8.4), dpi=90, layout="constrained")
+    fig.suptitle(f"{title}: {len(history.rows)} steps", fontsize=13)
+    for panel, ax in zip(PANELS, fig.subplots(2, 3).flat):
+        panel(ax, history)
+        ax.grid(alpha=0.25)
+    return fig
+
+
+def render_dashboard(run_dir: str | Path) -> Path:
+    """Draw <run_dir>/dashboard.png from the run's metrics files; returns its path."""
+    run_dir = Path(run_dir)
+    fig = dashboard_figure(load_history(run_dir), run_dir.name)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    # A 256-colour palette keeps a long run's antialiased lines well under 200 KB (about a third of RGB).
+    image = Image.fromarray(np.asarray(canvas.buffer_rgba())[..., :3]).quantize(256)
+    path = run_dir / DASHBOARD_FILE
+    atomic_write(path, lambda tmp: image.save(tmp, format="PNG", optimize=True))
+    return path
+
+
+def write_report(run_dir: str | Path) -> tuple[Path, Path]:
+    """The dashboard and summary.txt of a run; prints both paths."""
+    dashboard, summary = render_dashboard(run_dir), write_summary(run_dir)
+    print(f"dashboard: {dashboard}\nsummary: {summary}", flush=True)
+    return dashboard, summary
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m pipeline.metrics.dashboard runs/<run>")
+    write_report(argv[0])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

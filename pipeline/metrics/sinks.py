@@ -1,0 +1,152 @@
+"""The logger's sinks: JSONL files in the run folder, a W&B run, and a console line per step.
+
+A sink receives every logged step as `write(step, metrics, lengths)` (`lengths` is the step's
+response lengths or None) and is closed once. Sinks raise on failure; the logger decides what a
+failure means for the run (see pipeline.metrics.logger). None of them knows about ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+from pipeline.metrics import jsonl
+
+WANDB_MODES = {"online": "online", "offline": "offline", "disabled": "disabled",
+               "run": "online", "dryrun": "offline"}  # wandb's own aliases, as WANDB_MODE may use them
+
+
+class Sink(Protocol):
+    name: str
+
+    def write(self, step: int, metrics: Mapping[str, float], lengths: Sequence[int] | None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """metrics.jsonl and lengths.jsonl in the run folder, appended and flushed line by line."""
+
+    name = "jsonl"
+
+    def __init__(self, run_dir: str | Path) -> None:
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = run_dir / jsonl.METRICS_FILE
+        self.lengths_path = run_dir / jsonl.LENGTHS_FILE
+        self._metrics = open(self.metrics_path, "a")
+        self._lengths = open(self.lengths_path, "a")
+
+    def truncate_after(self, step: int) -> None:
+        """On resume from a checkpoint of `step`: drop the lines of later steps (the run redoes them)."""
+        for f, path in ((self._metrics, self.metrics_path), (self._lengths, self.lengths_path)):
+            f.close()
+            jsonl.truncate_after(path, step)
+        self._metrics = open(self.metrics_path, "a")
+        self._lengths = open(self.lengths_path, "a")
+
+    def write(self, step: int, metrics: Mapping[str, float], lengths: Sequence[int] | None) -> None:
+        _append(self._metrics, {"step": step, **metrics})
+        if lengths is not None:
+            _append(self._lengths, {"step": step, "lengths": list(lengths)})
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._lengths.close()
+
+
+def _append(f: TextIO, record: dict) -> None:
+    f.write(json.dumps(record) + "\n")
+    f.flush()
+    os.fsync(f.fileno())  # a step takes seconds; an fsync per line costs nothing next to it
+
+
+def resolve_wandb_mode(config_mode: str, environ: Mapping[str, str] = os.environ) -> str:
+    """The W&B mode to run in: the environment's WANDB_MODE when set, else the config's."""
+    env = environ.get("WANDB_MODE")
+    if not env:
+        return config_mode
+    if env not in WANDB_MODES:
+        raise ValueError(f"WANDB_MODE={env!r} is not a W&B mode; use one of online, offline, disabled")
+    mode = WANDB_MODES[env]
+    if mode != config_mode:
+        warnings.warn(f"metrics.wandb_mode={config_mode} is ignored: WANDB_MODE={env} is set in the "
+                      "environment", UserWarning, stacklevel=2)
+    return mode
+
+
+class WandbSink:
+    """One W&B run whose files live in `<run_dir>/wandb/`; offline unless asked otherwise."""
+
+    name = "wandb"
+
+    def __init__(self, run_dir: str | Path, *, project: str, run_name: str, config: dict[str, Any] | None,
+                 mode: str) -> None:
+        import wandb  # ~1 s to import: only runs that log to W&B pay it
+
+        self._wandb = wandb
+        settings = wandb.Settings(
+            silent=True,  # the console sink is the run's voice; W&B's banners would interleave with it
+            console="off",  # do not wrap stdout / stderr
+            x_disable_stats=True,  # no system-metrics sampler thread beside the training ranks
+            x_disable_machine_info=True,
+        )
+        self._run = wandb.init(project=project, name=run_name, dir=str(run_dir), config=config or {},
+                               mode=mode, settings=settings)
+
+    def write(self, step: int, metrics: Mapping[str, float], lengths: Sequence[int] | None) -> None:
+        payload: dict[str, Any] = dict(metrics)
+        if lengths:
+            payload["rollout/response_length/hist"] = self._wandb.Histogram(list(lengths))
+        self._run.log(payload, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+CONSOLE_FIELDS = (  # (label, metric, format): the fields of a step's line, in order
+    ("reward", "reward/mean", "{:.3f}"),
+    ("eval", "eval/accuracy", "{:.3f}"),
+    ("len", "rollout/response_length/mean", "{:.0f}"),
+    ("max", "rollout/response_length/max", "{:.0f}"),
+    ("rollout", "timing/rollout", "{:.1f}s"),
+    ("accept", "spec/accept_len", "{:.2f}"),
+    ("tok/s", "rollout/tokens_per_s", "{:.0f}"),
+)
+
+
+def console_line(step: int, metrics: Mapping[str, float]) -> list[tuple[str, str]]:
+    """(label, value) pairs of a step's line; fields the step did not log are left out."""
+    parts = [("step", str(step))]
+    parts += [(label, fmt.format(metrics[name])) for label, name, fmt in CONSOLE_FIELDS if name in metrics]
+    if metrics.get("timing/step", 0) > 0 and "timing/idle" in metrics:
+        parts.append(("idle", f"{metrics['timing/idle'] / metrics['timing/step']:.0%}"))
+    return parts
+
+
+class ConsoleSink:
+    """A line per logged step: styled by rich on a terminal, plain text otherwise (logs, CI)."""
+
+    name = "console"
+
+    def __init__(self, file: TextIO | None = None) -> None:
+        from rich.console import Console
+
+        self._file = file if file is not None else sys.stdout
+        self._console = Console(file=self._file, highlight=False)
+
+    def write(self, step: int, metrics: Mapping[str, float], lengths: Sequence[int] | None) -> None:
+        parts = console_line(step, metrics)
+        if self._console.is_terminal:
+            self._console.print("  ".join(f"[dim]{label}[/dim] [bold]{value}[/bold]" for label, value in parts),
+                                soft_wrap=True)
+        else:
+            print("  ".join(f"{label} {value}" for label, value in parts), file=self._file, flush=True)
+
+    def close(self) -> None:
+        self._file.flush()

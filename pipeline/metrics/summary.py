@@ -1,0 +1,56 @@
+"""summary.txt: a run's outcome in a few lines, read back from its metrics files.
+
+Steps, first and last mean reward, best held-out accuracy, where the mean step's time went
+(`timing/step` split into rollout / idle / log-prob / update / sync, the rest as "other"), mean
+accept length and the idle share per rank. A quantity the run never logged reads "n/a".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.atomic import atomic_write
+from pipeline.metrics.history import TIME_SPLIT, RunHistory, load_history
+
+SUMMARY_FILE = "summary.txt"
+
+
+def summary_lines(history: RunHistory) -> list[str]:
+    steps = list(history.rows)
+    lines = [f"steps: {len(steps)}" + (f" ({steps[0]}..{steps[-1]})" if steps else "")]
+    reward_steps, rewards = history.series("reward/mean")
+    lines.append("reward/mean: " + (f"first {rewards[0]:.4f} (step {reward_steps[0]}), last {rewards[-1]:.4f} "
+                                    f"(step {reward_steps[-1]})" if rewards else "n/a"))
+    eval_steps, accuracy = history.series("eval/accuracy")
+    if accuracy:
+        best = max(range(len(accuracy)), key=lambda i: accuracy[i])
+        lines.append(f"eval/accuracy: best {accuracy[best]:.4f} (step {eval_steps[best]}), last {accuracy[-1]:.4f}")
+    else:
+        lines.append("eval/accuracy: n/a")
+    lines.append("step time: " + _time_split(history))
+    accept = history.mean("spec/accept_len")
+    lines.append("spec/accept_len: " + (f"mean {accept:.2f}" if accept is not None else "n/a"))
+    idle = history.share("timing/idle")
+    rank_shares = [(r, history.share(f"timing/idle/rank{r}")) for r in history.ranks("timing/idle")]
+    per_rank = ", ".join(f"rank {r} {share:.1%}" for r, share in rank_shares if share is not None)
+    lines.append("idle share: " + (f"{idle:.1%}" if idle is not None else "n/a") + (f" ({per_rank})" if per_rank else ""))
+    return lines
+
+
+def _time_split(history: RunHistory) -> str:
+    step = history.mean("timing/step")
+    if step is None:
+        return "n/a"
+    parts = [(name, history.mean(f"timing/{name}")) for name in TIME_SPLIT]
+    parts = [(name, value) for name, value in parts if value is not None]
+    other = step - sum(value for _, value in parts)
+    text = f"mean {step:.2f} s = " + " + ".join(f"{name} {value:.2f}" for name, value in parts)
+    return text + f" + other {other:.2f}" if parts else f"mean {step:.2f} s"
+
+
+def write_summary(run_dir: str | Path) -> Path:
+    """Write <run_dir>/summary.txt from the run's metrics files; returns its path."""
+    path = Path(run_dir) / SUMMARY_FILE
+    text = "\n".join([f"run: {Path(run_dir).name}", *summary_lines(load_history(run_dir))]) + "\n"
+    atomic_write(path, lambda tmp: tmp.write_text(text))
+    return path
