@@ -33,7 +33,8 @@ def summary_lines(history: RunHistory) -> list[str]:
     idle = history.share("timing/idle")
     rank_shares = [(r, history.share(f"timing/idle/rank{r}")) for r in history.ranks("timing/idle")]
     per_rank = ", ".join(f"rank {r} {share:.1%}" for r, share in rank_shares if share is not None)
-    lines.append("idle share: " + (f"{idle:.1%}" if idle is not None else "n/a") + (f" ({per_rank})" if per_rank else ""))
+    idle_text = f"{idle:.1%}" if idle is not None else "n/a"
+    lines.append(f"idle share: {idle_text}" + (f" ({per_rank})" if per_rank else ""))
     return lines
 
 
