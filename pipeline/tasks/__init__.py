@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipeline.tasks import arith
+from pipeline.tasks import arith, make_math, math
 from pipeline.tasks.arith import Problem
 
 
@@ -20,7 +20,8 @@ class Task:
     reward: Callable[[str, str], float]  # (response text, answer) -> reward
 
 
-TASKS = {"arith": Task(name="arith", make_problems=arith.make_problems, reward=arith.reward)}
+TASKS = {"arith": Task(name="arith", make_problems=arith.make_problems, reward=arith.reward),
+         "math": Task(name="math", make_problems=make_math.make_problems, reward=math.reward)}
 
 
 def get_task(name: str) -> Task:
