@@ -1,0 +1,273 @@
+"""The scenario file (`sim/scenarios/*.yaml`): typed sections of one simulated RL setup.
+
+A scenario names the model and the hardware (for the roofline latency model) or carries a fitted
+latency model (from `sim.calibrate`), the cluster (device counts to project, tensor-parallel
+size per rollout group), the rollout batch and its response-length distribution, the
+speculation arms and the schedule that picks among them by active batch size, the two ways of
+filling the bubble (spot training of the drafter, pre-generation of the next step's drafts),
+the non-rollout phases of a step, and the one-step asynchronous mode.
+
+Loaded with `launch.config.load_config`: unknown keys and bad values raise `ValueError` naming
+the dotted key. `load_scenario` also resolves relative paths against the scenario's folder.
+This module knows nothing about how a step is simulated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+from launch.config import load_config
+
+
+@dataclass(kw_only=True)
+class ModelSpec:
+    name: str = "model"
+    params_b: float  # all parameters, billions
+    active_params_b: float | None = None  # parameters used per token (MoE); None = dense
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    bytes_per_param: float = 2.0  # bf16 weights and KV cache
+
+    def validate(self) -> None:
+        for key in ("params_b", "layers", "q_heads", "kv_heads", "head_dim", "bytes_per_param"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"model.{key} must be > 0, got {getattr(self, key)}")
+        if self.active_params_b is not None and not 0 < self.active_params_b <= self.params_b:
+            raise ValueError(f"model.active_params_b must be in (0, params_b], got {self.active_params_b}")
+
+    @property
+    def active_b(self) -> float:
+        return self.params_b if self.active_params_b is None else self.active_params_b
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param
+
+
+@dataclass(kw_only=True)
+class HardwareSpec:
+    name: str = "gpu"
+    hbm_tbps: float  # peak memory bandwidth, TB/s
+    tflops: float  # peak dense bf16, TFLOP/s
+    bandwidth_efficiency: float = 0.8  # share of peak bandwidth a decode step reaches
+    flops_efficiency: float = 0.6  # share of peak FLOP/s a large verify / prefill reaches
+    step_overhead_s: float = 1e-4  # per forward pass: launches, sampling, TP all-reduces
+
+    def validate(self) -> None:
+        for key in ("hbm_tbps", "tflops"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"hardware.{key} must be > 0, got {getattr(self, key)}")
+        for key in ("bandwidth_efficiency", "flops_efficiency"):
+            if not 0 < getattr(self, key) <= 1:
+                raise ValueError(f"hardware.{key} must be in (0, 1], got {getattr(self, key)}")
+
+
+@dataclass(kw_only=True)
+class LatencySpec:
+    """`roofline` (from model + hardware) or `fitted` (coefficients from `sim.calibrate`).
+
+    fitted: forward_s = base_s + query_s * query_tokens + kv_s * kv_tokens per decode step of a
+    group; draft_s = depth * (draft_base_s + draft_token_s * rows * topk); other_s = other_base_s
+    + other_row_s * rows.
+    """
+
+    kind: Literal["roofline", "fitted"] = "roofline"
+    base_s: float = 0.0
+    query_s: float = 0.0
+    kv_s: float = 0.0
+    draft_base_s: float = 0.0
+    draft_token_s: float = 0.0
+    other_base_s: float = 0.0
+    other_row_s: float = 0.0
+
+
+@dataclass(kw_only=True)
+class ClusterSpec:
+    devices: list[int]  # device counts to project; the first is the reference for tables
+    tensor_parallel: int = 1  # devices per rollout group (one engine)
+    max_batch: int = 256  # rows a group decodes at once; more requests wait in its queue
+
+    def validate(self) -> None:
+        if not self.devices:
+            raise ValueError("cluster.devices must list at least one device count")
+        for n in self.devices:
+            if n < self.tensor_parallel or n % self.tensor_parallel:
+                raise ValueError(
+                    f"cluster.devices: {n} is not a multiple of cluster.tensor_parallel={self.tensor_parallel}")
+        if self.max_batch < 1:
+            raise ValueError(f"cluster.max_batch must be >= 1, got {self.max_batch}")
+
+
+@dataclass(kw_only=True)
+class LengthSpec:
+    """Response lengths: `lognormal` (median, sigma, clipped at max_len) or `empirical` (a
+    rollouts.jsonl whose `length` fields are resampled with replacement)."""
+
+    kind: Literal["lognormal", "empirical"] = "lognormal"
+    median: float = 1000.0
+    sigma: float = 1.0
+    max_len: int = 8192
+    path: str | None = None
+
+    def validate(self) -> None:
+        if self.kind == "empirical" and not self.path:
+            raise ValueError("rollout.lengths.kind=empirical needs rollout.lengths.path (a rollouts.jsonl)")
+        if self.median <= 0 or self.sigma < 0 or self.max_len < 1:
+            raise ValueError("rollout.lengths: median > 0, sigma >= 0 and max_len >= 1 are required")
+
+
+@dataclass(kw_only=True)
+class RolloutSpec:
+    prompts: int  # prompts per RL step
+    samples_per_prompt: int = 1
+    prompt_len: int = 256
+    lengths: LengthSpec = field(default_factory=LengthSpec)
+
+    @property
+    def requests(self) -> int:
+        return self.prompts * self.samples_per_prompt
+
+
+@dataclass(kw_only=True)
+class ArmSpec:
+    name: str  # e.g. d3k1v3 (depth, topk, verify tokens), the engine's shape name
+    depth: int
+    topk: int = 1
+    verify_tokens: int
+    accept_len: float  # mean tokens emitted per row per verify step, bonus included (>= 1)
+
+    def validate(self) -> None:
+        if min(self.depth, self.topk, self.verify_tokens) < 1:
+            raise ValueError(f"spec arm {self.name}: depth, topk and verify_tokens must be >= 1")
+        if not 1.0 <= self.accept_len <= self.verify_tokens + 1:
+            raise ValueError(
+                f"spec arm {self.name}: accept_len must be in [1, verify_tokens + 1], got {self.accept_len}")
+
+
+@dataclass(kw_only=True)
+class BucketSpec:
+    max_batch: int  # this bucket holds active batch sizes up to here (above the previous one)
+    arm: str  # an arm name, or "off"
+
+
+@dataclass(kw_only=True)
+class SpecSpec:
+    """`always` runs `arm`; `threshold` runs it only while the active batch <= threshold (TLT's
+    adaptive switch); `buckets` picks per batch-size bucket (the tuner's learned schedule), off
+    above the last bucket."""
+
+    arms: list[ArmSpec] = field(default_factory=list)
+    schedule: Literal["always", "threshold", "buckets"] = "threshold"
+    arm: str | None = None
+    threshold: int = 32
+    buckets: list[BucketSpec] = field(default_factory=list)
+    draft_params_b: float = 0.0  # drafter weights read per draft level (roofline), billions
+
+    def validate(self) -> None:
+        names = [a.name for a in self.arms]
+        wanted = [self.arm] if self.schedule != "buckets" else [b.arm for b in self.buckets]
+        for name in (n for n in wanted if n is not None):
+            if name != "off" and name not in names:
+                raise ValueError(f"spec: arm {name!r} is not among spec.arms ({', '.join(names) or 'none'})")
+        bounds = [b.max_batch for b in self.buckets]
+        if bounds != sorted(set(bounds)):
+            raise ValueError(f"spec.buckets: max_batch must increase strictly, got {bounds}")
+
+    def arm_named(self, name: str) -> ArmSpec:
+        return next(a for a in self.arms if a.name == name)
+
+
+@dataclass(kw_only=True)
+class SpotSpec:
+    # Spot training multiplies the accepted draft tokens per step (accept_len - 1) by this.
+    accept_gain: float = 1.0
+    # Idle device-seconds per step the full gain needs; less idle time gives a proportional part.
+    required_device_s: float = 0.0
+
+
+@dataclass(kw_only=True)
+class BubbleSpec:
+    # Share of the next step's responses that get a pre-generated draft (at most what the idle
+    # window can generate at the ranks' own decode rate).
+    coverage: float = 0.5
+    depth: int = 16  # draft tokens verified per row and step from a pre-generated response
+    accept_len: float = 8.0  # tokens emitted per verify step on such a row
+
+    def validate(self) -> None:
+        if not 0 <= self.coverage <= 1:
+            raise ValueError(f"bubble.coverage must be in [0, 1], got {self.coverage}")
+        if not 1 <= self.accept_len <= self.depth + 1:
+            raise ValueError(f"bubble.accept_len must be in [1, depth + 1], got {self.accept_len}")
+
+
+@dataclass(kw_only=True)
+class PhaseSpec:
+    """Log-prob, training and weight-sync phases. Per-token costs are device-seconds per token
+    (prompt + response); None derives them from the model: 2 (log-prob) or 6 (training) x active
+    params x tokens / (peak FLOP/s x mfu)."""
+
+    mfu: float = 0.4
+    logprob_passes: int = 1  # forward passes for old (and reference) log-probs
+    ppo_epochs: int = 1
+    logprob_s_per_token: float | None = None
+    update_s_per_token: float | None = None
+    sync_s: float | None = None  # None: weight bytes per device / sync_gbps
+    sync_gbps: float = 100.0
+
+
+@dataclass(kw_only=True)
+class AsyncSpec:
+    rollout_share: float = 0.5  # devices given to rollout in the one-step asynchronous mode
+
+    def validate(self) -> None:
+        if not 0 < self.rollout_share < 1:
+            raise ValueError(f"one_step_async.rollout_share must be in (0, 1), got {self.rollout_share}")
+
+
+@dataclass(kw_only=True)
+class SweepSpec:
+    accept_lens: list[float] = field(default_factory=lambda: [1.5, 2.0, 3.0, 4.0, 6.0, 8.0])
+    # Chain drafts of these depths, with accept_len = (1 - p^(k+1)) / (1 - p) for acceptance p.
+    depths: list[int] = field(default_factory=lambda: [1, 2, 3, 5, 7])
+    chain_accept_rate: float = 0.76
+    tail_sigmas: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0, 1.25])
+
+
+@dataclass(kw_only=True)
+class Scenario:
+    name: str
+    seed: int = 0
+    steps: int = 3  # RL steps (independent length draws) averaged per projection point
+    model: ModelSpec | None = None
+    hardware: HardwareSpec | None = None
+    latency: LatencySpec = field(default_factory=LatencySpec)
+    cluster: ClusterSpec
+    rollout: RolloutSpec
+    spec: SpecSpec = field(default_factory=SpecSpec)
+    spot: SpotSpec = field(default_factory=SpotSpec)
+    bubble: BubbleSpec = field(default_factory=BubbleSpec)
+    phases: PhaseSpec = field(default_factory=PhaseSpec)
+    one_step_async: AsyncSpec = field(default_factory=AsyncSpec)
+    sweep: SweepSpec = field(default_factory=SweepSpec)
+
+    def validate(self) -> None:
+        if self.latency.kind == "roofline" and (self.model is None or self.hardware is None):
+            raise ValueError("latency.kind=roofline needs the model and hardware sections")
+        derived = self.phases.logprob_s_per_token is None or self.phases.update_s_per_token is None
+        if (derived or self.phases.sync_s is None) and (self.model is None or self.hardware is None):
+            raise ValueError("phases without logprob_s_per_token, update_s_per_token and sync_s need the "
+                             "model and hardware sections")
+
+
+def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Scenario:
+    """Load a scenario file; a relative `rollout.lengths.path` is read from the file's folder."""
+    scn = load_config(Scenario, path, overrides)
+    lengths = scn.rollout.lengths
+    if lengths.path and not Path(lengths.path).is_absolute():
+        resolved = str((Path(path).resolve().parent / lengths.path).resolve())
+        scn = replace(scn, rollout=replace(scn.rollout, lengths=replace(lengths, path=resolved)))
+    return scn

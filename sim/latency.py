@@ -1,0 +1,92 @@
+"""Latency of one forward pass of a rollout group: decode / verify, draft levels, overhead.
+
+Vocabulary (per forward pass of one group):
+- rows: active sequences; query_tokens: tokens computed this pass, summed over rows (1 per row
+  for plain decode, 1 + verify_tokens per row for a verify pass, the prompt for prefill);
+- kv_tokens: cached context tokens read, summed over rows;
+- a draft *level*: one drafter forward over rows x topk tokens; a draft of depth d is d levels.
+
+Two models with one protocol. `Roofline`: time = max(bytes / bandwidth, FLOPs / FLOP/s) +
+overhead, with bytes = weights touched + KV read and FLOPs = 2 x active params x query tokens +
+attention (4 x layers x q_heads x head_dim x query tokens x mean context), all divided over the
+tensor-parallel devices. `Fitted`: the linear basis `sim.calibrate` fits to a measured run.
+Pure functions of numbers; they know nothing about requests, schedules or steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from sim.config import HardwareSpec, LatencySpec, ModelSpec, Scenario
+
+
+class LatencyModel(Protocol):
+    def forward_s(self, rows: int, query_tokens: float, kv_tokens: float) -> float: ...
+
+    def draft_level_s(self, tokens: float) -> float: ...
+
+    def other_s(self, rows: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class Roofline:
+    model: ModelSpec
+    hardware: HardwareSpec
+    tensor_parallel: int = 1
+    draft_params_b: float = 0.0
+
+    def _time(self, bytes_: float, flops: float) -> float:
+        hw = self.hardware
+        memory = bytes_ / (hw.hbm_tbps * 1e12 * hw.bandwidth_efficiency)
+        compute = flops / (hw.tflops * 1e12 * hw.flops_efficiency)
+        return max(memory, compute) / self.tensor_parallel
+
+    def forward_s(self, rows: int, query_tokens: float, kv_tokens: float) -> float:
+        m = self.model
+        # MoE: each token touches its active experts; distinct tokens touch up to all of them.
+        touched_b = min(m.params_b, m.active_b * max(query_tokens, 1.0))
+        bytes_ = touched_b * 1e9 * m.bytes_per_param + kv_tokens * m.kv_bytes_per_token
+        mean_context = kv_tokens / max(rows, 1)
+        flops = (2 * m.active_b * 1e9 * query_tokens
+                 + 4 * m.layers * m.q_heads * m.head_dim * query_tokens * mean_context)
+        return self._time(bytes_, flops) + self.hardware.step_overhead_s
+
+    def draft_level_s(self, tokens: float) -> float:
+        if self.draft_params_b <= 0:
+            return 0.0
+        bytes_ = self.draft_params_b * 1e9 * self.model.bytes_per_param
+        flops = 2 * self.draft_params_b * 1e9 * tokens
+        return self._time(bytes_, flops) + self.hardware.step_overhead_s
+
+    def other_s(self, rows: int) -> float:
+        return 0.0
+
+
+@dataclass(frozen=True)
+class Fitted:
+    spec: LatencySpec
+
+    def forward_s(self, rows: int, query_tokens: float, kv_tokens: float) -> float:
+        s = self.spec
+        return s.base_s + s.query_s * query_tokens + s.kv_s * kv_tokens
+
+    def draft_level_s(self, tokens: float) -> float:
+        return self.spec.draft_base_s + self.spec.draft_token_s * tokens
+
+    def other_s(self, rows: int) -> float:
+        return self.spec.other_base_s + self.spec.other_row_s * rows
+
+
+def build_latency(scn: Scenario) -> LatencyModel:
+    if scn.latency.kind == "fitted":
+        return Fitted(scn.latency)
+    assert scn.model is not None and scn.hardware is not None  # Scenario.validate checked it
+    return Roofline(scn.model, scn.hardware, scn.cluster.tensor_parallel, scn.spec.draft_params_b)
+
+
+def prefill_s(latency: LatencyModel, rows: int, prompt_len: int) -> float:
+    """One prefill pass over `rows` prompts (causal attention: half the prompt on average)."""
+    if rows == 0:
+        return 0.0
+    return latency.forward_s(rows, rows * prompt_len, rows * prompt_len / 2)

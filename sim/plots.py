@@ -1,0 +1,132 @@
+"""PNG plots of projections, sweeps and one step's per-group timeline (matplotlib, Agg backend).
+
+Every function takes records from `sim.project` / `sim.sweeps` / `sim.step` and a path, and
+writes one small PNG atomically. Nothing here simulates.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from engine.atomic import atomic_write  # noqa: E402
+from sim.project import Projection  # noqa: E402
+from sim.step import StepResult  # noqa: E402
+from sim.sweeps import SweepPoint  # noqa: E402
+
+DPI = 80
+COLORS = {"prefill": "#999999", "off": "#4c72b0", "spec": "#55a868", "bubble": "#dd8452",
+          "pregen": "#f2c09a", "spot": "#8172b2", "idle": "#ffffff",
+          "logprob": "#c44e52", "update": "#937860", "sync": "#222222"}
+
+
+def _save(fig, path: str | Path) -> None:
+    path = Path(path)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=DPI, format="png"))
+    plt.close(fig)
+
+
+def plot_scaling(rows: list[Projection], path: str | Path, title: str) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharex=True)
+    for combo in dict.fromkeys(r.combo for r in rows):
+        if combo == "baseline":
+            continue
+        pts = [r for r in rows if r.combo == combo]
+        x = [r.devices for r in pts]
+        axes[0].plot(x, [r.rollout_speedup for r in pts], marker="o", label=combo)
+        axes[1].plot(x, [r.step_speedup for r in pts], marker="o", label=combo)
+    for ax, what in zip(axes, ("rollout", "step")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("devices")
+        ax.set_ylabel(f"{what} speedup (x)")
+        ax.axhline(1.0, color="#bbbbbb", lw=0.8)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    _save(fig, path)
+
+
+def plot_accept(points: list[SweepPoint], path: str | Path, title: str) -> None:
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    x = [p.x for p in points]
+    ax.plot(x, [p.rollout_speedup for p in points], marker="o", label="rollout (simulated)")
+    ax.plot(x, [p.step_speedup for p in points], marker="o", label="step (simulated)")
+    ax.plot(x, [p.ceiling for p in points], ls="--", color="k", label="step ceiling 1/(R/a+1-R)")
+    ax.set_xlabel("accept length (tokens per verify pass)")
+    ax.set_ylabel("speedup (x)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=9)
+    _save(fig, path)
+
+
+def plot_depth(sweep: dict[int, list[SweepPoint]], path: str | Path, title: str) -> None:
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for batch, points in sweep.items():
+        ax.plot([p.x for p in points], [p.rollout_speedup for p in points], marker="o", label=f"batch {batch}")
+    ax.set_xlabel("chain draft depth k")
+    ax.set_ylabel("rollout speedup (x)")
+    ax.axhline(1.0, color="#bbbbbb", lw=0.8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=9)
+    _save(fig, path)
+
+
+def plot_tail(points: list[SweepPoint], path: str | Path, title: str) -> None:
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    ax.plot([p.x for p in points], [p.rollout_speedup for p in points], marker="o", label="rollout")
+    ax.plot([p.x for p in points], [p.step_speedup for p in points], marker="o", label="step")
+    ax.set_xlabel("lognormal sigma of response length (median fixed)")
+    ax.set_ylabel("speculation speedup (x)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=9)
+    _save(fig, path)
+
+
+def _kind_class(kind: str) -> str:
+    if kind in ("prefill", "off"):
+        return kind
+    return "bubble" if kind == "bubble" else "spec"
+
+
+def plot_timeline(result: StepResult, path: str | Path, title: str, max_groups: int = 16) -> None:
+    """One bar per rollout group (slowest last): decode segments by kind, then the idle window
+    split into pre-generation, spot training and plain idle, then the step's other phases."""
+    order = sorted(range(len(result.groups)), key=lambda g: result.groups[g].time_s)
+    if len(order) > max_groups:  # keep the fastest and the slowest groups
+        order = order[: max_groups // 2] + order[-(max_groups - max_groups // 2):]
+    fig, ax = plt.subplots(figsize=(9, 0.3 * len(order) + 1.6))
+    for y, g in enumerate(order):
+        bars: dict[str, list[tuple[float, float]]] = {}
+        for s in result.groups[g].segments:
+            bars.setdefault(_kind_class(s.kind), []).append((s.start_s, s.duration_s))
+        t = result.groups[g].time_s
+        pregen = result.fill.pregen_s[g] if len(result.fill.pregen_s) else 0.0
+        spot = result.fill.spot_s[g] if len(result.fill.spot_s) else 0.0
+        bars["pregen"] = [(t, pregen)]
+        bars["spot"] = [(t + pregen, spot)]
+        bars["idle"] = [(t + pregen + spot, result.rollout_s - t - pregen - spot)]
+        if not result.techniques.one_step_async:
+            t0 = result.rollout_s
+            bars["logprob"] = [(t0, result.logprob_s)]
+            bars["update"] = [(t0 + result.logprob_s, result.update_s)]
+            bars["sync"] = [(t0 + result.logprob_s + result.update_s, result.sync_s)]
+        for name, spans in bars.items():
+            spans = [sp for sp in spans if sp[1] > 0]
+            if spans:
+                ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=COLORS[name],
+                               edgecolor="#cc0000" if name == "idle" else "none", linewidth=0.5)
+    ax.set_yticks(range(len(order)), [f"group {g}" for g in order], fontsize=6)
+    ax.set_xlabel("seconds into the step")
+    handles = [plt.Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="#cc0000" if n == "idle" else "none")
+               for n, c in COLORS.items()]
+    ax.legend(handles, list(COLORS), fontsize=6, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.18))
+    ax.set_title(title, fontsize=9)
+    _save(fig, path)

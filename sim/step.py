@@ -1,0 +1,172 @@
+"""One synchronous RL step on N devices: rollout on every group, then log-probs, training, sync.
+
+The rollout ends when the slowest group ends; every other group waits at the barrier: that wait
+is the *bubble* (idle window) of its devices. Techniques, each switchable:
+
+- spec: the speculation schedule (`sim.schedule`) in every group;
+- spot: idle devices train the drafter; its accept lengths gain `spot.accept_gain` in full once
+  the step offers `spot.required_device_s` idle device-seconds (a proportional part below);
+- bubble: idle groups pre-generate the next step's responses at their own decode rate; those
+  responses (up to `bubble.coverage` of them) are verified as drafts in the next step;
+- one_step_async: rollout on a share of the devices overlaps training on the rest (steady state:
+  step = max(rollout, log-prob + update) + sync).
+
+Spot training and pre-generation fill the bubble of step t for step t + 1; the model takes the
+steady state by iterating the step twice with the previous pass's fill. Pre-generation takes
+the idle time it needs first, spot training the rest. Pure given the lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sim.config import Scenario
+from sim.events import GroupRollout, simulate_group
+from sim.latency import LatencyModel, build_latency
+from sim.lengths import deal
+from sim.schedule import OFF, Schedule, build_schedule
+
+FILL_ITERATIONS = 2
+
+
+@dataclass(frozen=True)
+class Techniques:
+    spec: bool = False
+    spot: bool = False
+    bubble: bool = False
+    one_step_async: bool = False
+
+    @property
+    def name(self) -> str:
+        on = [k for k in ("spec", "spot", "bubble", "one_step_async") if getattr(self, k)]
+        return "+".join(on) or "baseline"
+
+
+@dataclass(frozen=True)
+class Fill:
+    """What fills each group's idle window [G] seconds, and what it buys the next step."""
+
+    pregen_s: np.ndarray
+    spot_s: np.ndarray
+    coverage: float  # share of responses with a pre-generated draft
+    accept_gain: float  # factor on accepted draft tokens from spot training
+
+
+NO_FILL = Fill(np.zeros(0), np.zeros(0), 0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    devices: int
+    techniques: Techniques
+    groups: tuple[GroupRollout, ...]
+    tensor_parallel: int
+    rollout_s: float
+    logprob_s: float
+    update_s: float
+    sync_s: float
+    step_s: float
+    fill: Fill  # what this step's bubble held (pre-generation and spot training for the next)
+    used: Fill  # what this step received from the previous step's bubble
+
+    @property
+    def group_rollout_s(self) -> np.ndarray:  # [G]
+        return np.array([g.time_s for g in self.groups])
+
+    @property
+    def idle_s(self) -> np.ndarray:  # [G] each group's wait at the rollout barrier
+        return self.rollout_s - self.group_rollout_s
+
+    @property
+    def idle_share(self) -> np.ndarray:  # [G] share of the step each group's devices idle
+        return self.idle_s / self.step_s
+
+
+def simulate_step(scn: Scenario, lengths: np.ndarray, devices: int, tech: Techniques,
+                  latency: LatencyModel | None = None) -> StepResult:
+    """The step for these response lengths ([n], dealt to groups in order) on `devices`."""
+    latency = latency or build_latency(scn)
+    tp = scn.cluster.tensor_parallel
+    rollout_devices = _rollout_devices(scn, devices, tech)
+    parts = deal(lengths, rollout_devices // tp)
+    base = build_schedule(scn.spec) if tech.spec else OFF
+    used = NO_FILL
+    groups = _rollout(scn, parts, base, used, latency)
+    for _ in range(FILL_ITERATIONS if (tech.spot or tech.bubble) else 0):
+        used = plan_fill(scn, groups, tech)
+        groups = _rollout(scn, parts, base, used, latency)
+    fill = plan_fill(scn, groups, tech) if (tech.spot or tech.bubble) else NO_FILL
+    rollout_s = max(g.time_s for g in groups)
+    logprob_s, update_s, sync_s = phase_times(scn, lengths, devices - rollout_devices if tech.one_step_async else devices)
+    if tech.one_step_async:
+        step_s = max(rollout_s, logprob_s + update_s) + sync_s
+    else:
+        step_s = rollout_s + logprob_s + update_s + sync_s
+    return StepResult(devices=devices, techniques=tech, groups=tuple(groups), tensor_parallel=tp,
+                      rollout_s=rollout_s, logprob_s=logprob_s, update_s=update_s, sync_s=sync_s,
+                      step_s=step_s, fill=fill, used=used)
+
+
+def _rollout_devices(scn: Scenario, devices: int, tech: Techniques) -> int:
+    tp = scn.cluster.tensor_parallel
+    if not tech.one_step_async:
+        return devices
+    n = int(round(devices * scn.one_step_async.rollout_share / tp)) * tp
+    if not tp <= n <= devices - 1:
+        raise ValueError(f"one_step_async: {devices} devices leave no rollout group of {tp} and a trainer "
+                         f"with rollout_share={scn.one_step_async.rollout_share}")
+    return n
+
+
+def _rollout(scn: Scenario, parts: list[np.ndarray], base: Schedule, used: Fill,
+             latency: LatencyModel) -> list[GroupRollout]:
+    schedule = base.scaled(used.accept_gain) if used.accept_gain != 1.0 else base
+    return [simulate_group(p, prompt_len=scn.rollout.prompt_len, max_batch=scn.cluster.max_batch,
+                           latency=latency, schedule=schedule, bubble_mask=spread_mask(len(p), used.coverage),
+                           bubble=scn.bubble) for p in parts]
+
+
+def spread_mask(n: int, share: float) -> np.ndarray:
+    """[n] bool with round(n * share) True entries spread evenly (deterministic)."""
+    i = np.arange(n)
+    return np.floor((i + 1) * share + 1e-9) > np.floor(i * share + 1e-9)
+
+
+def plan_fill(scn: Scenario, groups: list[GroupRollout], tech: Techniques) -> Fill:
+    """Split each group's idle window between pre-generation (first) and spot training."""
+    times = np.array([g.time_s for g in groups])
+    idle = times.max() - times  # [G]
+    rate = np.array([g.tokens / g.time_s if g.time_s > 0 else 0.0 for g in groups])  # [G] tokens/s
+    pregen = np.zeros_like(idle)
+    coverage = 0.0
+    if tech.bubble:
+        capacity = float((idle * rate).sum())  # tokens the idle windows could generate
+        needed = scn.bubble.coverage * sum(g.tokens for g in groups)
+        coverage = scn.bubble.coverage * min(1.0, capacity / needed) if needed > 0 else 0.0
+        pregen = idle * (min(1.0, needed / capacity) if capacity > 0 else 0.0)
+    spot = idle - pregen if tech.spot else np.zeros_like(idle)
+    gain = 1.0
+    if tech.spot:
+        device_s = float(spot.sum()) * scn.cluster.tensor_parallel
+        need = scn.spot.required_device_s
+        part = 1.0 if need <= 0 else min(1.0, device_s / need)
+        gain = 1.0 + (scn.spot.accept_gain - 1.0) * part
+    return Fill(pregen_s=pregen, spot_s=spot, coverage=coverage, accept_gain=gain)
+
+
+def phase_times(scn: Scenario, lengths: np.ndarray, devices: int) -> tuple[float, float, float]:
+    """(log-prob, update, weight-sync) seconds of a step over these responses on `devices`."""
+    ph = scn.phases
+    tokens = float(np.sum(lengths)) + len(lengths) * scn.rollout.prompt_len
+    lp, up = ph.logprob_s_per_token, ph.update_s_per_token
+    if lp is None or up is None:
+        per_flop = 1.0 / (scn.hardware.tflops * 1e12 * ph.mfu)
+        lp = 2 * scn.model.active_b * 1e9 * per_flop if lp is None else lp
+        up = 6 * scn.model.active_b * 1e9 * per_flop if up is None else up
+    sync = ph.sync_s
+    if sync is None:
+        shard_bytes = scn.model.params_b * 1e9 * scn.model.bytes_per_param / scn.cluster.tensor_parallel
+        sync = shard_bytes / (ph.sync_gbps * 1e9)
+    return lp * tokens * ph.logprob_passes / devices, up * tokens * ph.ppo_epochs / devices, sync

@@ -1,0 +1,31 @@
+"""`python -m sim.validate --calibrate-on RUN --predict RUN2 [RUN3 ...] [--tolerance 0.15]`.
+
+Calibrates on RUN, replays each step of every predicted run (`sim.validation`), prints the
+errors as a Markdown table, and exits 1 when a run's rollout or step error exceeds the tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from sim.fit import calibrate
+from sim.runs import read_run
+from sim.validation import TOLERANCE, report_table, validate
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sim.validate", description=__doc__.splitlines()[0])
+    ap.add_argument("--calibrate-on", required=True, help="run folder (or its metrics.jsonl) to fit")
+    ap.add_argument("--predict", required=True, nargs="+", help="run folders whose timings to predict")
+    ap.add_argument("--tolerance", type=float, default=TOLERANCE, help="largest mean relative error")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    base = read_run(args.calibrate_on)
+    scn, _ = calibrate(base)
+    reports = [validate(scn, read_run(p), calibrated_on=base.name) for p in args.predict]
+    print(report_table(reports, args.tolerance))
+    return 0 if all(r.passed(args.tolerance) for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
