@@ -1,0 +1,21 @@
+"""Actor backends behind one protocol (pipeline.actors.base): `build_actor` picks one by config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.actors.base import Actor, ActorConfig, LogProbs, LossFn
+
+__all__ = ["Actor", "ActorConfig", "LogProbs", "LossFn", "build_actor"]
+
+
+def build_actor(cfg: ActorConfig, model_path: str | Path) -> Actor:
+    """The actor of cfg.backend over the Hugging Face folder model_path (collective under torch.distributed)."""
+    cfg.validate()
+    if cfg.backend == "deepspeed":
+        from pipeline.actors.deepspeed_actor import DeepSpeedActor
+
+        return DeepSpeedActor(cfg, model_path)
+    from pipeline.actors.torch_actor import TorchActor
+
+    return TorchActor(cfg, model_path)

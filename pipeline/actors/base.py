@@ -1,0 +1,92 @@
+"""The actor: the policy being trained, behind one protocol for every training backend.
+
+An actor is a transformers `AutoModelForCausalLM` loaded from the Hugging Face folder the engine
+serves, so every model the engine runs trains with the ecosystem's tools (gradient
+checkpointing, bf16, DDP, DeepSpeed ZeRO). Backends: `torch` (one process, or DDP when
+torch.distributed is initialised with world size > 1) and `deepspeed` (ZeRO stage 1 / 2 / 3).
+
+Vocabulary (see pipeline.records for the alignment rule): a *mini-batch* is one optimizer step's
+`TrainBatch` on this rank; it is cut into *micro-batches* of at most `micro_batch_tokens` padded
+tokens, whose gradients accumulate. Loss weights are normalised over the whole data-parallel
+mini-batch (all ranks), so the step's gradient is the *sum* of the ranks' gradients: backends
+multiply each loss by the world size to undo the mean that DDP and DeepSpeed take.
+
+The RL loop's business, not the actor's: how many mini-batches and PPO epochs a step has, the
+loss itself (passed in as `LossFn`), advantages and loss weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+import torch
+
+from pipeline.records import TrainBatch
+
+# loss_fn(logprobs [b, T] with grad, entropy [b, T] with grad or None, micro) -> (loss, metrics); the
+# loss is already weighted by micro.loss_weights, so the micro-batches' losses sum to the mini-batch's.
+LossFn = Callable[[torch.Tensor, "torch.Tensor | None", TrainBatch], "tuple[torch.Tensor, dict[str, float]]"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(kw_only=True)
+class ActorConfig:
+    backend: Literal["torch", "deepspeed"] = "torch"
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping
+    micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) per micro-batch
+    gradient_checkpointing: bool = False
+    dtype: Literal["float32", "bfloat16"] = "float32"  # parameters and activations
+    device: str = "cpu"  # "cuda" places each rank on cuda:LOCAL_RANK
+    zero_stage: Literal[1, 2, 3] = 2  # deepspeed only
+    offload_optimizer: bool = False  # deepspeed only: optimizer states in CPU memory
+    offload_params: bool = False  # deepspeed only, ZeRO-3: parameters in CPU memory
+
+    def validate(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"actor.lr must be > 0, got {self.lr}")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"actor.betas must both be in [0, 1), got {self.betas}")
+        for key in ("weight_decay", "grad_clip"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"actor.{key} must be >= 0, got {getattr(self, key)}")
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"actor.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"actor.device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.backend == "torch" and (self.offload_optimizer or self.offload_params):
+            raise ValueError("actor.offload_optimizer / actor.offload_params need actor.backend=deepspeed")
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError(f"actor.offload_params needs actor.zero_stage=3, got {self.zero_stage}")
+
+
+@dataclass(kw_only=True)
+class LogProbs:
+    logprobs: torch.Tensor  # [B, T] token-aligned: column t = log p(ids[t] | ids[:t]); column 0 and padding are 0
+    entropy: torch.Tensor | None = None  # [B, T] entropy of the distribution column t's token was drawn from
+    hidden: torch.Tensor | None = None  # [B, T, H] final (post-norm) hidden states, detached
+    hidden_layers: dict[int, torch.Tensor] | None = None  # layer index -> [B, T, H] its output, detached
+
+
+class Actor(Protocol):
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, entropy: bool = False,
+                 hidden_layers: tuple[int, ...] | None = None, hidden: bool = False) -> LogProbs:
+        """No-grad forward, micro-batched by token budget; hidden states come back detached."""
+
+    def update(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on this mini-batch; metrics include train/loss and train/grad_norm."""
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, full tensor) for every parameter, for weight sync."""
+
+    def save(self, path: str | Path) -> None:
+        """Model, optimizer and RNG state into folder `path`, atomically (collective under DDP / DeepSpeed)."""
+
+    def load(self, path: str | Path) -> None:
+        """Restores what save wrote; a malformed folder raises FileNotFoundError naming it and what is missing."""

@@ -1,0 +1,75 @@
+"""Actor checkpoint folders: written atomically by all ranks together, checked before loading.
+
+A folder holds what a backend needs to resume bit for bit (model, optimizer) plus each rank's
+torch RNG state (`rng_rank{r}.pt`). Writing is collective: rank 0 owns the temporary folder
+(engine.atomic.atomic_folder), every rank writes its files into it, and it is renamed into place
+only after all have finished. Loading first checks the files a backend names, so a malformed or
+partial folder fails with its path and the missing names instead of deep inside torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine.atomic import atomic_folder
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@contextlib.contextmanager
+def collective_folder(path: str | Path) -> Iterator[Path]:
+    """Every rank enters with the same target; each gets the shared temporary folder to write into."""
+    rank, world = rank_and_world()
+    if world == 1:
+        with atomic_folder(path) as tmp:
+            yield tmp
+        return
+    if rank == 0:
+        with atomic_folder(path) as tmp:
+            dist.broadcast_object_list([str(tmp)], src=0)
+            yield tmp
+            dist.barrier()  # the others have written their files
+    else:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        yield Path(box[0])
+        dist.barrier()
+    dist.barrier()  # the folder is in place before anyone reads it
+
+
+def require_files(path: str | Path, names: list[str], what: str) -> Path:
+    """Raises FileNotFoundError naming the folder and every missing file; names may be 'a|b' (either)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{what} checkpoint folder {path} does not exist")
+    missing = [n for n in names if not any((path / alt).exists() for alt in n.split("|"))]
+    if missing:
+        raise FileNotFoundError(f"{what} checkpoint folder {path} is malformed: missing {', '.join(missing)}")
+    return path
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.pt"
+
+
+def save_rng(folder: Path, rank: int) -> None:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    torch.save(state, folder / rng_file(rank))
+
+
+def load_rng(folder: Path, rank: int) -> None:
+    state = torch.load(folder / rng_file(rank), weights_only=True)
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

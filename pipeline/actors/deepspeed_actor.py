@@ -1,0 +1,131 @@
+"""The DeepSpeed actor backend: ZeRO stage 1 / 2 / 3, optionally offloading to CPU memory.
+
+`deepspeed_config` renders the actor section into DeepSpeed's config dict (a pure function).
+Micro-batches vary in number and size, so there is no fixed gradient-accumulation count: the
+engine is told which backward is the last (`set_gradient_accumulation_boundary`) and steps
+once; `accumulate` makes every rank run the same number of micro-batches, since ZeRO-2 / 3
+reduce gradients in every backward. On CPU the optimizer is torch's AdamW (`torch_adam`), which
+needs no compiled DeepSpeed ops. Under ZeRO-3 `named_weights` gathers one layer at a time
+(deepspeed.zero.GatheredParameters), so the full model is never in one rank's memory at once.
+A checkpoint is DeepSpeed's own (tag `actor`: each rank's partitions) plus each rank's RNG state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from pipeline.actors.base import ActorConfig, LogProbs, LossFn
+from pipeline.actors.checkpoint import collective_folder, load_rng, rank_and_world, require_files, rng_file, save_rng
+from pipeline.actors.forward import accumulate, batched_logprobs, load_policy, policy_forward
+from pipeline.actors.optim import param_groups
+from pipeline.actors.torch_actor import actor_device
+from pipeline.records import TrainBatch
+
+TAG = "actor"
+_LAYER = re.compile(r"^(.*?\.\d+)\.")  # "model.layers.3.mlp.up_proj.weight" -> "model.layers.3"
+
+
+def deepspeed_config(cfg: ActorConfig, world_size: int) -> dict:
+    """DeepSpeed's config dict for this actor section at this data-parallel world size."""
+    cpu = cfg.device == "cpu"
+    zero: dict = {"stage": cfg.zero_stage}
+    if cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": not cpu}
+    if cfg.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": not cpu}
+    return {
+        # Rows per micro-batch vary (token budget); DeepSpeed only checks these three agree.
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
+        "gradient_clipping": cfg.grad_clip,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": cfg.lr, "betas": list(cfg.betas), "eps": 1e-8, "weight_decay": cfg.weight_decay,
+                       "torch_adam": cpu},
+        },
+        "bf16": {"enabled": cfg.dtype == "bfloat16"},
+        "zero_optimization": zero,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def layer_key(name: str) -> str:
+    """Parameters gathered together under ZeRO-3: one decoder layer's, or a top-level tensor alone."""
+    m = _LAYER.match(name)
+    return m.group(1) if m else name
+
+
+class DeepSpeedActor:
+    def __init__(self, cfg: ActorConfig, model_path: str | Path):
+        import deepspeed
+
+        cfg.validate()
+        self.cfg = cfg
+        self.device = actor_device(cfg)
+        self.rank, self.world = rank_and_world()
+        model = load_policy(model_path, cfg)
+        self.engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=param_groups(model.parameters(), cfg.weight_decay),
+            config=deepspeed_config(cfg, self.world),
+        )
+
+    @torch.no_grad()
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, entropy: bool = False,
+                 hidden_layers: tuple[int, ...] | None = None, hidden: bool = False) -> LogProbs:
+        self.engine.eval()
+        forward = functools.partial(policy_forward, self.engine)
+        return batched_logprobs(forward, input_ids.to(self.device), attention_mask.to(self.device),
+                                self.cfg.micro_batch_tokens, entropy=entropy, hidden=hidden, hidden_layers=hidden_layers)
+
+    def update(self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False) -> dict[str, float]:
+        self.engine.train()
+
+        @contextlib.contextmanager
+        def boundary(last: bool):
+            self.engine.set_gradient_accumulation_boundary(last)
+            yield
+
+        metrics = accumulate(functools.partial(policy_forward, self.engine), batch.to(self.device), loss_fn,
+                             self.cfg.micro_batch_tokens, context=boundary,
+                             backward=lambda loss: self.engine.backward(loss * self.world), entropy=entropy)
+        self.engine.step()
+        metrics["train/grad_norm"] = float(self.engine.get_global_grad_norm())
+        return metrics
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        named = self.engine.module.named_parameters()
+        if self.cfg.zero_stage != 3:
+            for name, p in named:
+                yield name, p.detach()
+            return
+        import deepspeed
+
+        for _, group in itertools.groupby(named, key=lambda item: layer_key(item[0])):
+            group = list(group)
+            with deepspeed.zero.GatheredParameters([p for _, p in group]):
+                for name, p in group:
+                    yield name, p.detach().clone()
+
+    def save(self, path: str | Path) -> None:
+        with collective_folder(path) as tmp:
+            self.engine.save_checkpoint(str(tmp), tag=TAG)
+            save_rng(tmp, self.rank)
+
+    def load(self, path: str | Path) -> None:
+        r = self.rank
+        model_file = f"{TAG}/mp_rank_00_model_states.pt|{TAG}/zero_pp_rank_{r}_mp_rank_00_model_states.pt"
+        optim_file = f"{TAG}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt|{TAG}/bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        path = require_files(path, [model_file, optim_file, rng_file(r)], "deepspeed actor")
+        load_path, _ = self.engine.load_checkpoint(str(path), tag=TAG)
+        if load_path is None:
+            raise FileNotFoundError(f"deepspeed actor checkpoint folder {path}: DeepSpeed could not load tag {TAG!r}")
+        load_rng(path, r)

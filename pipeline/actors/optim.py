@@ -1,0 +1,58 @@
+"""The one optimiser / schedule / training-step helper of the project's trainers.
+
+AdamW with weight decay on matrices only (embeddings and Linear weights; norms and biases are
+not decayed), a linear-warmup-then-cosine learning rate, and the step itself: clip the gradient
+norm, step, and report that norm. Callers that accumulate gradients over micro-batches call
+`backward` themselves and then `clip_and_step`; callers with one loss per step call `train_step`.
+This module knows nothing about models, data or distribution: under DDP the gradients it clips
+are already all-reduced, so the norm it reports is the global one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+
+def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict]:
+    """Two AdamW groups: matrices (dim >= 2) decay, vectors (norms, biases) do not."""
+    params = [p for p in params if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def make_adamw(params: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.95),
+               weight_decay: float = 0.0) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(params, weight_decay), lr=lr, betas=betas)
+
+
+def warmup_cosine(lr: float, step: int, warmup_steps: int, progress: float, min_lr_ratio: float) -> float:
+    """Linear warmup over warmup_steps, then cosine from lr to lr * min_lr_ratio as progress goes 0 -> 1."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], grad_clip: float) -> float:
+    """Clips the accumulated gradients to grad_clip (0 = no clipping), steps; returns the norm before clipping."""
+    max_norm = grad_clip if grad_clip > 0 else math.inf
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    optimizer.step()
+    return float(norm)
+
+
+def train_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+               grad_clip: float) -> float:
+    """zero_grad, backward, clip, step for one loss; returns the gradient norm before clipping."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    return clip_and_step(optimizer, params, grad_clip)
