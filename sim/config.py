@@ -26,6 +26,8 @@ class ModelSpec:
     name: str = "model"
     params_b: float  # all parameters, billions
     active_params_b: float | None = None  # parameters used per token (MoE); None = dense
+    experts: int = 0  # MoE: routed experts per layer, and how many each token uses
+    experts_per_token: int = 0
     layers: int
     q_heads: int
     kv_heads: int
@@ -36,8 +38,22 @@ class ModelSpec:
         for key in ("params_b", "layers", "q_heads", "kv_heads", "head_dim", "bytes_per_param"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"model.{key} must be > 0, got {getattr(self, key)}")
-        if self.active_params_b is not None and not 0 < self.active_params_b <= self.params_b:
-            raise ValueError(f"model.active_params_b must be in (0, params_b], got {self.active_params_b}")
+        if self.active_params_b is not None:
+            if not 0 < self.active_params_b <= self.params_b:
+                raise ValueError(f"model.active_params_b must be in (0, params_b], got {self.active_params_b}")
+            if not 0 < self.experts_per_token < self.experts:
+                raise ValueError("model.active_params_b (MoE) needs model.experts > model.experts_per_token > 0")
+
+    def touched_b(self, tokens: float) -> float:
+        """Parameters (billions) a pass over `tokens` tokens reads: all of a dense model; for MoE
+        the shared part plus the expected share of experts that at least one token routes to
+        (tokens route independently and uniformly, k of E experts each)."""
+        if self.active_params_b is None:
+            return self.params_b
+        share = self.experts_per_token / self.experts
+        experts_b = (self.params_b - self.active_params_b) / (1 - share)
+        shared_b = self.params_b - experts_b
+        return shared_b + experts_b * (1 - (1 - share) ** max(tokens, 1.0))
 
     @property
     def active_b(self) -> float:

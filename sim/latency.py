@@ -7,7 +7,8 @@ Vocabulary (per forward pass of one group):
 - a draft *level*: one drafter forward over rows x topk tokens; a draft of depth d is d levels.
 
 Two models with one protocol. `Roofline`: time = max(bytes / bandwidth, FLOPs / FLOP/s) +
-overhead, with bytes = weights touched + KV read and FLOPs = 2 x active params x query tokens +
+overhead, with bytes = weights touched (for MoE the experts some token routes
+to) + KV read and FLOPs = 2 x active params x query tokens +
 attention (4 x layers x q_heads x head_dim x query tokens x mean context), all divided over the
 tensor-parallel devices. `Fitted`: the linear basis `sim.calibrate` fits to a measured run.
 Pure functions of numbers; they know nothing about requests, schedules or steps.
@@ -44,9 +45,7 @@ class Roofline:
 
     def forward_s(self, rows: int, query_tokens: float, kv_tokens: float) -> float:
         m = self.model
-        # MoE: each token touches its active experts; distinct tokens touch up to all of them.
-        touched_b = min(m.params_b, m.active_b * max(query_tokens, 1.0))
-        bytes_ = touched_b * 1e9 * m.bytes_per_param + kv_tokens * m.kv_bytes_per_token
+        bytes_ = m.touched_b(query_tokens) * 1e9 * m.bytes_per_param + kv_tokens * m.kv_bytes_per_token
         mean_context = kv_tokens / max(rows, 1)
         flops = (2 * m.active_b * 1e9 * query_tokens
                  + 4 * m.layers * m.q_heads * m.head_dim * query_tokens * mean_context)

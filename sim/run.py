@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         with atomic_file(args.out / f"{scn.name}.md") as f:
             f.write(text)
-    print(text)
+    print(text, end="")
     return 0
 
 

@@ -1,0 +1,153 @@
+"""Calibration and validation on measured-run fixtures (simulated runs written in the RL loop's
+format), and the three command lines."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from launch.config import save_config
+from sim import calibrate as calibrate_cli
+from sim import run as run_cli
+from sim import validate as validate_cli
+from sim.config import (ArmSpec, ClusterSpec, LatencySpec, LengthSpec, PhaseSpec, RolloutSpec, Scenario, SpecSpec,
+                        load_scenario)
+from sim.fit import calibrate, nnls
+from sim.latency import build_latency
+from sim.lengths import deal
+from sim.project import step_lengths
+from sim.runs import read_run
+from sim.step import Techniques, simulate_step
+from sim.trace import write_run
+from sim.validation import validate
+from tests.test_sim_model import small_scenario
+
+TRUTH = LatencySpec(kind="fitted", base_s=0.004, query_s=1e-5, kv_s=2e-7, draft_base_s=3e-4, draft_token_s=1e-5,
+                    other_base_s=2e-4, other_row_s=1e-6)
+ARM = ArmSpec(name="d3k1v3", depth=3, verify_tokens=3, accept_len=2.5)
+
+
+def measured_scenario(devices: int, prompts: int, latency: LatencySpec = TRUTH, seed: int = 0) -> Scenario:
+    return Scenario(
+        name="fixture", seed=seed, steps=3, latency=latency,
+        cluster=ClusterSpec(devices=[devices], max_batch=32),
+        rollout=RolloutSpec(prompts=prompts, samples_per_prompt=2, prompt_len=20,
+                            lengths=LengthSpec(median=40.0, sigma=0.8, max_len=300)),
+        spec=SpecSpec(arms=[ARM], schedule="threshold", arm="d3k1v3", threshold=8),
+        phases=PhaseSpec(logprob_s_per_token=2e-4, update_s_per_token=6e-4, sync_s=0.05))
+
+
+def make_run(folder: Path, scn: Scenario, noise: float = 0.0, seed: int = 0) -> Path:
+    """A measured-run fixture: the scenario's steps written as metrics / decode_steps / rollouts."""
+    latency = build_latency(scn)
+    n = scn.cluster.devices[0]
+    lengths = step_lengths(scn, n)
+    results = [simulate_step(scn, ls, n, Techniques(spec=True), latency) for ls in lengths]
+    return write_run(folder, scn, results, [deal(ls, n) for ls in lengths], latency, np.random.default_rng(seed), noise)
+
+
+def test_nnls_drops_columns_that_would_go_negative():
+    x = np.array([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]])
+    assert nnls(x, np.array([3.0, 2.0, 1.0])) == pytest.approx([2.0, 0.0])
+    assert nnls(x, np.array([1.0, 2.0, 3.0])) == pytest.approx([1.0, 1.0])
+
+
+def test_calibration_recovers_the_latency_model_of_a_noiseless_run(tmp_path):
+    scn = measured_scenario(2, 8)
+    fitted, metrics = calibrate(read_run(make_run(tmp_path / "a", scn) / "metrics.jsonl"))
+    for key in ("base_s", "query_s", "kv_s", "draft_base_s", "draft_token_s", "other_base_s", "other_row_s"):
+        assert getattr(fitted.latency, key) == pytest.approx(getattr(TRUTH, key), rel=1e-4, abs=1e-12), key
+    assert metrics["calibrate/forward_r2"] == pytest.approx(1.0)
+    assert fitted.rollout.prompt_len == 20 and fitted.cluster.devices == [2]
+    assert fitted.rollout.prompts * fitted.rollout.samples_per_prompt == 16
+    (arm,) = fitted.spec.arms
+    assert arm.name == "d3k1v3" and arm.accept_len == pytest.approx(2.5, abs=0.15)
+    assert fitted.spec.arm == "d3k1v3" and fitted.spec.threshold <= 8
+    assert fitted.phases.logprob_s_per_token == pytest.approx(2e-4)
+    assert fitted.phases.update_s_per_token == pytest.approx(6e-4)
+    assert fitted.phases.sync_s == pytest.approx(0.05)
+
+
+def test_calibration_tolerates_missing_keys(tmp_path):
+    folder = make_run(tmp_path / "a", measured_scenario(2, 8))
+    metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    stripped = [{k: v for k, v in m.items() if not k.startswith(("spec/", "timing/update", "timing/sync"))}
+                for m in metrics]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in stripped))
+    decode = [json.loads(line) for line in (folder / "decode_steps.jsonl").read_text().splitlines()]
+    for d in decode:
+        if d["shape"] == "off":
+            for key in ("drafted", "accepted", "emitted", "draft_s"):
+                d.pop(key)
+    (folder / "decode_steps.jsonl").write_text("".join(json.dumps(d) + "\n" for d in decode))
+    fitted, _ = calibrate(read_run(folder))
+    assert fitted.phases.update_s_per_token == 0.0 and fitted.phases.sync_s == 0.0
+    assert fitted.latency.base_s == pytest.approx(TRUTH.base_s, rel=1e-4)
+
+
+def test_bad_shape_names_the_file_and_format(tmp_path):
+    folder = make_run(tmp_path / "a", measured_scenario(2, 4))
+    with open(folder / "decode_steps.jsonl", "a") as f:
+        f.write(json.dumps({"step": 9, "batch_size": 1, "context_mean": 3.0, "shape": "tree", "forward_s": 0.1}) + "\n")
+    with pytest.raises(ValueError, match="d<depth>k<topk>v<verify>"):
+        read_run(folder)
+
+
+def test_validation_predicts_another_scale_within_tolerance(tmp_path):
+    a = make_run(tmp_path / "a", measured_scenario(2, 8), noise=0.05, seed=1)
+    b = make_run(tmp_path / "b", measured_scenario(4, 24, seed=7), noise=0.05, seed=2)
+    fitted, _ = calibrate(read_run(a))
+    report = validate(fitted, read_run(b), calibrated_on="a")
+    assert len(report.steps) == 3
+    assert report.error("rollout") < 0.15 and report.error("step") < 0.15 and report.passed()
+    assert len(report.steps[0].predicted_rank_s) == 4
+
+
+def test_validation_fails_when_the_calibration_is_wrong(tmp_path):
+    slow = replace(TRUTH, base_s=TRUTH.base_s * 2, kv_s=TRUTH.kv_s * 2, query_s=TRUTH.query_s * 2)
+    a = make_run(tmp_path / "a", measured_scenario(2, 8, latency=slow))
+    b = make_run(tmp_path / "b", measured_scenario(4, 24, seed=7))
+    report = validate(calibrate(read_run(a))[0], read_run(b))
+    assert report.error("rollout") > 0.3 and not report.passed()
+
+
+def test_validation_refuses_a_shape_never_calibrated(tmp_path):
+    a = make_run(tmp_path / "a", measured_scenario(2, 8))
+    other = ArmSpec(name="d5k1v5", depth=5, verify_tokens=5, accept_len=3.0)
+    scn = measured_scenario(2, 8)
+    b = make_run(tmp_path / "b", replace(scn, spec=replace(scn.spec, arms=[other], arm="d5k1v5")))
+    with pytest.raises(ValueError, match="d5k1v5"):
+        validate(calibrate(read_run(a))[0], read_run(b))
+
+
+def test_command_lines_calibrate_validate_and_project(tmp_path, capsys):
+    a = make_run(tmp_path / "a", measured_scenario(2, 8), noise=0.03, seed=1)
+    b = make_run(tmp_path / "b", measured_scenario(4, 24, seed=7), noise=0.03, seed=2)
+    out = tmp_path / "cal.yaml"
+    assert calibrate_cli.main(["--from", str(a / "metrics.jsonl"), "--out", str(out)]) == 0
+    assert "accept length d3k1v3" in capsys.readouterr().out
+    assert load_scenario(out).latency.kind == "fitted"
+    assert validate_cli.main(["--calibrate-on", str(a), "--predict", str(b)]) == 0
+    assert "| a | b | 3 |" in capsys.readouterr().out
+    assert validate_cli.main(["--calibrate-on", str(a), "--predict", str(b), "--tolerance", "0.0001"]) == 1
+    capsys.readouterr()
+    assert run_cli.main(["--scenario", str(out), "cluster.devices=[2,4]", "steps=1"]) == 0
+    assert "| 4 | spec |" in capsys.readouterr().out
+
+
+def test_run_writes_report_and_small_plots(tmp_path, capsys):
+    scn = replace(small_scenario(), steps=1, sweep=replace(small_scenario().sweep, depths=[1, 3], tail_sigmas=[0.5, 1.0],
+                                                           accept_lens=[2.0, 4.0]))
+    path = tmp_path / "small.yaml"
+    save_config(scn, path)
+    assert run_cli.main(["--scenario", str(path), "--out", str(tmp_path / "out"), "--checks"]) == 0
+    text = capsys.readouterr().out
+    assert "Analytic limit" in text and "best k" in text
+    pngs = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
+    assert pngs == [f"small_{k}.png" for k in ("accept", "depth", "scaling", "tail", "timeline")]
+    assert all((tmp_path / "out" / p).stat().st_size < 150_000 for p in pngs)
+    assert (tmp_path / "out" / "small.md").read_text() == text
