@@ -197,7 +197,7 @@ def free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_ddp_and_deepspeed_zero2_at_world_size_2_give_the_single_process_losses(model_dir, tmp_path):
+def test_ddp_and_deepspeed_zero2_at_world_size_2_give_the_single_process_losses_and_zero3_gathers_weights(model_dir, tmp_path):
     out = tmp_path / "out.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", str(REPO / "tests/mp/actor_worker.py"), "--model", str(model_dir),
@@ -215,4 +215,6 @@ def test_ddp_and_deepspeed_zero2_at_world_size_2_give_the_single_process_losses(
         assert r["losses"] == pytest.approx(single, rel=1e-5, abs=1e-7), backend
         assert r["resumed"] == pytest.approx(r["losses"][-1], abs=1e-7), backend
         assert f"{backend}-malformed is malformed: missing" in r["malformed"], backend
+    assert results["zero3"]["partitioned"] and results["zero3"]["weights_match"]
+    assert results["zero3"]["first_loss"] == pytest.approx(single[0], rel=1e-5)
     shutil.rmtree(tmp_path, ignore_errors=True)

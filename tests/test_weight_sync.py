@@ -6,7 +6,6 @@ import json
 import socket
 
 import pytest
-import torch
 import torch.multiprocessing as mp
 
 from pipeline.weight_sync import buckets_of

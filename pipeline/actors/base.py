@@ -79,8 +79,12 @@ class Actor(Protocol):
                  hidden_layers: tuple[int, ...] | None = None, hidden: bool = False) -> LogProbs:
         """No-grad forward, micro-batched by token budget; hidden states come back detached."""
 
-    def update(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step on this mini-batch; metrics include train/loss and train/grad_norm."""
+    def update(self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False) -> dict[str, float]:
+        """One optimizer step on this mini-batch (entropy: pass loss_fn the entropy, with grad).
+
+        Returns train/loss (this rank's), train/grad_norm (global, before clipping) and loss_fn's
+        metrics averaged over micro-batches by response tokens. Collective under torch.distributed.
+        """
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, full tensor) for every parameter, for weight sync."""
