@@ -213,7 +213,7 @@ def test_ddp_and_deepspeed_zero2_at_world_size_2_give_the_single_process_losses_
     for backend in ("torch", "deepspeed"):
         r = results[backend]
         assert r["losses"] == pytest.approx(single, rel=1e-5, abs=1e-7), backend
-        assert r["resumed"] == pytest.approx(r["losses"][-1], abs=1e-7), backend
+        assert r["resumed"] == r["losses"][-1], backend  # resume is bit for bit
         assert f"{backend}-malformed is malformed: missing" in r["malformed"], backend
     assert results["zero3"]["partitioned"] and results["zero3"]["weights_match"]
     assert results["zero3"]["first_loss"] == pytest.approx(single[0], rel=1e-5)
