@@ -49,8 +49,3 @@ def deal(lengths: np.ndarray, groups: int) -> list[np.ndarray]:
         raise ValueError(f"need at least one rollout group, got {groups}")
     return [part.copy() for part in np.array_split(np.asarray(lengths), groups)]
 
-
-def lognormal_fit(lengths: np.ndarray) -> tuple[float, float]:
-    """(median, sigma) of a lognormal fitted to lengths by the moments of their logarithm."""
-    logs = np.log(np.maximum(np.asarray(lengths, dtype=float), 1.0))
-    return float(np.exp(logs.mean())), float(logs.std())
