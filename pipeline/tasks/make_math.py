@@ -6,7 +6,8 @@
 defaults; a test regenerates them and compares.
 
 A problem is one or two steps of addition, subtraction or multiplication with small numbers
-(operands up to 20, products up to 81), as a short story: "Tom has 3 apples. Tom buys 4 more.
+(operands up to 20, products up to 81; a count of things someone has is at least 2, so
+every noun is plural), as a short story: "Tom has 3 apples. Tom buys 4 more.
 How many apples does Tom have now?". Its *solution* writes each step as `a + b = c.` and ends
 with `The answer is \\boxed{N}.`, the format the math reward's instruction asks for. Answers are
 non-negative integers.
@@ -40,7 +41,7 @@ Story = tuple[str, list[tuple[int, str, int]], int]
 
 
 def _add(r: random.Random, n: str, m: str, x: str, h: str) -> Story:
-    a, b = r.randint(1, 20), r.randint(1, 20)
+    a, b = r.randint(2, 20), r.randint(2, 20)
     text = r.choice((f"{n} has {a} {x}. {n} buys {b} more. How many {x} does {n} have now?",
                      f"{n} has {a} {x} and {m} has {b} {x}. How many {x} do they have together?",
                      f"There are {a} {x} on a table. {n} puts {b} more on it. How many {x} are on the table now?"))
@@ -64,7 +65,7 @@ def _mul(r: random.Random, n: str, m: str, x: str, h: str) -> Story:
 
 
 def _add_sub(r: random.Random, n: str, m: str, x: str, h: str) -> Story:
-    a, b = r.randint(1, 20), r.randint(1, 20)
+    a, b = r.randint(2, 20), r.randint(1, 20)
     c = r.randint(1, a + b)
     text = (f"{n} has {a} {x}, buys {b} more, and then gives {c} to {m}. "
             f"How many {x} does {n} have now?")
@@ -80,14 +81,14 @@ def _sub_sub(r: random.Random, n: str, m: str, x: str, h: str) -> Story:
 
 
 def _mul_add(r: random.Random, n: str, m: str, x: str, h: str) -> Story:
-    a, b, c = r.randint(2, 9), r.randint(2, 9), r.randint(1, 20)
+    a, b, c = r.randint(2, 9), r.randint(2, 9), r.randint(2, 20)
     text = f"{n} has {c} {x} and buys {a} {h} with {b} {x} in each. How many {x} does {n} have now?"
     return text, [(a, "*", b), (a * b, "+", c)], a * b + c
 
 
 def _mul_sub(r: random.Random, n: str, m: str, x: str, h: str) -> Story:
     a, b = r.randint(2, 9), r.randint(2, 9)
-    c = r.randint(1, a * b)
+    c = r.randint(2, a * b)
     text = f"{n} has {a} {h} with {b} {x} in each and gives {c} {x} to {m}. How many {x} does {n} have left?"
     return text, [(a, "*", b), (a * b, "-", c)], a * b - c
 
