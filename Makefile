@@ -55,7 +55,7 @@ checkpoints/tiny-drafter/config.json: checkpoints/tiny/config.json
 		--out checkpoints/tiny-drafter --max-minutes 8
 
 checkpoints/smollm2-drafter/config.json: checkpoints/smollm2-135m-instruct/config.json
-	$(PY) -m spot.prompts --split train --num 1500 --seed 3 --out checkpoints/smollm2-drafter-prompts.jsonl
+	$(PY) -m pipeline.tasks.prompts --split train --num 1500 --seed 3 --out checkpoints/smollm2-drafter-prompts.jsonl
 	$(PY) -m spot.warmstart --target checkpoints/smollm2-135m-instruct --chat --n 1 --temperature 1 \
 		--max-new-tokens 128 --steps 1200 --prompts checkpoints/smollm2-drafter-prompts.jsonl \
 		--out checkpoints/smollm2-drafter --max-minutes 28
@@ -67,7 +67,7 @@ bench: models
 
 bench-spec: drafters
 	$(PY) -m bench.spec --model checkpoints/tiny --drafter checkpoints/tiny-drafter --batch 1,4,16 --depth 16 --verify-tokens 16 --rounds 6 --cost-model
-	$(PY) -m spot.prompts --split test --num 48 --seed 7 --out checkpoints/smollm2-bench-prompts.jsonl
+	$(PY) -m pipeline.tasks.prompts --split test --num 48 --seed 7 --out checkpoints/smollm2-bench-prompts.jsonl
 	for t in 1 0; do $(PY) -m bench.spec --model checkpoints/smollm2-135m-instruct --drafter checkpoints/smollm2-drafter \
 		--batch 1,4 --temperature $$t --depth 3 --verify-tokens 3 --new-tokens 128 --rounds 8 \
 		--prompts checkpoints/smollm2-bench-prompts.jsonl --cost-model || exit 1; done

@@ -2,8 +2,8 @@
 
 One forward of T new tokens per row after a 64-token context, per (rows, new tokens) shape, best
 of `--repeat`: the model as loaded (HF weight layout, one module per op) against the model as
-`engine.layout.prepare_for_inference` leaves it (packed layers, and on a CPU the compiled
-kernels where they build). T > 1 is the cost of a verify pass. With `--json` the last line is
+the engine's runtime runs it (`engine.runtime.TargetRuntime`: packed layers, and on a CPU the
+compiled kernels where they build). T > 1 is the cost of a verify pass. With `--json` the last line is
 `{"ratio": {"RxT": loaded / engine}, "ms": {...}, "baseline_ms": {...}}`.
 """
 
@@ -18,7 +18,7 @@ import torch
 from bench.common import emit_json, record_ms
 from bench.spec import forward_costs
 from engine.checkpoint import load_checkpoint
-from engine.layout import prepare_for_inference
+from engine.runtime import TargetRuntime
 
 SHAPES = ((1, 1), (1, 2), (1, 4), (1, 8), (1, 16), (8, 1), (4, 9))
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    ours = prepare_for_inference(copy.deepcopy(plain))
+    ours = TargetRuntime(copy.deepcopy(plain))
     result = {"ratio": {}, "ms": {}, "baseline_ms": {}}
     print(f"{'rows x tokens':>13} {'loaded ms':>10} {'engine ms':>10} {'ratio':>6}", file=sys.stderr)
     for rows, width in SHAPES:

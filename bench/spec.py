@@ -1,6 +1,6 @@
 """`python -m bench.spec --model M --drafter D --batch 1,4,16`: speculative against autoregressive.
 
-Both engines share one model and run the same requests in one process, one after the other (best
+Both engines hold the same weights (each its own copy: a runtime packs its model) and run the same requests in one process, one after the other (best
 of `--repeat`); the tokens must be identical (the run fails otherwise). Prints tokens/s of both,
 the ratio and the acceptance length (tokens emitted per row per verify step) per batch size;
 `--cost-model` adds the measured costs that bound the speedup on this machine: target forward
@@ -11,6 +11,7 @@ line `{"ratio": {B: spec/ar}, "accept_len": {...}, "identical": true, ...}`.
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 
@@ -21,6 +22,7 @@ from engine.checkpoint import load_checkpoint
 from engine.config import EngineConfig
 from engine.engine import RolloutEngine
 from engine.kv_cache import KVCache
+from engine.runtime import TargetRuntime
 from engine.sampling import SamplingParams
 from engine.spec.config import DRAFTERS, SpecConfig
 from engine.spec.factory import build_drafter
@@ -29,7 +31,7 @@ from engine.types import GenerateStats, Request
 
 def bench_prompts(model_dir: str, tokenizer, n: int, prompts_file: str | None) -> list[list[int]]:
     if prompts_file:
-        from engine.generate import encode, read_prompts
+        from pipeline.text import encode, read_prompts
 
         rows = read_prompts(prompts_file)
         chat = bool(getattr(tokenizer, "chat_template", None))
@@ -42,17 +44,19 @@ def bench_prompts(model_dir: str, tokenizer, n: int, prompts_file: str | None) -
     return [tokenizer(p.prompt)["input_ids"] for p in problems]
 
 
-def forward_costs(model, widths=(1, 2, 4, 8, 16), batch: int = 1, prefix: int = 64, repeat: int = 5) -> dict[str, float]:
-    """Seconds per target forward of `w` new tokens per row after a `prefix`-token context."""
+def forward_costs(runtime, widths=(1, 2, 4, 8, 16), batch: int = 1, prefix: int = 64, repeat: int = 5) -> dict[str, float]:
+    """Seconds per target forward of `w` new tokens per row after a `prefix`-token context;
+    `runtime`: a TargetRuntime (as the engine runs the model) or a Transformer (its modules)."""
+    model = runtime.model if isinstance(runtime, TargetRuntime) else runtime
     cache = KVCache.for_model(model.config, batch, prefix + max(widths) + 1, model.dtype)
     ids = torch.randint(0, model.config.vocab_size, (batch, prefix))
     out = {}
     with torch.inference_mode():
-        model(ids, torch.arange(prefix).expand(batch, prefix), cache=cache)
+        runtime(ids, torch.arange(prefix).expand(batch, prefix), cache=cache)
         for w in widths:
             pos = prefix + torch.arange(w).expand(batch, w)
             x = torch.randint(0, model.config.vocab_size, (batch, w))
-            _, t = timed(lambda: model(x, pos, cache=cache), repeat)
+            _, t = timed(lambda: runtime(x, pos, cache=cache), repeat)
             out[str(w)] = t
     return out
 
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = SpecConfig(enabled=True, drafter=name, drafter_path=args.drafter, depth=args.depth, topk=args.topk,
                           verify_tokens=args.verify_tokens)
         base = EngineConfig(max_batch=max(batches), max_len=2048)
-        ar = RolloutEngine(target, base)
+        ar = RolloutEngine(copy.deepcopy(target), base)  # one runtime per model: each packs its own
         sp = RolloutEngine(target, EngineConfig(max_batch=max(batches), max_len=2048, spec=spec), build_drafter(spec, target))
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -109,12 +113,12 @@ def main(argv: list[str] | None = None) -> int:
             reqs = [Request(prompt_id=f"bench-{r * b + i}", prompt=x) for i, x in enumerate(prompts[r * b : (r + 1) * b])]
             ref, t = timed(lambda: ar.generate(reqs, params), args.repeat)
             t_ar += t
-            s_ar.merge(ar.last_stats)
+            s_ar.merge(ref.stats)
             out, t = timed(lambda: sp.generate(reqs, params), args.repeat)
             t_sp += t
             same &= all(a.tokens == c.tokens for a, c in zip(ref, out))
             tokens += sum(len(x.tokens) for x in ref)
-            s.merge(sp.last_stats)
+            s.merge(out.stats)
         result["identical"] &= same
         key = str(b)
         result["tok_s"][key] = round(tokens / t_sp, 2)
@@ -127,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{b:>5} {tokens / t_sp:>10.1f} {tokens / t_ar:>9.1f} {t_ar / t_sp:>6.2f} {s.accept_len:>10.2f} "
               f"{s.draft_s:>8.2f} {s.decode_s:>8.2f}{'' if same else '  TOKENS DIFFER'}", file=sys.stderr)
     if args.cost_model:
-        costs = forward_costs(target)
+        costs = forward_costs(sp.runtime)
         result["forward_s"] = {k: round(v, 5) for k, v in costs.items()}
         b1 = str(batches[0])
         draft_step = result["draft_step_s"][b1]

@@ -24,6 +24,7 @@ def atomic_file(path: str | Path, mode: str = "w") -> Iterator:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the mode a plain open() would
         with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
@@ -33,6 +34,12 @@ def atomic_file(path: str | Path, mode: str = "w") -> Iterator:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write(path: str | Path, write) -> None:

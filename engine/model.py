@@ -4,7 +4,8 @@ Parameter names are Hugging Face's (`model.layers.{i}.self_attn.q_proj.weight`, 
 checkpoints load as they are. `forward` takes token ids, RoPE positions, an optional KV cache
 with the cache slots to write, and an optional attention mask (a tree mask during verification);
 it returns the final hidden states, logits, and, on request, hidden states of chosen layers.
-There is no sampling or decoding policy here.
+There is no sampling or decoding policy here, and no inference runtime: the engine runs this
+model through `engine.runtime.TargetRuntime` (packed layers, compiled kernels).
 
 Shapes: B batch rows, T new tokens per row, S visible cache slots, H hidden size,
 Hq / Hkv query / key-value heads, D head dim, G = Hq // Hkv query heads per key-value head.
@@ -12,7 +13,6 @@ Hq / Hkv query / key-value heads, D head dim, G = Hq // Hkv query heads per key-
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +21,6 @@ from torch import nn
 
 from engine.kv_cache import KVCache
 from engine.model_config import ModelConfig
-from engine.kernels.decode_ops import MAX_TOKENS, rms_norm
-from engine.packed import PackedLayer, Product, packed_forward, step_inputs
 from engine.rope import RopeSource, apply_rope, inverse_frequencies
 
 
@@ -108,7 +106,6 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
-        self.packed: PackedLayer | None = None  # set by engine.packed.pack_model for inference
 
     def forward(self, x, cos, sin, mask, cache, cache_pos) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_pos)
@@ -135,7 +132,6 @@ class Transformer(RopeSource, nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", torch.empty(0), persistent=False)
         self.init_rope()
-        self.head: Product | None = None  # the LM head packed for inference (engine.packed.pack_model)
 
     def init_rope(self) -> None:
         cfg = self.config
@@ -171,41 +167,14 @@ class Transformer(RopeSource, nn.Module):
             attn_mask = causal_mask(cache_pos if cache is not None else positions)
         cos, sin = self.rope(positions, self.dtype)
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
+        mask = attn_mask.unsqueeze(1)  # [B, 1, T, S]
         layer_hidden = {}
-        packed = use_packed(self.model.layers[0], x)
-        if packed:
-            s = step_inputs(cos, sin, attn_mask, cache_pos, self.config.num_attention_heads // self.config.num_key_value_heads)
-        else:
-            mask = attn_mask.unsqueeze(1)  # [B, 1, T, S]
         for i, layer in enumerate(self.model.layers):
-            x = packed_forward(layer.packed, x, s, cache, i) if packed else layer(x, cos, sin, mask, cache, cache_pos)
+            x = layer(x, cos, sin, mask, cache, cache_pos)
             if i in hidden_layers:
                 layer_hidden[i] = x
-        # With the kernels: the final norm and the LM head are compiled too (rows stay independent).
-        kernels = packed and self.model.layers[0].packed.kernels and self.head is not None and B * T <= MAX_TOKENS
-        norm = self.model.norm
-        hidden = rms_norm(x.reshape(B * T, -1), norm.weight, norm.eps).view(B, T, -1) if kernels else norm(x)
-        if not logits:
-            return ModelOutput(hidden=hidden, logits=None, layer_hidden=layer_hidden)
-        out = self.head(hidden.reshape(B * T, -1)).view(B, T, -1) if kernels else self.lm_head(hidden)
-        return ModelOutput(hidden=hidden, logits=out, layer_hidden=layer_hidden)
-
-
-def use_packed(layer: DecoderLayer, x: torch.Tensor) -> bool:
-    """The packed path serves inference in float32 / float64 (in bf16 the modules' norm keeps HF's
-    float32 detour); anything that needs gradients takes the modules. Weights replaced after
-    packing (`model.to(...)`, assigning `.data`) leave the packed copy stale: then the modules
-    run, with a warning to re-pack."""
-    if layer.packed is None or x.dtype not in (torch.float32, torch.float64) or torch.is_grad_enabled():
-        return False
-    if layer.packed.qkv.w.data_ptr() != layer.self_attn.q_proj.weight.data_ptr():
-        warnings.warn(
-            "the model's weights were replaced after engine.packed packed them; running the unpacked modules. "
-            "Call RolloutEngine.refresh_weights() (or engine.packed.pack_model(model, refresh=True)).",
-            stacklevel=3,
-        )
-        return False
-    return True
+        hidden = self.model.norm(x)
+        return ModelOutput(hidden=hidden, logits=self.lm_head(hidden) if logits else None, layer_hidden=layer_hidden)
 
 
 def causal_mask(slots: torch.Tensor, length: int | None = None) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Packed decoder layers for inference: fewer, larger ops per layer.
 
 A decode step of a small model on a CPU is dominated by per-op overhead, not arithmetic: an
-eager SmolLM2 layer ran ~65 ops (~0.28 ms) around its 7 matrix products. `pack_model` lays each
+eager SmolLM2 layer ran ~65 ops (~0.28 ms) around its 7 matrix products. `pack_layer` lays each
 layer's weights out as the few products inference needs, each a contiguous [in, out] operand
 (the fast layout for few-row products, engine.layout):
 
@@ -11,11 +11,10 @@ layer's weights out as the few products inference needs, each a contiguous [in, 
     down     [I, H]                fused with the residual add
 
 The parameters keep their names, shapes and values: each becomes a view of the packed storage,
-so state dicts, saving and in-place weight updates (`param.data.copy_`) still work. On a CPU
-each product (and the LM head) also gets a copy packed for the skinny-product kernel
-(engine/kernels), used for up to 32 rows: after changing the weights, call `pack_model(model,
-refresh=True)` to re-pack those copies. `packed_forward` is the layer's forward with these
-operands (~25 ops); it computes the same function as `DecoderLayer.forward`, up to float rounding
+so state dicts, saving and in-place weight updates still work. On a CPU each product (and the
+LM head) also gets a copy packed for the skinny-product kernel (engine/kernels): after the
+weights change those copies must be re-packed (engine.runtime does, and detects when it must).
+`packed_forward` is the layer's forward with these operands (~25 ops); it computes the same function as `DecoderLayer.forward`, up to float rounding
 order (tests check both against transformers). Training never uses it: autograd goes through
 the modules as before.
 """
@@ -76,9 +75,29 @@ class PackedLayer:
     kernels: bool  # float32 on a CPU with engine.kernels built: fused norm and attention too
 
 
+def _packed_already(ts: list[torch.Tensor], dim: int) -> torch.Tensor | None:
+    """The packed tensor the `ts` are consecutive views of (along `dim` of their packed layout:
+    weights [out_i, in] as columns of [in, sum out_i], biases as pieces of [sum out_i]), or None.
+    Packing twice (a second runtime of the same model, a re-pack after new weights) then reuses
+    the storage: the parameters keep their storage and their version counters."""
+    total = sum(t.shape[0] for t in ts)
+    ptr, offset = ts[0].untyped_storage().data_ptr(), ts[0].storage_offset()
+    stride = (1, total) if dim == 2 else (1,)
+    for t in ts:
+        if t.untyped_storage().data_ptr() != ptr or t.storage_offset() != offset or t.stride() != stride:
+            return None
+        offset += t.shape[0]
+    if dim == 2:
+        return torch.as_strided(ts[0].detach(), (ts[0].shape[1], total), (total, 1))
+    return torch.as_strided(ts[0].detach(), (total,), (1,))
+
+
 def _pack_linears(linears: list[nn.Linear]) -> torch.Tensor:
     """Concatenates Linear weights [out_i, in] into one contiguous [in, sum out_i] and makes each
     weight a view of it."""
+    packed = _packed_already([m.weight for m in linears], 2)
+    if packed is not None:
+        return packed
     packed = torch.cat([m.weight.detach().t() for m in linears], 1).contiguous()  # [in, out]
     start = 0
     for m in linears:
@@ -88,19 +107,26 @@ def _pack_linears(linears: list[nn.Linear]) -> torch.Tensor:
     return packed
 
 
+def _pack_biases(linears: list[nn.Linear]) -> torch.Tensor:
+    packed = _packed_already([m.bias for m in linears], 1)
+    if packed is not None:
+        return packed
+    packed = torch.cat([m.bias.detach() for m in linears]).contiguous()
+    start = 0
+    for m in linears:
+        n = m.bias.shape[0]
+        m.bias.data = packed[start : start + n]
+        start += n
+    return packed
+
+
 @torch.no_grad()
 def pack_layer(layer: nn.Module) -> PackedLayer:
+    """Packs a decoder layer (engine.model.DecoderLayer, or EAGLE's layer with an identity input norm)."""
     a, mlp = layer.self_attn, layer.mlp
     kernel = use_kernel(a.q_proj.weight) and a.d <= 1024  # the kernels' RoPE scratch holds 1024 floats
     qkv = Product(_pack_linears([a.q_proj, a.k_proj, a.v_proj]), kernel)
-    bias = None
-    if a.q_proj.bias is not None:
-        bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).contiguous()
-        start = 0
-        for m in (a.q_proj, a.k_proj, a.v_proj):
-            n = m.bias.shape[0]
-            m.bias.data = bias[start : start + n]
-            start += n
+    bias = _pack_biases([a.q_proj, a.k_proj, a.v_proj]) if a.q_proj.bias is not None else None
     in_norm = getattr(layer.input_layernorm, "weight", None)
     return PackedLayer(
         qkv=qkv, qkv_bias=bias, o=Product(_pack_linears([a.o_proj]), kernel),
@@ -112,24 +138,6 @@ def pack_layer(layer: nn.Module) -> PackedLayer:
         eps=layer.post_attention_layernorm.eps, n_q=a.n_q, n_kv=a.n_kv, d=a.d, inter=mlp.gate_proj.weight.shape[0],
         kernels=kernel,
     )
-
-
-@torch.no_grad()
-def pack_model(model: nn.Module, refresh: bool = False) -> nn.Module:
-    """Packs every DecoderLayer of `model` (layers then run `packed_forward`) and its LM head
-    (`Transformer.head`, `EagleModel.head`). Idempotent; `refresh=True` re-packs after the
-    weights changed."""
-    from engine.model import DecoderLayer, Transformer
-
-    for m in model.modules():
-        if isinstance(m, DecoderLayer) and (m.packed is None or refresh):
-            m.packed = pack_layer(m)
-        if isinstance(m, Transformer) and (m.head is None or refresh):
-            w = m.lm_head.weight
-            m.head = Product(w.t(), True) if use_kernel(w) else None  # without the kernels lm_head serves
-        if hasattr(m, "refresh_head") and not isinstance(m, Transformer):  # an EAGLE drafter
-            m.refresh_head(kernel=use_kernel(m.fc.weight))
-    return model
 
 
 @dataclass

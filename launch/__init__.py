@@ -1,1 +1,6 @@
-import engine  # noqa: F401  (OpenMP defaults, set before torch loads)
+"""Entry points (`python -m <package>.<module>`): importing this package sets the OpenMP default
+before torch loads (engine.omp); library packages (engine, spot, pipeline) set nothing."""
+
+from engine.omp import openmp_default
+
+openmp_default()

@@ -1,4 +1,4 @@
-"""`python -m engine.generate`: rollouts for a JSONL file of prompts, written as JSONL.
+"""`python -m launch.generate`: rollouts for a JSONL file of prompts, written as JSONL.
 
 Input lines are `{"id": ..., "prompt": "..."}` (other fields are carried through untouched);
 output lines carry `id, sample, prompt_tokens, tokens, text, logprobs, finish_reason`. The
@@ -10,54 +10,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from engine.atomic import atomic_file
 from engine.config import EngineConfig
-from engine.spec.config import DRAFTERS, SpecConfig
 from engine.engine import RolloutEngine
 from engine.sampling import SamplingParams
+from engine.spec.config import DRAFTERS, SpecConfig
 from engine.types import Request
-
-
-def read_prompts(path: str | Path) -> list[dict]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompts file {path} not found")
-    rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); expected {{\"id\": ..., \"prompt\": \"...\"}}") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or "id" not in row:
-            raise ValueError(f"{path}:{lineno}: expected an object with \"id\" and a string \"prompt\", got {line[:80]!r}")
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"{path} holds no prompts")
-    ids = [str(r["id"]) for r in rows]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{path}: prompt ids must be unique (they key the sampling noise)")
-    return rows
-
-
-def encode(tokenizer, text: str, chat: bool) -> list[int]:
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("--chat was given but the tokenizer has no chat template")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if not isinstance(ids, list) else ids)
-    return list(tokenizer(text)["input_ids"])
+from pipeline.text import encode, load_tokenizer, read_prompts, stop_tokens
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine.generate", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m launch.generate", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="HF model folder (config.json, safetensors, tokenizer)")
     p.add_argument("--prompts", required=True, help='JSONL with {"id": ..., "prompt": "..."} lines')
     p.add_argument("--out", required=True, help="output JSONL")
@@ -84,8 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> str:
-    from transformers import AutoTokenizer
-
     rows = read_prompts(args.prompts)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -97,31 +63,27 @@ def run(args: argparse.Namespace) -> str:
     )
     cfg = EngineConfig(max_batch=args.max_batch, max_len=args.max_len, dtype=args.dtype, threads=args.threads, spec=spec)
     engine = RolloutEngine.from_pretrained(args.model, cfg)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    stops = tuple(engine.model.config.eos_ids) or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
-    params = SamplingParams(**{**params.__dict__, "stop_token_ids": stops})
+    tokenizer = load_tokenizer(args.model)
+    params = SamplingParams(**{**params.__dict__, "stop_token_ids": stop_tokens(engine.model.config, tokenizer)})
     requests = [Request(prompt_id=str(r["id"]), prompt=encode(tokenizer, r["prompt"], args.chat), n=args.n) for r in rows]
     bar = tqdm(total=len(requests) * args.n, desc="rollouts", unit="seq", file=sys.stderr, disable=None)
 
     def progress(done: int) -> None:
         bar.update(done - bar.n)
 
-    rollouts = engine.generate(requests, params, progress=progress)
+    batch = engine.generate(requests, params, progress=progress)
     bar.close()
-    out = Path(args.out)
-    tmp = out.with_name(out.name + ".tmp")
-    with tmp.open("w") as f:
-        for ro in rollouts:
+    with atomic_file(args.out) as f:
+        for ro in batch:
             f.write(json.dumps({
                 "id": ro.prompt_id, "sample": ro.sample, "prompt_tokens": ro.prompt_tokens, "tokens": ro.tokens,
                 "text": tokenizer.decode(ro.tokens, skip_special_tokens=True), "logprobs": ro.logprobs,
-                "finish_reason": ro.finish_reason,
+                "finish_reason": ro.finish_reason.value,
             }) + "\n")
-    os.replace(tmp, out)
-    s = engine.last_stats
+    s = batch.stats
     summary = (
-        f"{len(rollouts)} rollouts, {s.new_tokens} tokens in {s.wall_s:.2f}s: {s.tokens_per_s:.1f} tok/s "
-        f"(prefill {s.prefill_s:.2f}s, decode {s.decode_s:.2f}s, {len(s.batch_sizes)} steps) -> {out}"
+        f"{len(batch)} rollouts, {s.new_tokens} tokens in {s.wall_s:.2f}s: {s.tokens_per_s:.1f} tok/s "
+        f"(prefill {s.prefill_s:.2f}s, decode {s.decode_s:.2f}s, {len(s.batch_sizes)} steps) -> {args.out}"
     )
     if engine.drafter is not None:
         hist = {k: s.accept_hist.count(k) for k in sorted(set(s.accept_hist))}

@@ -37,7 +37,7 @@ from engine.checkpoint import save_checkpoint
 from engine.model import Transformer
 from engine.model_config import ModelConfig
 from pipeline.tasks import TASKS, Problem, get_task
-from pipeline.tasks.eval import evaluate
+from pipeline.tasks.eval import EVAL_SEED, evaluate
 from pipeline.tasks.tokenizer import build_tokenizer
 
 IGNORE = -100  # target id that the loss skips
@@ -230,7 +230,7 @@ def pretrain(cfg: PretrainConfig, out: str | Path) -> dict:
 
     accuracy = None
     if cfg.eval_problems:
-        problems = get_task(cfg.task).make_problems("test", cfg.eval_problems, cfg.seed)
+        problems = get_task(cfg.task).make_problems("test", cfg.eval_problems, EVAL_SEED)
         accuracy = evaluate(model, tokenizer, problems)
         print(f"held-out greedy accuracy: {accuracy:.3f} on {len(problems)} {cfg.task}/test problems", file=sys.stderr)
 

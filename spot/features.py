@@ -1,8 +1,9 @@
 """The target's features for whole sequences, by one teacher-forced forward (no KV cache).
 
-`feature(out, aux_layers)` defines the feature the drafter reads: the outputs of the target's
-auxiliary layers (eagle3), then its final hidden state after the final norm: [B, T, F] with
-F = H * (len(aux_layers) + 1). Sequences are sorted by length and run in right-padded batches
+The feature is engine.features.target_features (one definition, shared with the engine's
+feature sink): the outputs of the target's auxiliary layers (eagle3), then its final hidden
+state after the final norm. `target` is the model or, faster, the engine's runtime of it
+(engine.runtime.TargetRuntime: packed layers, compiled kernels). Sequences are sorted by length and run in right-padded batches
 of at most `batch_tokens` padded tokens; the causal mask keeps padding out of real positions.
 Runs under no_grad: the rows hold detached copies, so no gradient can reach the target.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model import ModelOutput, Transformer
+from engine.features import target_features
 from spot.records import HiddenStateRows
 
 
@@ -26,14 +27,9 @@ class TokenSequence:
     prompt_len: int
 
 
-def feature(out: ModelOutput, aux_layers: Sequence[int]) -> torch.Tensor:
-    """[B, T, F]: aux layer outputs in the given order, then the final hidden."""
-    return torch.cat([out.layer_hidden[i] for i in aux_layers] + [out.hidden], -1)
-
-
 @torch.no_grad()
 def capture_features(
-    target: Transformer,
+    target,
     sequences: Sequence[TokenSequence],
     aux_layers: Sequence[int] = (),
     *,
@@ -56,7 +52,7 @@ def capture_features(
             ids[j, : len(sequences[i].tokens)] = torch.tensor(sequences[i].tokens)
         pos = torch.arange(T).expand(len(batch), T)
         out = target(ids.to(device), pos.to(device), logits=False, hidden_layers=tuple(aux_layers))
-        feats = feature(out, aux_layers).to("cpu", dtype)  # [B, T, F]
+        feats = target_features(out, aux_layers).to("cpu", dtype)  # [B, T, F]
         for j, i in enumerate(batch):
             s = sequences[i]
             n = len(s.tokens)

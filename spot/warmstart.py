@@ -2,16 +2,14 @@
 
     python -m spot.warmstart --target DIR --prompts FILE.jsonl --out DIR [--kind eagle|eagle3] ...
 
-1. generate: the target samples `n` responses per prompt (RolloutEngine, no speculation, its
-   eos as stop token; `--chat` applies the tokenizer's chat template);
-2. features: one teacher-forced forward per prompt + response gives the target's features
-   (spot.features) as HiddenStateRows;
-3. draft vocabulary: the most frequent ids of that text (spot.draft_vocab), or the full one;
-4. train: an EagleModel on the pairs (f_t, x_{t+1}) -> f_{t+1} (spot.pairs) with the TLT loss
-   (spot.loss), AdamW, warmup + cosine; ~5% of the prompts are held out, and the held-out top-1
-   agreement and expected acceptance are measured before and after;
-5. save: the drafter folder (EagleModel.save) plus `warmstart_summary.json`, built in
-   `OUT.tmp` and renamed over OUT.
+1-3. data (spot.warmstart_data): the target's own responses (n per prompt, `--chat` applies the
+   tokenizer's chat template), their features, a draft vocabulary;
+4. train (spot.drafter_training): an EagleModel on the pairs (f_t, x_{t+1}) -> f_{t+1}
+   (spot.pairs) with the TLT loss (spot.loss), AdamW, warmup + cosine; ~5% of the prompts are
+   held out, and the held-out top-1 agreement and expected acceptance are measured before and
+   after;
+5. save: the drafter folder (EagleModel.save) plus `warmstart_summary.json`, written atomically
+   (engine.atomic).
 
 `--max-minutes` bounds the whole run: training gets what generation and features left (less a
 reserve for the final evaluation and save); when time binds, the cosine schedule follows the
@@ -25,31 +23,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
-import os
-import shutil
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from engine.checkpoint import load_checkpoint, parse_dtype, read_config
-from engine.config import EngineConfig
-from engine.engine import RolloutEngine
-from engine.generate import encode, read_prompts
-from engine.model import Transformer
-from engine.sampling import SamplingParams
+from engine.atomic import atomic_folder
+from engine.checkpoint import load_checkpoint, read_config
 from engine.spec.eagle import EagleConfig, EagleModel
-from engine.types import Request
-from spot.draft_vocab import default_size, most_frequent
-from spot.features import TokenSequence, capture_features
-from spot.loss import acceptance_metrics, eagle_loss
+from pipeline.text import load_tokenizer, read_prompts
+from spot.drafter_training import DrafterOptim, evaluate, log, train
 from spot.pairs import PackedPairs
-from spot.records import RowStore
+from spot.warmstart_data import choose_draft_vocab, collect_rows
 
 KINDS = ("eagle", "eagle3")
 
@@ -107,183 +94,17 @@ class WarmstartConfig:
             raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise ValueError(f"max_minutes must be > 0, got {self.max_minutes}")
-        if self.n > self.max_batch:
-            raise ValueError(f"n ({self.n}) must be <= max_batch ({self.max_batch}): a prompt's samples decode together")
+
+    def optim(self) -> DrafterOptim:
+        return DrafterOptim(lr=self.lr, min_lr_ratio=self.min_lr_ratio, warmup_steps=self.warmup_steps,
+                            weight_decay=self.weight_decay, grad_clip=self.grad_clip, ce_weight=self.ce_weight)
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def progress_bar(total: int, desc: str, unit: str) -> tqdm:
-    """A tqdm bar on stderr; redirected to a file it updates every 30 s instead of flooding it."""
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, mininterval=1 if sys.stderr.isatty() else 30)
-
-
-# -- 1. generation ---------------------------------------------------------------------------
-def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as e:
-        raise FileNotFoundError(f"target folder {path} has no usable tokenizer ({type(e).__name__}: {e})") from None
-
-
-def generate(target: Transformer, tokenizer, prompts: list[dict], cfg: WarmstartConfig) -> tuple[list[TokenSequence], dict]:
-    """The target's own responses: n per prompt; -> sequences (prompt + response) and generation stats."""
-    requests = [Request(prompt_id=str(r["id"]), prompt=encode(tokenizer, r["prompt"], cfg.chat), n=cfg.n) for r in prompts]
-    longest = max(len(r.prompt) for r in requests)
-    engine = RolloutEngine(target, EngineConfig(max_batch=cfg.max_batch, max_len=longest + cfg.max_new_tokens, threads=cfg.threads))
-    stops = tuple(target.config.eos_ids) or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
-    if not stops:
-        log("warning: the target has no eos token id: every response runs to --max-new-tokens")
-    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                            stop_token_ids=stops, seed=cfg.seed)
-    bar = progress_bar(len(requests) * cfg.n, "generate", "seq")
-    rollouts = engine.generate(requests, params, progress=lambda done: bar.update(done - bar.n))
-    bar.close()
-    prompt_of = {r.prompt_id: r.prompt for r in requests}
-    seqs = [TokenSequence(ro.prompt_id, ro.sample, prompt_of[ro.prompt_id] + ro.tokens, ro.prompt_tokens) for ro in rollouts]
-    s = engine.last_stats
-    stats = {
-        "seconds": round(s.wall_s, 1), "response_tokens": s.new_tokens, "tokens_per_s": round(s.tokens_per_s, 1),
-        "stopped": sum(ro.finish_reason == "stop" for ro in rollouts), "truncated": sum(ro.finish_reason == "length" for ro in rollouts),
-    }
-    log(f"generated {len(seqs)} responses, {s.new_tokens} tokens in {s.wall_s:.1f}s ({s.tokens_per_s:.0f} tok/s), "
-        f"{stats['truncated']} cut at --max-new-tokens")
-    return seqs, stats
-
-
-# -- 4. training -----------------------------------------------------------------------------
-def window_stream(num_windows: int, batch: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
-    """Endless batches of window indices: shuffled epochs, concatenated."""
-    pending = torch.empty(0, dtype=torch.long)
-    while True:
-        while pending.numel() < batch:
-            pending = torch.cat([pending, torch.randperm(num_windows, generator=generator)])
-        yield pending[:batch]
-        pending = pending[batch:]
-
-
-def lr_at(cfg: WarmstartConfig, step: int, progress: float) -> float:
-    """Linear warmup over warmup_steps, then cosine from lr to lr * min_lr_ratio as progress goes 0 -> 1."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-def batch_loss(model: EagleModel, packed: PackedPairs, idx: torch.Tensor, ce_weight: float):
-    """-> (loss, metrics, pred [M, F], targets [M, F]) over the loss pairs of windows idx."""
-    b = packed.batch(idx).to(model.fc.weight.device, model.fc.weight.dtype)
-    pred = model(b.tokens, b.features, b.positions, attn_mask=b.attn_mask)  # [B, W, F]
-    pred, targets = pred[b.loss_mask], b.targets[b.loss_mask]  # [M, F]
-    with torch.no_grad():
-        target_logits = model.logits(targets)  # [M, Vd]: the target's own head rows
-    loss, metrics = eagle_loss(pred, targets, model.logits(pred), target_logits, ce_weight=ce_weight)
-    return loss, metrics, pred, targets
-
-
-def train(model: EagleModel, packed: PackedPairs, cfg: WarmstartConfig, seconds: float | None) -> dict:
-    """Runs up to cfg.steps steps, or until `seconds` have passed; returns losses and timings."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=(0.9, 0.95))
-    batches = window_stream(len(packed), min(cfg.batch_windows, len(packed)), torch.Generator().manual_seed(cfg.seed))
-    model.train()
-    losses: list[float] = []
-    t0 = t_log = time.perf_counter()
-    pairs = step = 0
-    stopped_early = False
-    for step in range(cfg.steps):
-        elapsed = time.perf_counter() - t0
-        if seconds is not None and elapsed >= seconds and step > 0:
-            stopped_early = True
-            log(f"stopping early at step {step}/{cfg.steps}: the --max-minutes budget ({cfg.max_minutes} min) is spent")
-            break
-        progress = max(step / cfg.steps, elapsed / seconds if seconds else 0.0)
-        lr = lr_at(cfg, step, progress)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        idx = next(batches)
-        loss, metrics, _, _ = batch_loss(model, packed, idx, cfg.ce_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        losses.append(loss.item())
-        pairs += int(packed.loss[idx].sum())
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            now = time.perf_counter()
-            w = losses[-cfg.log_every :]
-            log(f"step {step + 1}/{cfg.steps} loss {sum(w) / len(w):.4f} (feature {metrics['spot/feature_loss']:.4f} "
-                f"ce {metrics['spot/ce_loss']:.3f}) top1 {metrics['spot/top1_draft_vocab']:.3f} lr {lr:.2e} "
-                f"pairs/s {pairs / (now - t_log):.0f} elapsed {now - t0:.0f}s")
-            t_log, pairs = now, 0
-    else:
-        step = cfg.steps
-    model.eval()
-    k = min(10, len(losses))
-    return {
-        "steps": step, "stopped_early": stopped_early, "seconds": round(time.perf_counter() - t0, 1),
-        "loss_start": sum(losses[:k]) / k, "loss_end": sum(losses[-k:]) / k, "losses": losses,
-    }
-
-
-@torch.no_grad()
-def evaluate(model: EagleModel, packed: PackedPairs, cfg: WarmstartConfig) -> dict:
-    """Held-out loss, top-1 agreement and expected acceptance at T = 1, weighted by pairs."""
-    W_full = model.target.lm_head.weight.detach()  # [V, H]
-    H = model.config.hidden_size
-    sums = {"loss": 0.0, "top1_agreement": 0.0, "expected_acceptance": 0.0}
-    total = 0
-    for w in range(len(packed)):  # one window at a time: [M, V] full-vocabulary logits are large
-        loss, _, pred, targets = batch_loss(model, packed, torch.tensor([w]), cfg.ce_weight)
-        M = pred.shape[0]
-        _, acc = acceptance_metrics(model.logits(pred), targets[:, -H:] @ W_full.t(), model.vocab_ids)
-        sums["loss"] += loss.item() * M
-        sums["top1_agreement"] += acc["spot/top1_agreement"] * M
-        sums["expected_acceptance"] += acc["spot/expected_acceptance"] * M
-        total += M
-    return {k: round(v / total, 4) for k, v in sums.items()} | {"pairs": total}
-
-
-# -- 5. saving -------------------------------------------------------------------------------
 def save(model: EagleModel, out: Path, summary: dict) -> None:
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save(tmp, extra={"warmstart": {k: v for k, v in summary.items() if k != "config"}})
-    (tmp / "warmstart_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    with atomic_folder(out) as tmp:
+        model.save(tmp, extra={"warmstart": {k: v for k, v in summary.items() if k != "config"}})
+        (tmp / "warmstart_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
-
-def collect_rows(target: Transformer, tokenizer, prompts: list[dict], cfg: WarmstartConfig) -> tuple[RowStore, dict]:
-    """Steps 1-2: the target's responses, then its features over prompt + response."""
-    seqs, gen_stats = generate(target, tokenizer, prompts, cfg)
-    t0 = time.perf_counter()
-    aux_layers = EagleConfig.for_target(target.config, cfg.kind).aux_layers
-    bar = progress_bar(sum(len(s.tokens) for s in seqs), "features", "tok")
-    rows = RowStore(capture_features(target, seqs, aux_layers, batch_tokens=cfg.feature_batch_tokens,
-                                     dtype=parse_dtype(cfg.feature_dtype), progress=lambda d: bar.update(d - bar.n)))
-    bar.close()
-    stats = {"generation": gen_stats, "feature_seconds": round(time.perf_counter() - t0, 1)}
-    log(f"features: {len(rows)} rows, {rows.num_tokens} tokens, F={rows.feature_size}, "
-        f"{rows.nbytes / 2**20:.0f} MiB in {stats['feature_seconds']}s")
-    return rows, stats
-
-
-def choose_draft_vocab(rows: RowStore, vocab_size: int, size: int | None) -> torch.Tensor | None:
-    """Step 3: the most frequent ids of the rows (None: the full vocabulary)."""
-    vocab = most_frequent((r.tokens for r in rows), vocab_size, default_size(vocab_size) if size is None else size)
-    if vocab is not None:
-        inside = torch.zeros(vocab_size, dtype=torch.bool)
-        inside[vocab] = True
-        covered = sum(int(inside[r.tokens].sum()) for r in rows) / rows.num_tokens
-        log(f"draft vocabulary: {len(vocab)} of {vocab_size} ids, covering {covered:.1%} of the tokens")
-    return vocab
 
 
 def warmstart(cfg: WarmstartConfig, target_path: str | Path, prompts_path: str | Path, out: str | Path) -> dict:
@@ -309,15 +130,17 @@ def warmstart(cfg: WarmstartConfig, target_path: str | Path, prompts_path: str |
     torch.manual_seed(cfg.seed)  # the drafter's initial weights
     ecfg = EagleConfig.for_target(target.config, cfg.kind, None if vocab is None else len(vocab))
     model = EagleModel(ecfg, target, vocab)
-    before = evaluate(model, held, cfg) if held else None
+    before = evaluate(model, held, cfg.ce_weight) if held else None
     budget = None
     if cfg.max_minutes is not None:
         total = cfg.max_minutes * 60
         budget = total - (time.perf_counter() - t0) - max(10.0, 0.05 * total)  # reserve: evaluation and save
         if budget <= 0:
             log("warning: generation and features used up --max-minutes; training one step only")
-    stats = train(model, packed, cfg, None if budget is None else max(budget, 0.0))
-    after = evaluate(model, held, cfg) if held else None
+    stats = train(model, packed, cfg.optim(), steps=cfg.steps, batch_windows=cfg.batch_windows, seed=cfg.seed,
+                  seconds=None if budget is None else max(budget, 0.0), log_every=cfg.log_every)
+    model.eval()
+    after = evaluate(model, held, cfg.ce_weight) if held else None
     if after:
         log(f"held out: top-1 agreement {before['top1_agreement']:.3f} -> {after['top1_agreement']:.3f}, "
             f"expected acceptance {before['expected_acceptance']:.3f} -> {after['expected_acceptance']:.3f}")

@@ -26,12 +26,14 @@ def proposals(drafter: EagleDrafter, target) -> tuple[list[int], list[int]]:
         out = target(prompt, torch.arange(5)[None], hidden_layers=drafter.feature_layers)
     feats = torch.cat([out.layer_hidden[i] for i in drafter.feature_layers] + [out.hidden], -1)
     params = SamplingParams(temperature=1.0)
-    drafter.reset(2, 64, params)
-    drafter.admit(Admission(slots=torch.tensor([0]), owner=torch.tensor([0]), tokens=prompt, lengths=torch.tensor([5]), features=feats))
+    shape = DraftShape(depth=4, topk=2, verify_tokens=6)
+    drafter.reset(2, 64, params, shape)
+    drafter.admit(Admission(slots=torch.tensor([0]), owner=torch.tensor([0]), tokens=prompt, lengths=torch.tensor([5]),
+                            features=feats, first_tokens=torch.tensor([11])))
     ctx = DraftContext(
         roots=torch.tensor([11]), positions=torch.tensor([0]), keys=row_keys(0, 0, torch.tensor([3]), torch.tensor([0])),
-        responses=torch.tensor([[11]]), generated=torch.tensor([1]), prompts=[prompt[0]], prompt_ids=["p"], params=params,
-        shape=DraftShape(depth=4, topk=2, verify_tokens=6),
+        responses=torch.tensor([[11]]), generated=torch.tensor([1]), prompts=[prompt[0]], prompt_ids=["p"],
+        samples=torch.tensor([0]), drafts=[None], params=params, shape=shape,
     )
     tree = drafter.propose(ctx)
     return tree.tokens.tolist(), tree.parents.tolist()

@@ -92,13 +92,15 @@ def test_batch_shrinks_as_rows_finish(hf_folders):
     reqs = [Request(prompt_id=str(i), prompt=[5, 6], n=1) for i in range(8)]
     free = engine.generate(reqs, SamplingParams(max_new_tokens=60, temperature=1.0))
     # Stop on a token that some rows emit early and others late (or never).
-    firsts = sorted(r.tokens.index(t) for r in free for t in [free[0].tokens[3]] if t in r.tokens)
     params = SamplingParams(max_new_tokens=60, temperature=1.0, stop_token_ids=(free[0].tokens[3],))
-    engine.generate(reqs, params)
-    sizes = engine.last_stats.batch_sizes
-    assert sizes[0] == 8 and sizes == sorted(sizes, reverse=True) and sizes[-1] < 8
-    assert sum(sizes) + len(reqs) == engine.last_stats.new_tokens  # first tokens come with the prefill
-    assert firsts[0] <= 3
+    batch = engine.generate(reqs, params)
+    sizes = [r.batch_size for r in batch.steps]
+    lengths = [len(r.tokens) for r in batch]
+    assert len(set(lengths)) > 1  # rows did finish at different steps
+    # Without speculation decode step s serves exactly the rows still generating their token s + 1.
+    assert sizes == [sum(n > s + 1 for n in lengths) for s in range(max(lengths) - 1)]
+    assert sum(sizes) + len(reqs) == batch.stats.new_tokens  # first tokens come with the prefill
+    assert all(r.emitted == [1] * r.batch_size and r.shape == "off" for r in batch.steps)
 
 
 def test_prompt_longer_than_the_context_is_rejected(hf_folders):
@@ -107,7 +109,28 @@ def test_prompt_longer_than_the_context_is_rejected(hf_folders):
         engine.generate([Request(prompt_id="long", prompt=[5] * 20)], SamplingParams())
 
 
-def test_more_samples_than_slots_is_rejected(hf_folders):
-    engine = make_engine(hf_folders["llama"], max_batch=2)
-    with pytest.raises(ValueError, match="n=3.*max_batch=2"):
-        engine.generate([Request(prompt_id="x", prompt=[5], n=3)], SamplingParams())
+class CountingRuntime:
+    """Wraps the engine's runtime and records the token count of every target pass."""
+
+    def __init__(self, runtime) -> None:
+        self.inner, self.calls = runtime, []
+
+    def __call__(self, ids, *args, **kw):
+        self.calls.append(ids.shape)
+        return self.inner(ids, *args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_request_larger_than_the_batch_is_served_in_chunks_with_one_prefill(hf_folders):
+    small = make_engine(hf_folders["llama"], max_batch=3)
+    small.runtime = CountingRuntime(small.runtime)
+    big = make_engine(hf_folders["llama"], max_batch=16)
+    reqs = [Request(prompt_id="x", prompt=[5, 9, 4, 7], n=7), Request(prompt_id="y", prompt=[8, 3], n=2)]
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5)
+    got, want = small.generate(reqs, params), big.generate(reqs, params)
+    assert [(r.prompt_id, r.sample, r.tokens) for r in got] == [(r.prompt_id, r.sample, r.tokens) for r in want]
+    prefills = [shape for shape in small.runtime.calls if shape[1] > 1]
+    assert prefills == [(1, 4), (1, 2)]  # "x" prefilled once for its 3 chunks, then "y"
+    assert max(r.batch_size for r in got.steps) <= 3

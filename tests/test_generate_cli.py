@@ -1,4 +1,4 @@
-"""`python -m engine.generate`: output format, and bad input exits non-zero without a traceback."""
+"""`python -m launch.generate`: output format, and bad input exits non-zero without a traceback."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tests.conftest import REPO
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine.generate", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "launch.generate", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 def write_prompts(path, rows) -> str:

@@ -14,7 +14,7 @@ from engine.kernels import eagle_chain as chain_kernel
 from engine.kernels.library import available
 from engine.kernels.skinny import SkinnyMatrix
 from engine.kv_cache import KVCache
-from engine.layout import prepare_for_inference
+from engine.runtime import TargetRuntime
 from engine.sampling import SamplingParams, row_keys
 from engine.spec.drafter import DraftContext, DraftShape
 from engine.spec.eagle import EagleConfig, EagleModel
@@ -72,8 +72,8 @@ def test_masked_attention_equals_sdpa_and_rows_are_independent():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_forward_with_kernels_equals_the_module_forward(hf_folders, family):
     plain = load_checkpoint(hf_folders[family])
-    packed = prepare_for_inference(copy.deepcopy(plain))
-    assert packed.model.layers[0].packed.kernels
+    packed = TargetRuntime(copy.deepcopy(plain))
+    assert packed.kernels
     ids = torch.tensor([[3, 17, 42, 8, 9, 11], [5, 6, 7, 1, 2, 4]])
     pos = torch.arange(6).expand(2, 6)
     cache_a = KVCache.for_model(plain.config, 2, 16, torch.float32)
@@ -86,44 +86,45 @@ def test_packed_forward_with_kernels_equals_the_module_forward(hf_folders, famil
         b = packed(ids[:, 5:], pos[:, 5:], cache=cache_b)
         torch.testing.assert_close(b.logits, a.logits, rtol=1e-4, atol=1e-4)
     # Parameters are still the same values under the same names.
-    for (name, p), (_, q) in zip(plain.state_dict().items(), packed.state_dict().items()):
+    for (name, p), (_, q) in zip(plain.state_dict().items(), packed.model.state_dict().items()):
         assert torch.equal(p, q), name
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_compiled_chain_draft_proposes_what_the_python_chain_proposes(hf_folders, kind, temperature, monkeypatch):
-    target = prepare_for_inference(load_checkpoint(hf_folders["llama"]))
+    runtime = TargetRuntime(load_checkpoint(hf_folders["llama"]))
+    target = runtime.model
     torch.manual_seed(4)
     net = EagleModel(EagleConfig.for_target(target.config, kind, draft_vocab_size=40), target, torch.arange(0, 80, 2))
     with torch.no_grad():
         for p in net.parameters():
             p.mul_(3.0)  # sharper drafts: more distinct tokens to compare
-    prepare_for_inference(net)
-    assert chain_kernel.supported(net)
     params = SamplingParams(temperature=temperature)
     prompt = torch.tensor([[5, 9, 14, 20, 7], [4, 4, 8, 1, 3]])
     with torch.no_grad():
-        out = target(prompt, torch.arange(5).expand(2, 5), hidden_layers=tuple(net.config.aux_layers))
+        out = runtime(prompt, torch.arange(5).expand(2, 5), hidden_layers=tuple(net.config.aux_layers))
     feats = torch.cat([out.layer_hidden[i] for i in net.config.aux_layers] + [out.hidden], -1)
 
     def draft() -> list[list[int]]:
         from engine.spec.drafter import Admission
 
         drafter = EagleDrafter(net)
-        drafter.reset(2, 64, params)
+        shape = DraftShape(depth=6, topk=1, verify_tokens=6)
+        drafter.reset(2, 64, params, shape)
         drafter.admit(Admission(slots=torch.tensor([0, 1]), owner=torch.tensor([0, 1]), tokens=prompt,
-                                lengths=torch.tensor([5, 5]), features=feats))
+                                lengths=torch.tensor([5, 5]), features=feats, first_tokens=torch.tensor([11, 12])))
         ctx = DraftContext(
             roots=torch.tensor([11, 12]), positions=torch.tensor([0, 0]),
             keys=row_keys(0, 0, torch.tensor([3, 4]), torch.tensor([0, 0])), responses=torch.tensor([[11], [12]]),
-            generated=torch.tensor([1, 1]), prompts=list(prompt), prompt_ids=["a", "b"], params=params,
-            shape=DraftShape(depth=6, topk=1, verify_tokens=6),
+            generated=torch.tensor([1, 1]), prompts=list(prompt), prompt_ids=["a", "b"], samples=torch.tensor([0, 0]),
+            drafts=[None, None], params=params, shape=shape,
         )
         return drafter.propose(ctx).padded().tokens.tolist()
 
+    assert chain_kernel.supported(EagleDrafter(net).rt)
     compiled = draft()
-    monkeypatch.setattr(chain_kernel, "supported", lambda net: False)
+    monkeypatch.setattr(chain_kernel, "supported", lambda rt: False)
     assert draft() == compiled
 
 
@@ -157,53 +158,13 @@ def test_silu_mul_equals_torch():
     torch.testing.assert_close(decode_ops.silu_mul(x), F.silu(x[:, :24]) * x[:, 24:], rtol=1e-5, atol=1e-6)
 
 
-def test_engine_serves_new_weights_after_refresh_weights(hf_folders):
-    from engine.config import EngineConfig
-    from engine.engine import RolloutEngine
-    from engine.types import Request
-
-    model = load_checkpoint(hf_folders["llama"])
-    engine = RolloutEngine(model, EngineConfig(max_batch=2, max_len=64))
-    reqs = [Request(prompt_id="p", prompt=[3, 4, 5])]
-    params = SamplingParams(max_new_tokens=12, temperature=1.0)
-    before = engine.generate(reqs, params)[0].tokens
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(-1.0)  # in place: the packed torch views see it, the kernels' copies do not
-    engine.refresh_weights()
-    after = engine.generate(reqs, params)[0].tokens
-    fresh = RolloutEngine(load_checkpoint(hf_folders["llama"]), EngineConfig(max_batch=2, max_len=64))
-    with torch.no_grad():
-        for p in fresh.model.parameters():
-            p.mul_(-1.0)
-    fresh.refresh_weights()
-    assert after == fresh.generate(reqs, params)[0].tokens
-    assert after != before
-
-
-def test_weights_replaced_after_packing_fall_back_to_the_modules_with_a_warning(hf_folders):
-    model = prepare_for_inference(load_checkpoint(hf_folders["llama"]))
-    reference = load_checkpoint(hf_folders["llama"])
-    with torch.no_grad():
-        for p in model.parameters():
-            p.data = p.data.clone() * 2.0  # new storage: the packed copies are stale now
-        for p in reference.parameters():
-            p.mul_(2.0)
-    ids = torch.tensor([[3, 4, 5]])
-    with torch.inference_mode(), pytest.warns(UserWarning, match="refresh_weights"):
-        got = model(ids, torch.arange(3)[None]).logits
-    with torch.inference_mode():
-        want = reference(ids, torch.arange(3)[None]).logits
-    torch.testing.assert_close(got, want)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_verify_pass_reproduces_sequential_decoding_bit_for_bit(hf_folders, family):
     """With the kernels every row is computed on its own in a fixed order, so the logits of k
     tokens verified in one pass (in a batch with other rows) equal, bit for bit, those of
     decoding them one at a time alone: what makes speculative rollouts the same tokens."""
-    model = prepare_for_inference(load_checkpoint(hf_folders[family]))
-    cfg = model.config
+    model = TargetRuntime(load_checkpoint(hf_folders[family]))
+    cfg = model.model.config
     prompt, cont = [3, 17, 42, 8], [9, 11, 5, 7, 2, 30]
     P, K = len(prompt), len(cont)
     with torch.inference_mode():

@@ -21,8 +21,8 @@ def make_ctx(prompts: list[list[int]], responses: list[list[int]], prompt_ids: l
     return DraftContext(
         roots=padded[torch.arange(b), generated - 1], positions=generated - 1,
         keys=torch.zeros(b, dtype=torch.long), responses=padded, generated=generated,
-        prompts=[torch.tensor(p) for p in prompts], prompt_ids=prompt_ids, params=SamplingParams(),
-        shape=DraftShape(depth=depth, topk=topk, verify_tokens=verify_tokens),
+        prompts=[torch.tensor(p) for p in prompts], prompt_ids=prompt_ids, samples=torch.zeros(b, dtype=torch.long),
+        drafts=[None] * b, params=SamplingParams(), shape=DraftShape(depth=depth, topk=topk, verify_tokens=verify_tokens),
     )
 
 
@@ -138,12 +138,16 @@ def test_tree_mode_siblings_distinct_size_bounded_parents_first_depth_bounded(se
     assert tree.num_nodes.gt(0).all()
 
 
-def test_reset_forgets_finished_siblings():
+def test_finished_siblings_are_kept_within_an_rl_step_and_forgotten_at_the_next():
     drafter = NgramDrafter()
-    drafter.finish("p", [20, 21, 22, 23])
     ctx = make_ctx([[1, 2]], [[20, 21]], ["p"])
+    limits = ctx.shape
+    drafter.reset(4, 64, SamplingParams(seed=1, step=3), limits)
+    drafter.finish("p", [20, 21, 22, 23])
     assert row_nodes(drafter.propose(ctx), 0)[0] == [22, 23]
-    drafter.reset(4, 64, SamplingParams())
+    drafter.reset(4, 64, SamplingParams(seed=1, step=3), limits)  # another generate() call of the same step
+    assert row_nodes(drafter.propose(ctx), 0)[0] == [22, 23]
+    drafter.reset(4, 64, SamplingParams(seed=1, step=4), limits)
     assert drafter.propose(ctx).num_nodes.tolist() == [0]
 
 

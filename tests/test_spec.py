@@ -62,29 +62,32 @@ def test_speculative_rollouts_equal_autoregressive_token_for_token(target, name,
     reference = engine(target).generate(requests(), params)
     spec_engine = engine(target, DRAFTERS[name](target, reference), topk=topk)
     rollouts = spec_engine.generate(requests(), params)
+    assert [(r.prompt_id, r.sample) for r in rollouts] == [(r.prompt_id, r.sample) for r in reference]
     for a, b in zip(reference, rollouts):
         assert (a.prompt_id, a.sample) == (b.prompt_id, b.sample)
         assert b.tokens == a.tokens
         assert b.finish_reason == a.finish_reason
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-9)
-    assert spec_engine.last_stats.drafted > 0
+    assert rollouts.stats.drafted > 0
 
 
 def test_oracle_acceptance_length_is_depth_plus_one(target):
     params = SamplingParams(max_new_tokens=40, temperature=1.0, seed=2)  # no stop: every row runs 40 tokens
     reference = engine(target).generate(requests(), params)
     spec_engine = engine(target, OracleDrafter(reference), depth=4, verify_tokens=4)
-    spec_engine.generate(requests(), params)
-    hist = spec_engine.last_stats.accept_hist
+    steps = spec_engine.generate(requests(), params).steps
     # Every verify step accepts all 4 drafts plus the bonus: 40 tokens = 1 (prefill) + 8 steps
     # of 5, the last cut to 4 by max_new_tokens.
-    assert hist == [5] * (8 * 12)
+    assert all(a == 4 for r in steps for a in r.accepted)
+    emitted = sorted(e for r in steps for e in r.emitted)
+    assert emitted == [4] * 12 + [5] * (7 * 12)
 
 
 def test_bad_drafter_accepts_little_but_changes_nothing(target):
     params = PARAMS["T1-top-p0.9"]
     reference = engine(target).generate(requests(), params)
     spec_engine = engine(target, RandomDrafter(target.config.vocab_size), topk=3, verify_tokens=8)
-    assert [r.tokens for r in spec_engine.generate(requests(), params)] == [r.tokens for r in reference]
-    stats = spec_engine.last_stats
+    out = spec_engine.generate(requests(), params)
+    assert [r.tokens for r in out] == [r.tokens for r in reference]
+    stats = out.stats
     assert stats.accepted < 0.2 * stats.drafted

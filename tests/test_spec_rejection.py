@@ -44,7 +44,7 @@ def draw_pairs(model, drafter, topk: int, rows: int, temperature: float) -> torc
 
     params = SamplingParams(max_new_tokens=3, temperature=temperature, seed=1)
     rollouts = engine.generate([Request(prompt_id=f"r{i}", prompt=PROMPT) for i in range(rows)], params)
-    assert engine.last_stats.drafted > 0
+    assert rollouts.stats.drafted > 0
     return torch.tensor([r.tokens[1:3] for r in rollouts])  # the tokens drawn by the verify steps
 
 

@@ -1,7 +1,7 @@
 """A whole EAGLE chain draft in one compiled call (engine/kernels/eagle_chain.cpp via ctypes).
 
-`draft` runs the catch-up and D draft levels for b rows of an `EagleModel` packed with the
-kernels (engine.packed): the same function as EagleDrafter's Python catch-up and chain, without
+`draft` runs the catch-up and D draft levels for b rows of an `EagleModel` as its runtime
+(engine.spec.eagle_runtime) packed it for the kernels: the same function as EagleDrafter's Python catch-up and chain, without
 ~40 dispatched ops per network call. It serves plain sampling (no top-k / top-p) and greedy;
 the drafter uses the Python path otherwise.
 """
@@ -13,20 +13,19 @@ import torch
 from engine.kernels.library import library
 
 
-def supported(net) -> bool:
-    """Whether `net` (an EagleModel) is packed with the kernels and shaped for the chain kernel."""
-    layer = net.layers[0]
-    p = layer.packed
+def supported(rt) -> bool:
+    """Whether `rt` (an EagleRuntime) is packed with the kernels and shaped for the chain kernel."""
+    net, p = rt.net, rt.layer
     emb = net.target.model.embed_tokens.weight
     return (
         p is not None and p.kernels and p.qkv_bias is None and p.q_norm is None and p.in_norm is None
-        and net.head is not None and net.fc_product is not None
-        and (net.fc_out is None or net.fc_out_product is not None)
+        and rt.head is not None and rt.fc is not None
+        and (net.fc_out is None or rt.fc_out is not None)
         and emb.is_contiguous() and emb.dtype == torch.float32 and p.d <= 1024
     )
 
 
-def draft(net, pend_tok: torch.Tensor, pend_feat: torch.Tensor, n_pend: torch.Tensor, depth: int,
+def draft(rt, pend_tok: torch.Tensor, pend_feat: torch.Tensor, n_pend: torch.Tensor, depth: int,
           noise: torch.Tensor | None, temperature: float, cos: torch.Tensor, sin_signed: torch.Tensor, cache,
           lengths: torch.Tensor) -> torch.Tensor:
     """Catch-up and chain in one call. pend_tok [b, T] pending tokens (each row's root at
@@ -34,11 +33,11 @@ def draft(net, pend_tok: torch.Tensor, pend_feat: torch.Tensor, n_pend: torch.Te
     (greedy); cos / sin_signed [b, T + D, hd] at the catch-up positions lengths + 1 + j, then the
     chain positions lengths + n_pend + 1 + d; cache: the drafter's KVCache (layer 0), whose
     `lengths` the caller advances by n_pend -> tokens [b, D]."""
-    p, c = net.layers[0].packed, net.config
+    net, p, c = rt.net, rt.layer, rt.net.config
     b, T = pend_tok.shape
     F = pend_feat.shape[-1]
     ids = net.vocab_ids
-    vd = net.head.skinny.N
+    vd = rt.head.skinny.N
     if pend_feat.stride(-1) != 1 or pend_feat.stride(1) != F:
         raise ValueError("draft: pending features must have contiguous pairs")
     pend_tok, n_pend, lengths = pend_tok.contiguous(), n_pend.contiguous(), lengths.contiguous()
@@ -46,15 +45,15 @@ def draft(net, pend_tok: torch.Tensor, pend_feat: torch.Tensor, n_pend: torch.Te
     noise = noise.contiguous() if noise is not None else None
     tokens = torch.empty(b, depth, dtype=torch.long)
     ck, cv = cache.k[0], cache.v[0]
-    fc_out = net.fc_out_product.skinny.panels.data_ptr() if net.fc_out is not None else None
+    fc_out = rt.fc_out.skinny.panels.data_ptr() if net.fc_out is not None else None
     library().eagle_draft(
         b, T, depth, c.hidden_size, F, p.n_q, p.n_kv, p.d, p.inter, vd,
         pend_tok.data_ptr(), pend_feat.data_ptr(), pend_feat.stride(0), n_pend.data_ptr(),
         net.target.model.embed_tokens.weight.data_ptr(), ids.data_ptr() if ids is not None else None,
         noise.data_ptr() if noise is not None else None, float(temperature),
         cos.data_ptr(), sin_signed.data_ptr(),
-        net.fc_product.skinny.panels.data_ptr(), p.qkv.skinny.panels.data_ptr(), p.o.skinny.panels.data_ptr(),
-        p.gate_up.skinny.panels.data_ptr(), p.down.skinny.panels.data_ptr(), net.head.skinny.panels.data_ptr(), fc_out,
+        rt.fc.skinny.panels.data_ptr(), p.qkv.skinny.panels.data_ptr(), p.o.skinny.panels.data_ptr(),
+        p.gate_up.skinny.panels.data_ptr(), p.down.skinny.panels.data_ptr(), rt.head.skinny.panels.data_ptr(), fc_out,
         p.post_norm.data_ptr(), float(p.eps), ck.data_ptr(), cv.data_ptr(), ck.stride(0), ck.stride(1),
         lengths.data_ptr(), tokens.data_ptr(), torch.get_num_threads(),
     )

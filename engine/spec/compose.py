@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.sampling import SamplingParams
-from engine.spec.drafter import DraftContext, Drafter, DrafterBase
+from engine.spec.drafter import DraftContext, Drafter, DrafterBase, DraftShape
 from engine.spec.tree import DraftTree
 from engine.spec.verify import Verdict
 
@@ -26,9 +26,9 @@ class FallbackDrafter(DrafterBase):
             raise ValueError("drafters in one composition must read the same target layers")
         self.wants_features = any(getattr(d, "wants_features", False) or d.feature_layers for d in drafters)
 
-    def reset(self, max_batch: int, max_len: int, params: SamplingParams) -> None:
+    def reset(self, max_batch: int, max_len: int, params: SamplingParams, limits: DraftShape) -> None:
         for d in self.drafters:
-            d.reset(max_batch, max_len, params)
+            d.reset(max_batch, max_len, params, limits)
 
     def admit(self, adm) -> None:
         for d in self.drafters:
@@ -45,6 +45,13 @@ class FallbackDrafter(DrafterBase):
     def finish(self, prompt_id: str, tokens: list[int]) -> None:
         for d in self.drafters:
             d.finish(prompt_id, tokens)
+
+    def target_changed(self) -> None:
+        for d in self.drafters:
+            d.target_changed()
+
+    def stale(self) -> str | None:
+        return next((s for s in (d.stale() for d in self.drafters) if s), None)
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         # Every drafter proposes (model drafters must run their catch-up every step anyway).

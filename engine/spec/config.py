@@ -19,6 +19,11 @@ class SpecConfig:
     topk: int = 1  # children per expanded node; 1 = chain
     verify_tokens: int = 8  # draft nodes verified per row per step
     verify: Literal["coupled", "rejection"] = "coupled"
+    # The engine's maximum sizes (cache margin, RoPE reach, drafter buffers): a speculation
+    # policy may pick any shape within them on any step. None: the fixed shape above.
+    max_depth: int | None = None
+    max_topk: int | None = None
+    max_verify_tokens: int | None = None
 
     def validate(self) -> None:
         if self.drafter not in DRAFTERS:
@@ -26,12 +31,22 @@ class SpecConfig:
         for key in ("depth", "topk", "verify_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"engine.spec.{key} must be >= 1, got {getattr(self, key)}")
-        if self.depth * self.topk > 512:
-            raise ValueError(f"engine.spec.depth * topk must be <= 512, got {self.depth} * {self.topk}")
-        if self.verify_tokens > 64:
-            raise ValueError(f"engine.spec.verify_tokens must be <= 64, got {self.verify_tokens}")
+        for key in ("depth", "topk", "verify_tokens"):
+            top = getattr(self, f"max_{key}")
+            if top is not None and top < getattr(self, key):
+                raise ValueError(f"engine.spec.max_{key}={top} is below engine.spec.{key}={getattr(self, key)}")
+        depth, topk, verify = self.limits()
+        if depth * topk > 512:
+            raise ValueError(f"engine.spec (max_)depth * (max_)topk must be <= 512, got {depth} * {topk}")
+        if verify > 64:
+            raise ValueError(f"engine.spec (max_)verify_tokens must be <= 64, got {verify}")
         if self.enabled and "eagle" in self.drafter and not self.drafter_path:
             raise ValueError(
                 f"engine.spec.drafter={self.drafter} needs engine.spec.drafter_path (a folder from "
                 "`python -m spot.warmstart` or `make drafters`)"
             )
+
+    def limits(self) -> tuple[int, int, int]:
+        """(depth, topk, verify_tokens): the largest shape the engine is built for."""
+        pick = lambda key: getattr(self, f"max_{key}") or getattr(self, key)  # noqa: E731
+        return pick("depth"), pick("topk"), pick("verify_tokens")

@@ -1,11 +1,14 @@
 """The Drafter protocol: what the engine asks of a drafter, and what it tells it.
 
-Each decode step the engine hands the drafter a `DraftContext` for its active rows (slots
-0..b-1) and gets back a `DraftTree` (possibly empty for some rows). Around that, it keeps the
-drafter informed: rows admitted (with the prompt's target features, for model drafters), the
-verdict of each verify pass (with the target features of root and nodes), rows moved when the
-batch is compacted, and rollouts finished (for drafters that learn from sibling responses).
-Hooks a drafter does not need are inherited as no-ops from `DrafterBase`.
+Each speculative decode step the engine hands the drafter a `DraftContext` for its active rows
+(slots 0..b-1) and gets back a `DraftTree` (possibly empty for some rows). Around that, it keeps
+the drafter informed on *every* step, speculative or not: rows admitted (with the prompt's
+target features, for model drafters), the verdict of each target pass (with the target features
+of root and nodes), rows moved when the batch is compacted, and rollouts finished (for drafters
+that learn from sibling responses). A step without a draft (the speculation policy said off)
+still reports its verdict and features, so a drafter stays current and switching speculation
+back on costs no re-prefill. Hooks a drafter does not need are inherited as no-ops from
+`DrafterBase`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,22 @@ class DraftShape:
     # its logits); coupled verification wants distinct siblings: the coupled sample, then top-k.
     iid_children: bool = False
 
+    @property
+    def label(self) -> str:
+        """"d6k1v8": depth, top-k, verify tokens (the name step records and the tuner use)."""
+        return f"d{self.depth}k{self.topk}v{self.verify_tokens}"
+
+    def check_within(self, limits: DraftShape) -> None:
+        """Raises ValueError unless this shape fits the engine's maximum sizes and verify mode."""
+        for key in ("depth", "topk", "verify_tokens"):
+            if not 1 <= getattr(self, key) <= getattr(limits, key):
+                raise ValueError(
+                    f"draft shape {self.label}: {key}={getattr(self, key)} is outside 1..{getattr(limits, key)}, the "
+                    f"engine's maximum (engine.spec.max_{key})"
+                )
+        if self.iid_children != limits.iid_children:
+            raise ValueError(f"draft shape {self.label}: iid_children must be {limits.iid_children} (fixed by engine.spec.verify)")
+
 
 @dataclass
 class Admission:
@@ -39,6 +58,7 @@ class Admission:
     tokens: torch.Tensor  # [P, T] prompt ids, right-padded
     lengths: torch.Tensor  # [P]
     features: torch.Tensor | None  # [P, T, F] the target's features at every prompt position, or None
+    first_tokens: torch.Tensor  # [R] each new row's first sampled token (its root for the first step)
 
 
 @dataclass
@@ -50,6 +70,8 @@ class DraftContext:
     generated: torch.Tensor  # [b]
     prompts: list[torch.Tensor]  # per row: prompt token ids
     prompt_ids: list[str]  # per row: rows of one prompt (a GRPO group) share it
+    samples: torch.Tensor  # [b] each row's sample index within its request
+    drafts: list[torch.Tensor | None]  # per row: a pre-generated response for this sample, or None
     params: SamplingParams
     shape: DraftShape
 
@@ -58,7 +80,7 @@ class Drafter(Protocol):
     name: str
     feature_layers: tuple[int, ...]  # target layers whose outputs the drafter needs; () = none
 
-    def reset(self, max_batch: int, max_len: int, params: SamplingParams) -> None: ...
+    def reset(self, max_batch: int, max_len: int, params: SamplingParams, limits: DraftShape) -> None: ...
 
     def admit(self, adm: Admission) -> None: ...
 
@@ -70,25 +92,34 @@ class Drafter(Protocol):
 
     def finish(self, prompt_id: str, tokens: list[int]) -> None: ...
 
+    def target_changed(self) -> None: ...
+
+    def stale(self) -> str | None: ...
+
 
 class DrafterBase:
     """No-op hooks; subclasses override what they use.
 
     Hook arguments:
-      reset(max_batch, max_len, params): a generate() call starts; rows hold at most max_len
-        committed tokens (plus the tentative tree).
+      reset(max_batch, max_len, params, limits): a generate() call starts; rows hold at most
+        max_len committed tokens (plus the tentative tree); every shape proposed for will fit
+        within `limits` (the engine's maximum sizes).
       admit(Admission): rows start in their slots; features are the target's features at every
         prompt position (None unless the drafter sets `wants_features` or `feature_layers`).
-      update(verdict, features [b, 1+N, F] or None): after a verify pass over [root, nodes].
+      update(verdict, features [b, 1+N, F] or None): after every target pass over [root, nodes]
+        (N = 0 on a step without a draft).
       move_rows(src [R], dst [R]): row src now lives in slot dst (batch compaction).
       finish(prompt_id, tokens): a rollout of that prompt finished with these response tokens.
+      target_changed(): the target's weights changed (drafters sharing its embedding or head
+        re-read them).
+      stale(): the name of a weight changed since the drafter last packed its own, or None.
     """
 
     name = "base"
     feature_layers: tuple[int, ...] = ()
     wants_features = False
 
-    def reset(self, max_batch: int, max_len: int, params: SamplingParams) -> None:
+    def reset(self, max_batch: int, max_len: int, params: SamplingParams, limits: DraftShape) -> None:
         pass
 
     def admit(self, adm: Admission) -> None:
@@ -105,3 +136,9 @@ class DrafterBase:
 
     def finish(self, prompt_id: str, tokens: list[int]) -> None:
         pass
+
+    def target_changed(self) -> None:
+        pass
+
+    def stale(self) -> str | None:
+        return None

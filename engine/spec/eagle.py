@@ -26,10 +26,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.checkpoint import atomic_write
+from engine.atomic import atomic_write
 from engine.kv_cache import KVCache
-from engine.model import DecoderLayer, Transformer, causal_mask, use_packed
-from engine.packed import Product, packed_forward, step_inputs
+from engine.model import DecoderLayer, Transformer, causal_mask
 from engine.model_config import ModelConfig
 from engine.rope import RopeSource, inverse_frequencies
 
@@ -101,16 +100,11 @@ class EagleModel(RopeSource, nn.Module):
     def rope_dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
-    def refresh_head(self, kernel: bool = False) -> None:
-        """Re-reads the target's LM head rows of the draft vocabulary (after the target changes);
-        `kernel`: also pack them for the skinny-product kernel (engine.packed, inference only)."""
+    def refresh_head(self) -> None:
+        """Re-reads the target's LM head rows of the draft vocabulary (after the target's weights change)."""
         w = self.target.lm_head.weight.detach()  # [V, H]
         # Stored [H, Vd] contiguous: few-row products are fastest with that operand (engine.layout).
         self.__dict__["head_t"] = (w[self.draft_vocab] if self.draft_vocab.numel() else w).t().contiguous()
-        # Packed copies for the compiled kernels (inference only; None: the modules serve).
-        self.__dict__["head"] = Product(self.head_t, True) if kernel else None
-        self.__dict__["fc_product"] = Product(self.fc.weight.detach().t(), True) if kernel else None
-        self.__dict__["fc_out_product"] = Product(self.fc_out.weight.detach().t(), True) if kernel and self.fc_out is not None else None
 
     @property
     def vocab_ids(self) -> torch.Tensor | None:
@@ -128,33 +122,20 @@ class EagleModel(RopeSource, nn.Module):
     ) -> torch.Tensor:
         """Returns the predicted features f_{t+1}: [B, T, F]."""
         emb = self.target.model.embed_tokens(tokens).detach()  # [B, T, H]
-        pair = torch.cat([emb, features], -1)  # [B, T, H + F]
-        if self.fc_product is None or torch.is_grad_enabled():
-            x = self.fc(pair)  # [B, T, H]
-        else:
-            x = self.fc_product(pair.reshape(-1, pair.shape[-1])).view(*pair.shape[:-1], -1)
+        x = self.fc(torch.cat([emb, features], -1))  # [B, T, H]
         if cache is not None and cache_pos is None:
             cache_pos = positions
         if attn_mask is None:
             attn_mask = causal_mask(cache_pos if cache is not None else positions)
         cos, sin = self.rope(positions, x.dtype)
-        layer = self.layers[0]
-        if use_packed(layer, x):
-            c = self.config
-            s = step_inputs(cos, sin, attn_mask, cache_pos, c.num_attention_heads // c.num_key_value_heads)
-            h = packed_forward(layer.packed, x, s, cache, 0)
-        else:
-            h = layer(x, cos, sin, attn_mask.unsqueeze(1), cache, cache_pos)  # [B, T, H]
+        h = self.layers[0](x, cos, sin, attn_mask.unsqueeze(1), cache, cache_pos)  # [B, T, H]
         if self.fc_out is None:
             return h
         return torch.cat([self.fc_out(h), h], -1)  # aux levels first, final hidden last (as features)
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """[..., F] predicted features -> [..., Vd] draft logits (frozen target head, draft vocab rows)."""
-        h = predicted[..., -self.config.hidden_size :]
-        if self.head is None or torch.is_grad_enabled():
-            return h @ self.head_t
-        return self.head(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
+        return predicted[..., -self.config.hidden_size :] @ self.head_t
 
     def new_cache(self, max_batch: int, max_len: int) -> KVCache:
         c = self.config

@@ -1,11 +1,14 @@
 """EagleDrafter: runs the one-layer EAGLE network (engine.spec.eagle) as a Drafter.
 
 Per row the drafter keeps its own one-layer KV cache of *pairs* (f_{t-1}, x_t) at position t
-(cache slot t - 1), built from the target's true features. Each step it first *catches up*: the
-pairs committed since the last step (the target's features at the root and the accepted nodes,
-which the verify pass produced) go through the network, the last one with the root token;
-then it expands the tree level by level from its own predicted features, on tentative cache
-slots that the next catch-up overwrites.
+(cache slot t - 1), built from the target's true features. Pairs committed by a target pass
+(the target's features at the root and the accepted nodes, each with the token that followed
+it: the last one's token is the next root) wait in a *pending* buffer. When asked to draft, the
+drafter first *catches up* (all pending pairs go through the network at once), then expands the
+tree level by level from its own predicted features, on tentative cache slots that the next
+catch-up overwrites. Steps without a draft only append to the pending buffer; when it would
+overflow, the pending pairs are caught up without drafting. So speculation can be off for many
+steps (a large batch) and on again with the drafter's cache complete.
 
 Tree expansion (coupled verification): a node's first child is the drafter's own noise-indexed
 sample at that position (the same keys the target samples with, so a good drafter proposes
@@ -28,12 +31,11 @@ from engine.kernels import eagle_chain as chain_kernel
 from engine.model import Transformer
 from engine.rope import signed_sin
 from engine.sampling import SamplingParams, derive_keys, gumbel, mask_logits
-from engine.spec.drafter import Admission, DraftContext, DrafterBase
+from engine.spec.drafter import Admission, DraftContext, DrafterBase, DraftShape
 from engine.spec.eagle import EagleModel
+from engine.spec.eagle_runtime import EagleRuntime
 from engine.spec.tree import DraftTree
 from engine.spec.verify import Verdict
-
-PENDING = 66  # most pairs committed by one verify step: verify_tokens (<= 64) + root + 1
 
 
 class EagleDrafter(DrafterBase):
@@ -41,6 +43,8 @@ class EagleDrafter(DrafterBase):
 
     def __init__(self, net: EagleModel, coupled_prior: float = 0.6) -> None:
         self.net = net.eval()
+        self.rt = EagleRuntime(self.net)
+        self.version = 0  # of the drafter's own weights (load_weights)
         self.name = net.config.kind
         self.feature_layers = tuple(net.config.aux_layers)
         self.coupled_prior = coupled_prior
@@ -53,45 +57,81 @@ class EagleDrafter(DrafterBase):
             raise ValueError(f"engine.spec.drafter={expect} but {path} holds a {net.config.kind} drafter")
         return cls(net)
 
+    # -- weights ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, named_tensors, version: int) -> None:
+        """Replaces the drafter's weights (names as in its state dict: `fc.weight`, `layers.0.*`)."""
+        params = dict(self.net.named_parameters())
+        seen = set()
+        for name, t in named_tensors:
+            if name not in params:
+                raise ValueError(f"drafter weight {name!r} does not exist; expected names like {sorted(params)[:3]}")
+            if params[name].shape != t.shape:
+                raise ValueError(f"drafter weight {name!r} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}")
+            params[name].copy_(t)
+            seen.add(name)
+        if seen != set(params):
+            raise ValueError(f"drafter weights missing: {sorted(set(params) - seen)[:5]}")
+        self.rt.repack()
+        self.version = version
+
+    def target_changed(self) -> None:
+        self.rt.repack()  # re-reads the shared LM head rows
+
+    def stale(self) -> str | None:
+        return self.rt.stale()
+
     # -- hooks -----------------------------------------------------------------------------
-    def reset(self, max_batch: int, max_len: int, params: SamplingParams) -> None:
+    def reset(self, max_batch: int, max_len: int, params: SamplingParams, limits: DraftShape) -> None:
         self.params = params
-        tentative = 64 * 8  # room for the frontier nodes of the deepest, widest tree
-        if self.cache is None or self.cache.max_batch < max_batch or self.cache.max_len < max_len + tentative:
+        # Pending pairs: one target pass commits at most verify_tokens + 1; room for two passes.
+        capacity = 2 * (limits.verify_tokens + 2)
+        tentative = limits.depth * limits.topk + 1  # tentative slots of the deepest, widest tree
+        if (self.cache is None or self.cache.max_batch < max_batch or self.cache.max_len < max_len + tentative
+                or self.pend_tok.shape[1] < capacity):
             self.cache = self.net.new_cache(max_batch, max_len + tentative)
             F = self.net.config.feature_size
             dev, dtype = self.net.fc.weight.device, self.net.fc.weight.dtype
-            self.pend_feat = torch.zeros(max_batch, PENDING, F, dtype=dtype, device=dev)  # [N, W, F]
-            self.pend_tok = torch.zeros(max_batch, PENDING, dtype=torch.long, device=dev)  # [N, W]
+            self.pend_feat = torch.zeros(max_batch, capacity, F, dtype=dtype, device=dev)  # [N, W, F]
+            self.pend_tok = torch.zeros(max_batch, capacity, dtype=torch.long, device=dev)  # [N, W]
             self.pend_n = torch.zeros(max_batch, dtype=torch.long, device=dev)  # [N]
         self.cache.lengths.zero_()
 
     @torch.inference_mode()
     def admit(self, adm: Admission) -> None:
         """Runs each prompt's pairs (f_j, x_{j+1}), j < P - 1, once, into all its samples' slots;
-        f_{P-1} waits for the first sampled token."""
+        (f_{P-1}, first sampled token) is pending."""
         P, T = adm.tokens.shape
         feats = adm.features
         if T > 1:
             scratch = self.net.new_cache(P, T - 1)
             pos = torch.arange(1, T, device=adm.tokens.device).expand(P, T - 1)
-            self.net(adm.tokens[:, 1:], feats[:, : T - 1], pos, cache=scratch, cache_pos=pos - 1)
+            self.rt(adm.tokens[:, 1:], feats[:, : T - 1], pos, cache=scratch, cache_pos=pos - 1)
             self.cache.k[:, adm.slots, :, : T - 1] = scratch.k[:, adm.owner]
             self.cache.v[:, adm.slots, :, : T - 1] = scratch.v[:, adm.owner]
         lens = adm.lengths[adm.owner]  # [R]
         self.cache.lengths[adm.slots] = lens - 1
         self.pend_feat[adm.slots, 0] = feats[adm.owner, lens - 1]
+        self.pend_tok[adm.slots, 0] = adm.first_tokens
         self.pend_n[adm.slots] = 1
 
+    @torch.inference_mode()
     def update(self, verdict: Verdict, features: torch.Tensor | None) -> None:
-        """Pending pairs for the next step: features at [root, accepted path], accepted tokens."""
+        """Appends the pass's pairs: features at [root, accepted path], each with the token after it."""
         b, N1 = features.shape[:2]
-        num = verdict.num_accepted
-        src = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=num.device), verdict.path + 1], 1).clamp(min=0)
-        W = min(N1, PENDING)
-        self.pend_feat[:b, :W] = features.gather(1, src[:, :W].unsqueeze(-1).expand(-1, -1, features.shape[-1]))
-        self.pend_tok[:b, : W - 1] = verdict.tokens[:, : W - 1]
-        self.pend_n[:b] = num + 1
+        m = verdict.num_accepted + 1  # [b] pairs committed per row
+        n = self.pend_n[:b]
+        if int((n + m).max()) > self.pend_tok.shape[1]:
+            self._catch_up(b)  # a long stretch without drafts: take the pending pairs in now
+            n = self.pend_n[:b]
+        src = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=m.device), verdict.path + 1], 1).clamp(min=0)  # [b, N1]
+        j = torch.arange(N1, device=m.device)
+        keep = j < m.unsqueeze(1)  # [b, N1]
+        rows = torch.arange(b, device=m.device).unsqueeze(1).expand(b, N1)[keep]
+        cols = (n.unsqueeze(1) + j)[keep]
+        self.pend_feat[rows, cols] = features.gather(1, src.unsqueeze(-1).expand(-1, -1, features.shape[-1]))[keep]
+        self.pend_tok[rows, cols] = verdict.tokens[:, :N1][keep]
+        n += m
 
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.cache.move_rows(src, dst)
@@ -103,7 +143,7 @@ class EagleDrafter(DrafterBase):
     def propose(self, ctx: DraftContext) -> DraftTree:
         if self._compiled_chain(ctx):
             return self._chain_compiled(ctx)
-        root_pred = self._catch_up(ctx.roots)  # [b, F]
+        root_pred = self._catch_up(ctx.roots.shape[0])  # [b, F]
         if ctx.shape.topk == 1 and not ctx.shape.iid_children:
             return self._chain(root_pred, ctx)
         return self._expand(root_pred, ctx)
@@ -112,7 +152,7 @@ class EagleDrafter(DrafterBase):
         p = self.params
         chain = ctx.shape.topk == 1 and not ctx.shape.iid_children
         plain = p.temperature == 0 or (p.top_k == 0 and p.top_p == 1.0)
-        return chain and plain and chain_kernel.supported(self.net)
+        return chain and plain and chain_kernel.supported(self.rt)
 
     def _chain_noise(self, ctx: DraftContext, b: int, D: int) -> torch.Tensor | None:
         """[b, D, Vd] the target's Gumbel noise at the chain's positions (None when greedy)."""
@@ -129,16 +169,15 @@ class EagleDrafter(DrafterBase):
         D = min(ctx.shape.depth, ctx.shape.verify_tokens)
         n = self.pend_n[:b]
         T = int(n.max())
-        rows = torch.arange(b, device=ctx.roots.device)
-        tokens = self.pend_tok[:b, :T].clone()
-        tokens[rows, n - 1] = ctx.roots
+        tokens = self.pend_tok[:b, :T]
         lengths = self.cache.lengths[:b]
         steps = torch.arange(T + D, device=ctx.roots.device)
         pos = lengths.unsqueeze(1) + 1 + torch.where(steps < T, steps, n.unsqueeze(1) + steps - T)  # [b, T+D]
         cos, sin = self.net.rope(pos, self.pend_feat.dtype)
-        draft = chain_kernel.draft(self.net, tokens, self.pend_feat[:b], n, D, self._chain_noise(ctx, b, D),
+        draft = chain_kernel.draft(self.rt, tokens, self.pend_feat[:b], n, D, self._chain_noise(ctx, b, D),
                                    self.params.temperature, cos, signed_sin(sin), self.cache, lengths)
         lengths += n
+        n.zero_()
         return DraftTree.chains(draft)
 
     def _chain(self, pred: torch.Tensor, ctx: DraftContext) -> DraftTree:
@@ -152,7 +191,7 @@ class EagleDrafter(DrafterBase):
         lengths = self.cache.lengths[:b]
         tokens = torch.empty(b, D, dtype=torch.long, device=pred.device)
         for d in range(D):
-            logits = self.net.logits(pred)  # [b, Vd]
+            logits = self.rt.logits(pred)  # [b, Vd]
             if noise is None:
                 pick = logits.argmax(-1)
             else:
@@ -161,22 +200,22 @@ class EagleDrafter(DrafterBase):
             tokens[:, d] = ids[pick] if ids is not None else pick
             if d + 1 < D:
                 slot = (lengths + d).unsqueeze(1)  # [b, 1]
-                pred = self.net(tokens[:, d : d + 1], pred.unsqueeze(1), slot + 1, cache=self.cache, cache_pos=slot)[:, 0]
+                pred = self.rt(tokens[:, d : d + 1], pred.unsqueeze(1), slot + 1, cache=self.cache, cache_pos=slot)[:, 0]
         return DraftTree.chains(tokens)
 
-    def _catch_up(self, roots: torch.Tensor) -> torch.Tensor:
-        """Feeds each row's pending pairs, the last with the root; returns the root's prediction."""
-        b = roots.shape[0]
+    def _catch_up(self, b: int) -> torch.Tensor:
+        """Feeds rows 0..b-1's pending pairs (each row has >= 1; the last one's token is the
+        root) into the cache; returns the root's prediction [b, F]."""
         n = self.pend_n[:b]
         T = int(n.max())
-        rows = torch.arange(b, device=roots.device)
-        tokens = self.pend_tok[:b, :T].clone()
-        tokens[rows, n - 1] = roots
+        rows = torch.arange(b, device=n.device)
         lengths = self.cache.lengths[:b]
-        slots = lengths.unsqueeze(1) + torch.arange(T, device=roots.device)  # [b, T]
-        pred = self.net(tokens, self.pend_feat[:b, :T], slots + 1, cache=self.cache, cache_pos=slots)
+        slots = lengths.unsqueeze(1) + torch.arange(T, device=n.device)  # [b, T]
+        pred = self.rt(self.pend_tok[:b, :T], self.pend_feat[:b, :T], slots + 1, cache=self.cache, cache_pos=slots)
         lengths += n
-        return pred[rows, n - 1]
+        last = pred[rows, n - 1]
+        n.zero_()
+        return last
 
     def _children(self, logits: torch.Tensor, keys: torch.Tensor, position: torch.Tensor, k: int, iid: bool):
         """Draft logits [b, M, Vd] of M parents -> (child token ids [b, M, k], log-score [b, M, k], masked logits)."""
@@ -219,7 +258,7 @@ class EagleDrafter(DrafterBase):
         size = 0
         for d in range(1, D + 1):
             M = front_pred.shape[1]
-            tok, sc, masked = self._children(self.net.logits(front_pred), ctx.keys, ctx.positions + d, K, shape.iid_children)
+            tok, sc, masked = self._children(self.rt.logits(front_pred), ctx.keys, ctx.positions + d, K, shape.iid_children)
             score = (front_score.unsqueeze(-1) + sc).flatten(1)  # [b, M*K]
             pool_tok.append(tok.flatten(1))
             pool_par.append(front_idx.unsqueeze(-1).expand(b, M, K).flatten(1))
@@ -253,7 +292,7 @@ class EagleDrafter(DrafterBase):
         seen = torch.cat([anc, torch.eye(K, dtype=torch.bool, device=tokens.device).expand(b, K, K)], -1)  # [b, K, prior+K]
         tentative = seen.gather(2, rel.clamp(0, prior + K - 1).unsqueeze(1).expand(-1, K, -1))
         mask = (rel < 0).unsqueeze(1) | (((rel >= 0) & (rel < prior + K)).unsqueeze(1) & tentative)
-        pred = self.net(tokens, parent_pred, lengths.unsqueeze(1) + d, cache=self.cache, cache_pos=slots, attn_mask=mask)
+        pred = self.rt(tokens, parent_pred, lengths.unsqueeze(1) + d, cache=self.cache, cache_pos=slots, attn_mask=mask)
         return pred, seen
 
     def _select(self, pool_tok, pool_par, pool_score, pool_q, budget: int) -> DraftTree:

@@ -19,7 +19,9 @@ source, later occurrences first. Only the `max_matches` most recent occurrences 
 It knows token ids only: no model and no logits, so its trees carry no `q_logits` (they are for
 coupled verification, not rejection sampling), and drafts ignore temperature and noise keys.
 Its only state is the finished responses, keyed by prompt id, never by slot: batch compaction
-(`move_rows`) needs nothing, and `reset` (a new generate call) forgets them.
+(`move_rows`) needs nothing. They are kept across the generate() calls of one RL step (the same
+sampling seed and step: a GRPO group served in several calls still drafts from its finished
+siblings) and forgotten when a call starts with another seed or step.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.sampling import SamplingParams
-from engine.spec.drafter import DraftContext, DrafterBase
+from engine.spec.drafter import DraftContext, DrafterBase, DraftShape
 from engine.spec.tree import DraftTree
 
 SEP = -1  # separates corpus segments; no token id equals it, so no match spans two segments
@@ -55,10 +57,13 @@ class NgramDrafter(DrafterBase):
         self.max_finished = max_finished  # finished responses remembered per prompt, newest kept
         self._finished: dict[str, deque[torch.Tensor]] = {}
         self._finished_corpus: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per prompt, on device
+        self._step: tuple[int, int] | None = None  # (seed, RL step) the finished responses belong to
 
-    def reset(self, max_batch: int, max_len: int, params: SamplingParams) -> None:
-        self._finished.clear()
-        self._finished_corpus.clear()
+    def reset(self, max_batch: int, max_len: int, params: SamplingParams, limits: DraftShape) -> None:
+        if self._step != (params.seed, params.step):
+            self._finished.clear()
+            self._finished_corpus.clear()
+            self._step = (params.seed, params.step)
 
     def finish(self, prompt_id: str, tokens: list[int]) -> None:
         if self.max_finished == 0 or not tokens:

@@ -1,74 +1,53 @@
-"""Greedy exact-answer accuracy of a model on a list of problems.
+"""Greedy exact-answer accuracy of a model on a list of problems, decoded by the rollout engine.
 
-A deliberately plain greedy decoder over the engine's `Transformer` and `KVCache`, used to check
-a pretrained model (and as a reference that the engine's decoder must agree with). Prompts are
-right-padded and prefilled together; each decode step feeds every unfinished row its last token
-at its own position, and finished rows are compacted away so the work shrinks with the batch.
-No sampling, no speculation, no batching policy beyond "all problems at once".
-
-Prompt encoding follows `pipeline.tasks.tokenizer`: [bos] + chars(prompt); a response ends at
-`<eos>` (not part of the decoded text) or after `max_new_tokens`.
+One decoder for every "held-out accuracy" the project reports (pretraining, the RL loop's eval):
+`RolloutEngine` at temperature 0, no speculation, the tokenizer's eos as stop token. Prompts
+are encoded as `pipeline.tasks.tokenizer` does ([bos] + chars(prompt)); a response ends at
+`<eos>` (not part of the decoded text) or after `max_new_tokens`. The held-out problems are the
+task's test split drawn with `EVAL_SEED`, so every caller that asks for n problems scores the
+same n.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.kv_cache import KVCache
-from engine.model import Transformer, causal_mask
+from engine.config import EngineConfig
+from engine.engine import RolloutEngine
+from engine.model import Transformer
+from engine.sampling import SamplingParams
+from engine.types import Request
 from pipeline.tasks.arith import Problem, reward
+
+EVAL_SEED = 1234  # the held-out problems' seed, for every caller
+
+
+def greedy_rollouts(engine: RolloutEngine, tokenizer, problems: list[Problem], max_new_tokens: int):
+    """Greedy rollouts (a RolloutBatch) through the engine, whatever its weights version."""
+    requests = [Request(prompt_id=f"eval-{i}", prompt=tokenizer(p.prompt).input_ids) for i, p in enumerate(problems)]
+    stops = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stops)
+    return engine.generate(requests, params)
+
+
+def greedy_responses(engine: RolloutEngine, tokenizer, problems: list[Problem], max_new_tokens: int) -> list[str]:
+    """Decoded greedy responses."""
+    return [tokenizer.decode(r.tokens, skip_special_tokens=True) for r in greedy_rollouts(engine, tokenizer, problems, max_new_tokens)]
+
+
+def accuracy(texts: list[str], problems: list[Problem]) -> float:
+    return sum(reward(t, p.answer) for t, p in zip(texts, problems)) / len(problems)
 
 
 @torch.no_grad()
-def greedy_generate(model: Transformer, prompts: list[list[int]], eos_id: int, max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations of token-id prompts, each cut at (and without) `eos_id`."""
-    cfg, device = model.config, model.device
-    B = len(prompts)
-    lengths = torch.tensor([len(p) for p in prompts], device=device)  # [B]
-    max_len = min(int(lengths.max()) + max_new_tokens, cfg.max_position_embeddings)
-    if int(lengths.max()) >= max_len:
-        raise ValueError(f"a prompt of {int(lengths.max())} tokens leaves no room in a context of {max_len}")
-    cache = KVCache.for_model(cfg, B, max_len, model.dtype, device)
-    ids = torch.full((B, int(lengths.max())), eos_id, dtype=torch.long, device=device)  # [B, P]
-    for b, p in enumerate(prompts):
-        ids[b, : len(p)] = torch.tensor(p)
-    positions = torch.arange(ids.shape[1], device=device).expand(B, -1)  # [B, P]
-    logits = model(ids, positions, cache=cache).logits  # [B, P, V]
-    next_tok = logits[torch.arange(B), lengths - 1].argmax(-1)  # [B]
-    cache.lengths[:B] = lengths
-
-    outputs: list[list[int]] = [[] for _ in range(B)]
-    rows = list(range(B))  # rows[slot] = index of the prompt decoded in that cache slot
-    for _ in range(max_new_tokens):
-        done = []
-        for row, tok, length in zip(rows, next_tok.tolist(), cache.lengths.tolist()):
-            done.append(tok == eos_id or length >= max_len)
-            if tok != eos_id:
-                outputs[row].append(tok)
-        keep = [slot for slot, d in enumerate(done) if not d]
-        if not keep:
-            break
-        n = len(keep)
-        if keep != list(range(n)):
-            cache.move_rows(torch.tensor(keep, device=device), torch.arange(n, device=device))
-        rows = [rows[s] for s in keep]
-        slots = cache.lengths[:n].unsqueeze(1).clone()  # [n, 1] each row's next position
-        tokens = next_tok[keep].unsqueeze(1)  # [n, 1]
-        mask = causal_mask(slots, length=int(slots.max()) + 1)  # [n, 1, S]
-        logits = model(tokens, slots, cache=cache, attn_mask=mask).logits  # [n, 1, V]
-        cache.lengths[:n] += 1
-        next_tok = logits[:, -1].argmax(-1)  # [n]
-    return outputs
-
-
 def evaluate(model: Transformer, tokenizer, problems: list[Problem], max_new_tokens: int = 384) -> float:
-    """Fraction of problems whose greedy response has exactly the right final answer."""
+    """Fraction of problems whose greedy response has exactly the right final answer (the model
+    is decoded by an engine of its own; its weights are not modified)."""
     if not problems:
         raise ValueError("evaluate needs at least one problem")
-    was_training = model.training
-    model.eval()
-    prompts = [tokenizer(p.prompt).input_ids for p in problems]
-    outputs = greedy_generate(model, prompts, tokenizer.eos_token_id, max_new_tokens)
-    model.train(was_training)
-    texts = tokenizer.batch_decode(outputs)
-    return sum(reward(t, p.answer) for t, p in zip(texts, problems)) / len(problems)
+    import copy
+
+    longest = max(len(tokenizer(p.prompt).input_ids) for p in problems)
+    cfg = EngineConfig(max_batch=min(len(problems), 256), max_len=longest + max_new_tokens + 1)
+    engine = RolloutEngine(copy.deepcopy(model).eval(), cfg)  # a copy: the runtime re-lays out what it packs
+    return accuracy(greedy_responses(engine, tokenizer, problems, max_new_tokens), problems)

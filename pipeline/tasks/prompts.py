@@ -1,4 +1,4 @@
-"""General instruction prompts from templates: `python -m spot.prompts --num N --out FILE [--split S] [--seed S]`.
+"""General instruction prompts from templates: `python -m pipeline.tasks.prompts --num N --out FILE [--split S] [--seed S]`.
 
 Drafter warm-start for a chat model needs prompts like the ones it will answer, and nothing can
 be downloaded, so prompts are composed: instruction templates x subjects, plus arithmetic word
@@ -104,7 +104,7 @@ def make_prompts(num: int, seed: int = 0, split: str = "train") -> list[dict]:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     subjects, items = in_split(SUBJECTS, 5, split), in_split(ITEMS, 4, split)
-    rng = random.Random(f"spot.prompts:{split}:{seed}")
+    rng = random.Random(f"spot.prompts:{split}:{seed}")  # the key of its first home: the same draws as before the move
     seen: set[str] = set()
     rows: list[dict] = []
     attempts = 0
@@ -123,7 +123,7 @@ def make_prompts(num: int, seed: int = 0, split: str = "train") -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m spot.prompts", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m pipeline.tasks.prompts", description=__doc__.splitlines()[0])
     p.add_argument("--num", type=int, required=True, help="number of prompts (> 0)")
     p.add_argument("--split", choices=SPLITS, default="train", help="train: drafter data; test: held-out subjects")
     p.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,385 @@
+"""One generate() call: admission, decode steps and retirement over the engine's slots.
+
+Requests are admitted in order into free slots: a prompt is prefilled once and its cache shared
+by its samples, and each sample's first token is drawn. A request with more samples than the
+batch holds (GRPO groups of 64-128) is admitted in chunks: its prefill (KV rows, last logits,
+features) is kept aside and copied into the slots of each later chunk, never recomputed.
+
+Each decode step asks the speculation policy for a shape (or off), runs the target on every
+active row's *root* (its last sampled token) followed by the row's draft tree, samples the
+target's token at every entry with the noise-indexed sampler, keeps the accepted path
+(engine.spec.verify), emits accepted tokens plus one bonus / correction token per row, tells
+the drafter and the feature sink, and appends a `StepRecord`. With no draft this is plain
+autoregressive decoding. Rows that finish become rollouts and leave their slot; the rest are
+compacted into the first slots, so the work shrinks with the batch (the long tail).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from engine.features import CommittedFeatures, target_features
+from engine.model import causal_mask
+from engine.sampling import SamplingParams, mask_logits, prompt_key, row_keys, sample
+from engine.slots import SlotState
+from engine.spec.drafter import Admission, DraftContext, DraftShape
+from engine.spec.tree import DraftTree, tree_mask, tree_positions
+from engine.spec.verify import Verdict, coupled_verify
+from engine.types import FinishReason, Request, Rollout, RolloutBatch, StepRecord
+
+
+@dataclass
+class _Pending:
+    """Samples first..first+count-1 of request `index`, not yet admitted."""
+
+    index: int
+    request: Request
+    first: int
+    count: int
+
+
+@dataclass
+class _Prefill:
+    """A prompt's prefill kept for its later chunks."""
+
+    k: torch.Tensor  # [L, Hkv, P, D]
+    v: torch.Tensor
+    logits: torch.Tensor  # [V] at the last prompt position
+    features: torch.Tensor | None  # [P, F] the drafter's
+    ids: torch.Tensor  # [P]
+
+
+def _sync(device: torch.device) -> None:
+    """Waits for the device, so that step timings are true on asynchronous devices."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class GenerateRun:
+    def __init__(self, engine, requests: list[Request], params: SamplingParams, progress) -> None:
+        self.e, self.requests, self.params, self.progress = engine, requests, params, progress
+        self.device = engine.device
+        self.t0 = time.perf_counter()
+        self.prefill_s = 0.0
+        self.steps: list[StepRecord] = []
+        self.state = SlotState(engine.cfg.max_batch, params.max_new_tokens, self.device)
+        self.rollouts: list[Rollout | None] = []
+        self.meta: list[tuple[int, int, float]] = []  # per rollout: (request index, sample, admitted at)
+        self.pending = deque(_Pending(i, r, 0, r.n) for i, r in enumerate(requests))
+        self.kept: dict[int, _Prefill] = {}
+        self.stop_ids = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=self.device)
+        drafter, sink = engine.drafter, engine.sink
+        self.drafter_layers = tuple(drafter.feature_layers) if drafter is not None else ()
+        self.drafter_wants = drafter is not None and bool(drafter.feature_layers or getattr(drafter, "wants_features", False))
+        self.sink_layers = tuple(sink.feature_layers) if sink is not None else ()
+        self.hidden_layers = tuple(sorted(set(self.drafter_layers) | set(self.sink_layers)))
+
+    def run(self) -> RolloutBatch:
+        while self.pending or self.state.active:
+            self.admit()
+            self.retire()
+            if self.state.active:
+                self.step()
+                self.retire()
+        return RolloutBatch(rollouts=self.rollouts, steps=self.steps, prefill_s=self.prefill_s,  # type: ignore[arg-type]
+                            wall_s=time.perf_counter() - self.t0, policy_version=self.e.version)
+
+    # -- admission -------------------------------------------------------------------------
+    def _take(self) -> list[_Pending]:
+        """The chunks admitted now: whole requests in order while they fit; a request larger
+        than the batch is split into chunks of whatever is free."""
+        free = self.e.cfg.max_batch - self.state.active
+        chunks = []
+        while self.pending and free > 0:
+            head = self.pending[0]
+            if head.count <= free:
+                chunks.append(self.pending.popleft())
+                free -= head.count
+            elif head.request.n > self.e.cfg.max_batch:
+                chunks.append(_Pending(head.index, head.request, head.first, free))
+                head.first, head.count, free = head.first + free, head.count - free, 0
+            else:
+                break
+        return chunks
+
+    def admit(self) -> None:
+        """Admits what fits: prefills new prompts, copies kept prefills, draws first tokens."""
+        chunks = self._take()
+        if not chunks:
+            return
+        ts = time.perf_counter()
+        e, state = self.e, self.state
+        fresh = [c for c in chunks if c.index not in self.kept]
+        prefilled = self._prefill(fresh)
+        base = state.active
+        slots_of, logits, feats, ids_list = [], [], [], []
+        acc, now = base, time.perf_counter() - self.t0
+        for c in chunks:
+            pre = self.kept.get(c.index) or prefilled[c.index]
+            if c.first + c.count < c.request.n:
+                self.kept[c.index] = pre  # later chunks reuse this prefill
+            elif c.index in self.kept:
+                del self.kept[c.index]
+            slots = torch.arange(acc, acc + c.count, device=self.device)
+            self._fill_slots(c, slots, pre, now)
+            slots_of.append(slots)
+            logits.append(pre.logits.expand(c.count, -1))
+            feats.append(pre.features)
+            ids_list.append(pre.ids)
+            acc += c.count
+        state.active = acc
+        rows = torch.arange(base, acc, device=self.device)
+        tok, lp = sample(torch.cat(logits), state.keys[rows], state.generated[rows], self.params)  # first tokens
+        if e.drafter is not None:
+            e.drafter.admit(self._admission(chunks, slots_of, ids_list, feats, tok))
+        self._emit(rows, tok.unsqueeze(1), lp.unsqueeze(1), torch.ones_like(tok))
+        self.prefill_s += time.perf_counter() - ts
+
+    def _prefill(self, chunks: list[_Pending]) -> dict[int, _Prefill]:
+        """One target pass over the new prompts (right-padded); their KV rows land in scratch
+        slots at the end of the free range and are kept as `_Prefill` records."""
+        if not chunks:
+            return {}
+        e = self.e
+        P = len(chunks)
+        prompts = [c.request.prompt for c in chunks]
+        T = max(len(p) for p in prompts)
+        ids = torch.zeros(P, T, dtype=torch.long)
+        for j, p in enumerate(prompts):
+            ids[j, : len(p)] = torch.tensor(p)
+        ids = ids.to(self.device)
+        lens = torch.tensor([len(p) for p in prompts], device=self.device)
+        pos = torch.arange(T, device=self.device).expand(P, T)
+        start = self.state.active  # scratch rows: free now, filled by _fill_slots next
+        view = e.cache.rows(start, start + P)
+        out = e.runtime(ids, pos, cache=view, attn_mask=causal_mask(pos), logits=False, hidden_layers=self.hidden_layers)
+        logits = e.runtime.lm_head(out.hidden[torch.arange(P), lens - 1]).float()  # [P, V]
+        dfeat = target_features(out, self.drafter_layers) if self.drafter_wants else None
+        sfeat = target_features(out, self.sink_layers) if e.sink is not None else None
+        kept = {}
+        for j, c in enumerate(chunks):
+            n = len(c.request.prompt)
+            kept[c.index] = _Prefill(
+                k=view.k[:, j, :, :n].clone(), v=view.v[:, j, :, :n].clone(), logits=logits[j],
+                features=dfeat[j, :n] if dfeat is not None else None, ids=ids[j, :n],
+            )
+            if e.sink is not None:
+                e.sink.prompt(c.request.prompt_id, ids[j, :n], sfeat[j, :n], e.version)
+        return kept
+
+    def _fill_slots(self, c: _Pending, slots: torch.Tensor, pre: _Prefill, now: float) -> None:
+        state, e, r = self.state, self.e, c.request
+        n = pre.ids.shape[0]
+        e.cache.k[:, slots, :, :n] = pre.k.unsqueeze(1)
+        e.cache.v[:, slots, :, :n] = pre.v.unsqueeze(1)
+        e.cache.lengths[slots] = n
+        samples = torch.arange(c.first, c.first + c.count, device=self.device)
+        key = torch.full((c.count,), prompt_key(r.prompt_id), dtype=torch.long, device=self.device)
+        state.keys[slots] = row_keys(self.params.seed, self.params.step, key, samples)
+        state.generated[slots] = 0
+        state.limit[slots] = min(self.params.max_new_tokens, e.max_len - n + 1)
+        state.sample[slots] = samples
+        state.stopped[slots] = False
+        state.done[slots] = False
+        for slot, k in zip(slots.tolist(), samples.tolist()):
+            state.rollout[slot] = len(self.rollouts)
+            self.rollouts.append(None)
+            self.meta.append((c.index, k, now))
+            draft = r.drafts.get(k) if r.drafts else None
+            state.prompt_ids[slot], state.prompts[slot] = r.prompt_id, pre.ids
+            state.drafts[slot] = torch.tensor(draft, dtype=torch.long, device=self.device) if draft else None
+
+    def _admission(self, chunks, slots_of, ids_list, feats, first_tokens) -> Admission:
+        P = len(chunks)
+        T = max(i.shape[0] for i in ids_list)
+        ids = torch.zeros(P, T, dtype=torch.long, device=self.device)
+        lens = torch.tensor([i.shape[0] for i in ids_list], device=self.device)
+        for j, i in enumerate(ids_list):
+            ids[j, : i.shape[0]] = i
+        features = None
+        if self.drafter_wants:
+            features = torch.zeros(P, T, feats[0].shape[-1], dtype=feats[0].dtype, device=self.device)
+            for j, f in enumerate(feats):
+                features[j, : f.shape[0]] = f
+        owner = torch.repeat_interleave(torch.arange(P, device=self.device), torch.tensor([c.count for c in chunks], device=self.device))
+        return Admission(slots=torch.cat(slots_of), owner=owner, tokens=ids, lengths=lens, features=features,
+                         first_tokens=first_tokens)
+
+    # -- decoding --------------------------------------------------------------------------
+    def step(self) -> None:
+        """One target pass over [root, draft tree] for every active row (no tree when off)."""
+        e, b = self.e, self.state.active
+        shape = e.policy.choose(b, self.steps[-1] if self.steps else None) if e.drafter is not None else None
+        if shape is not None:
+            shape.check_within(e.limits)
+        context = float(e.cache.lengths[:b].float().mean())
+        td = time.perf_counter()
+        tree = self._propose(b, shape) if shape is not None else None
+        draft_s = time.perf_counter() - td
+        if tree is None or tree.padded().width == 0:
+            forward_s, verdict, drafted = self._plain_step(b)
+        else:
+            forward_s, verdict, drafted = self._tree_step(b, tree)
+        other_s = time.perf_counter() - td - draft_s - forward_s
+        self.steps.append(StepRecord(
+            index=len(self.steps), batch_size=b, shape=shape.label if shape is not None else "off",
+            drafted=drafted.tolist(), accepted=verdict.num_accepted.tolist(), emitted=self.emitted.tolist(),
+            context_mean=context, draft_s=draft_s, forward_s=forward_s, other_s=other_s,
+        ))
+
+    def _forward(self, entries, pos, slots, mask):
+        t = time.perf_counter()
+        out = self.e.runtime(entries, pos, cache=self.e.cache, cache_pos=slots, attn_mask=mask, hidden_layers=self.hidden_layers)
+        _sync(self.device)
+        return out, time.perf_counter() - t
+
+    def _plain_step(self, b: int):
+        """Autoregressive decoding (no draft this step): the general step without tree bookkeeping."""
+        state, e = self.state, self.e
+        lengths = e.cache.lengths[:b]
+        pos = lengths.unsqueeze(1)  # [b, 1]: the root's position and cache slot
+        roots = state.roots(b)
+        out, forward_s = self._forward(roots.unsqueeze(1), pos, pos, causal_mask(pos, int(lengths.max()) + 1))
+        token, logp = sample(out.logits[:, 0].float(), state.keys[:b], state.generated[:b], self.params)  # [b]
+        lengths += 1
+        ones = torch.ones(b, dtype=torch.long, device=self.device)
+        empty = torch.empty(b, 0, dtype=torch.long, device=self.device)
+        verdict = Verdict(accepted=empty.bool(), num_accepted=ones - 1, last_index=ones - 1, path=empty,
+                          tokens=token.unsqueeze(1), num_emitted=ones)
+        self._after_pass(b, out, roots.unsqueeze(1), verdict, token.unsqueeze(1), logp.unsqueeze(1))
+        return forward_s, verdict, ones - 1
+
+    def _tree_step(self, b: int, tree: DraftTree):
+        state, e = self.state, self.e
+        pt = tree.padded()
+        N = pt.width
+        lengths = e.cache.lengths[:b]
+        pos, slots = tree_positions(pt.depth, lengths)  # [b, 1+N]
+        visible = int(lengths.max()) + N + 1
+        mask = causal_mask(slots, visible) if pt.chain else tree_mask(pt.parents, pt.valid, lengths, visible)
+        entries = torch.cat([state.roots(b).unsqueeze(1), pt.tokens], 1)  # [b, 1+N]
+        out, forward_s = self._forward(entries, pos, slots, mask)
+        logits = out.logits.float()  # [b, 1+N, V]
+        noise_pos = state.generated[:b].unsqueeze(1) + torch.cat([torch.zeros(b, 1, dtype=torch.long, device=self.device), pt.depth], 1)
+        flat_keys = state.keys[:b].repeat_interleave(N + 1)
+        target, logp = sample(logits.view(b * (N + 1), -1), flat_keys, noise_pos.reshape(-1), self.params)
+        target, logp = target.view(b, N + 1), logp.view(b, N + 1)
+        verdict = self._verify(pt, logits, target, state.keys[:b], noise_pos)
+        # Commit the root, then move the accepted path's entries into place.
+        lengths += 1
+        e.cache.commit_path(torch.where(verdict.path >= 0, verdict.path + lengths.unsqueeze(1), 0), verdict.num_accepted)
+        # Log-prob of each emitted token: at the entry it was sampled from (root, then path nodes).
+        src = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=self.device), verdict.path + 1], 1).clamp(min=0)  # [b, N+1]
+        fed = entries.gather(1, src)  # [b, N+1] the tokens input at root, then path nodes
+        self._after_pass(b, out, fed, verdict, verdict.tokens, self._emitted_logprobs(logits, logp, src, verdict), src)
+        return forward_s, verdict, pt.valid.sum(1)
+
+    def _after_pass(self, b, out, fed, verdict: Verdict, tokens, logprobs, src=None) -> None:
+        """Emission, then the drafter's and the sink's view of the pass."""
+        gen_before = self.state.generated[:b].clone()
+        self.emitted = self._emit(torch.arange(b, device=self.device), tokens, logprobs, verdict.num_emitted)
+        e = self.e
+        if e.drafter is not None:
+            e.drafter.update(verdict, target_features(out, self.drafter_layers) if self.drafter_wants else None)
+        if e.sink is not None:
+            self._sink(b, out, fed, gen_before, src)
+
+    def _sink(self, b, out, fed, gen_before, src) -> None:
+        """Committed tokens that stay in the rollout: entry j of the path (0 = the root) at
+        response position gen_before - 1 + j, for j < emitted."""
+        feats = target_features(out, self.sink_layers)  # [b, 1+N, F]
+        if src is not None:
+            feats = feats.gather(1, src.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
+        W = fed.shape[1]
+        j = torch.arange(W, device=self.device)
+        keep = j < self.emitted.unsqueeze(1)  # [b, W]
+        rows = torch.arange(b, device=self.device).unsqueeze(1).expand(b, W)[keep]
+        state = self.state
+        self.e.sink.tokens(CommittedFeatures(
+            prompt_ids=state.prompt_ids[:b], samples=state.sample[:b].clone(), row=rows,
+            position=(gen_before.unsqueeze(1) - 1 + j)[keep], tokens=fed[keep], features=feats[keep],
+            policy_version=self.e.version,
+        ))
+
+    def _propose(self, b: int, shape: DraftShape) -> DraftTree:
+        state = self.state
+        ctx = DraftContext(
+            roots=state.roots(b), positions=state.generated[:b] - 1, keys=state.keys[:b], responses=state.tokens[:b],
+            generated=state.generated[:b], prompts=state.prompts[:b], prompt_ids=state.prompt_ids[:b],
+            samples=state.sample[:b], drafts=state.drafts[:b], params=self.params, shape=shape,
+        )
+        return self.e.drafter.propose(ctx)
+
+    def _verify(self, pt, logits, target, keys, noise_pos) -> Verdict:
+        if self.e.cfg.spec.verify == "rejection" and self.params.temperature > 0 and pt.width:
+            from engine.spec.verify_rejection import rejection_verify
+
+            p_logits = mask_logits(logits.flatten(0, 1), self.params.temperature, self.params.top_k, self.params.top_p)
+            return rejection_verify(pt, p_logits.view_as(logits), keys, noise_pos)
+        return coupled_verify(pt.tokens, pt.parents, pt.valid, target, chain=pt.chain)
+
+    def _emitted_logprobs(self, logits, logp, src, verdict: Verdict) -> torch.Tensor:
+        """[b, N+1] log-prob of each emitted token under the sampling distribution at its entry."""
+        if self.e.cfg.spec.verify == "coupled" or self.params.temperature == 0:
+            return logp.gather(1, src)  # coupled: emitted tokens are the target's own samples
+        p = self.params
+        at = logits.gather(1, src.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [b, N+1, V]
+        masked = mask_logits(at.flatten(0, 1), p.temperature, p.top_k, p.top_p).log_softmax(-1).view_as(at)
+        return masked.gather(2, verdict.tokens.unsqueeze(-1)).squeeze(-1)
+
+    def _emit(self, rows: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Appends up to counts[i] of tokens[i] ([R, K]) to rows[i], cut at a stop token or the
+        limit; returns the number appended per row [R]."""
+        state = self.state
+        R, K = tokens.shape
+        k = torch.arange(K, device=self.device).expand(R, K)
+        gen, limit = state.generated[rows], state.limit[rows]
+        is_stop = torch.isin(tokens, self.stop_ids) & (k < counts.unsqueeze(1))
+        first_stop = torch.where(is_stop.any(1), is_stop.int().argmax(1), K)
+        n = torch.minimum(torch.minimum(counts, first_stop + 1), limit - gen)
+        keep = k < n.unsqueeze(1)
+        r_idx, c_idx = rows.unsqueeze(1).expand(R, K)[keep], (gen.unsqueeze(1) + k)[keep]
+        state.tokens[r_idx, c_idx] = tokens[keep]
+        state.logprobs[r_idx, c_idx] = logprobs[keep].float()
+        state.generated[rows] = gen + n
+        state.stopped[rows] = first_stop < n
+        state.done[rows] = state.stopped[rows] | (gen + n >= limit)
+        return n
+
+    # -- retirement ------------------------------------------------------------------------
+    def retire(self) -> None:
+        """Turns finished rows into rollouts and compacts the active rows into the first slots."""
+        state, e = self.state, self.e
+        b = state.active
+        done = state.done[:b]
+        if not bool(done.any()):
+            return
+        now = time.perf_counter() - self.t0
+        for i in done.nonzero().squeeze(1).tolist():
+            idx = int(state.rollout[i])
+            req_idx, k, admitted = self.meta[idx]
+            n = int(state.generated[i])
+            req = self.requests[req_idx]
+            self.rollouts[idx] = Rollout(
+                prompt_id=req.prompt_id, sample=k, prompt_tokens=len(req.prompt), tokens=state.tokens[i, :n].tolist(),
+                logprobs=state.logprobs[i, :n].tolist(),
+                finish_reason=FinishReason.STOP if bool(state.stopped[i]) else FinishReason.LENGTH,
+                policy_version=e.version, timings={"admitted_s": admitted, "finished_s": now},
+            )
+            if e.drafter is not None:
+                e.drafter.finish(req.prompt_id, self.rollouts[idx].tokens)
+        keep = b - int(done.sum())
+        holes = done[:keep].nonzero().squeeze(1)
+        movers = (~done[keep:]).nonzero().squeeze(1) + keep
+        if holes.numel():
+            state.move(movers, holes)
+            e.cache.move_rows(movers, holes)
+            if e.drafter is not None:
+                e.drafter.move_rows(movers, holes)
+        state.active = keep
+        if self.progress is not None:
+            self.progress(sum(r is not None for r in self.rollouts))

@@ -1,0 +1,133 @@
+"""The engine's inference runtime for a decoder: packed layers, compiled kernels, versioned weights.
+
+`engine.model.Transformer` is a plain decoder of modules; it knows nothing about how it is run.
+`TargetRuntime(model)` is how the engine runs it: each decoder layer packed into a few products
+(engine.packed), on a CPU through the compiled kernels (engine.kernels), with the final norm and
+the LM head compiled too. It computes the same function as `model.forward` (up to float
+summation order; with the kernels every row is computed on its own, so a verify pass reproduces
+sequential decoding bit for bit).
+
+Weights and staleness. The packed products are views of the parameters, but the kernels read
+packed *copies*. The runtime therefore records a `version` and a fingerprint of the weights
+(each parameter's autograd version counter and a strided sample of its values) when it packs.
+`repack(version)` is called after the weights change (the engine's `load_weights`); `stale()`
+names a parameter changed since, so an in-place update that bypassed `load_weights` (an
+optimiser step, `load_state_dict`, `param.mul_`, even a `param.data.copy_`, which autograd does
+not count, wherever the sample sees it) is refused instead of served from stale copies.
+
+bf16 and anything needing gradients run the modules as they are (`model.forward`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.kernels.decode_ops import MAX_TOKENS, rms_norm
+from engine.kv_cache import KVCache
+from engine.layout import transpose_storage
+from engine.model import ModelOutput, Transformer, causal_mask
+from engine.packed import PackedLayer, Product, pack_layer, packed_forward, step_inputs, use_kernel
+
+_SAMPLE = 64  # values per parameter in the weights' fingerprint
+
+
+class WeightsFingerprint:
+    """Version counters and a strided sample of every parameter of a module, taken at one time."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.params = list(module.named_parameters())
+        self.versions = [p._version for _, p in self.params]
+        self.samples = [_sample(p) for _, p in self.params]
+
+    def changed(self) -> str | None:
+        """The name of a parameter changed since this fingerprint, or None."""
+        for (name, p), v, s in zip(self.params, self.versions, self.samples):
+            if p._version != v or not torch.equal(_sample(p), s):
+                return name
+        return None
+
+
+def _sample(p: torch.Tensor) -> torch.Tensor:
+    flat = p.detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // _SAMPLE)].clone()
+
+
+def packable(w: torch.Tensor) -> bool:
+    """The packed path serves float32 / float64 (in bf16 the modules keep HF's float32 norm)."""
+    return w.dtype in (torch.float32, torch.float64)
+
+
+class TargetRuntime:
+    def __init__(self, model: Transformer) -> None:
+        self.model = model.eval()
+        self.version = 0
+        self.layers: list[PackedLayer] | None = None
+        self.head: Product | None = None
+        self.repack(0)
+
+    @torch.no_grad()
+    def repack(self, version: int) -> None:
+        """(Re-)packs the model's weights for inference and records them as `version`."""
+        m = self.model
+        w = m.lm_head.weight
+        kernels = use_kernel(w)
+        if w.device.type == "cpu" and not kernels:
+            transpose_storage(m)  # with the kernels, the hot products have packed copies instead
+        self.layers = [pack_layer(layer) for layer in m.model.layers] if packable(w) else None
+        self.head = Product(w.t(), True) if kernels else None  # without the kernels lm_head serves
+        self.version = version
+        self.fingerprint = WeightsFingerprint(m)
+
+    def stale(self) -> str | None:
+        """A parameter changed since the last (re)pack, or None."""
+        return self.fingerprint.changed()
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def kernels(self) -> bool:
+        return self.layers is not None and self.layers[0].kernels
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, T] RoPE positions
+        cache: KVCache | None = None,
+        cache_pos: torch.Tensor | None = None,  # [B, T] cache slots to write; default: positions
+        attn_mask: torch.Tensor | None = None,  # [B, T, S] bool, True = attend
+        logits: bool = True,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> ModelOutput:
+        m = self.model
+        if self.layers is None or torch.is_grad_enabled():
+            return m(input_ids, positions, cache, cache_pos, attn_mask, logits, hidden_layers)
+        B, T = input_ids.shape
+        if cache is not None and cache_pos is None:
+            cache_pos = positions
+        if attn_mask is None:
+            attn_mask = causal_mask(cache_pos if cache is not None else positions)
+        cos, sin = m.rope(positions, m.dtype)
+        x = m.model.embed_tokens(input_ids)  # [B, T, H]
+        s = step_inputs(cos, sin, attn_mask, cache_pos, m.config.num_attention_heads // m.config.num_key_value_heads)
+        layer_hidden = {}
+        for i, p in enumerate(self.layers):
+            x = packed_forward(p, x, s, cache, i)
+            if i in hidden_layers:
+                layer_hidden[i] = x
+        # With the kernels the final norm and the LM head are compiled too (rows stay independent).
+        kernels = self.kernels and self.head is not None and B * T <= MAX_TOKENS
+        norm = m.model.norm
+        hidden = rms_norm(x.reshape(B * T, -1), norm.weight, norm.eps).view(B, T, -1) if kernels else norm(x)
+        if not logits:
+            return ModelOutput(hidden=hidden, logits=None, layer_hidden=layer_hidden)
+        out = self.head(hidden.reshape(B * T, -1)).view(B, T, -1) if kernels else m.lm_head(hidden)
+        return ModelOutput(hidden=hidden, logits=out, layer_hidden=layer_hidden)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[M, H] final hidden states -> [M, V] logits."""
+        if self.head is not None and hidden.shape[0] <= MAX_TOKENS and hidden.dtype == torch.float32:
+            return self.head(hidden.contiguous())
+        return self.model.lm_head(hidden)

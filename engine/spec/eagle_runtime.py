@@ -1,0 +1,80 @@
+"""How the drafter runs an `EagleModel` for inference: its layer packed, on a CPU compiled.
+
+The counterpart of engine.runtime.TargetRuntime for the one-layer drafter: `fc`, the layer
+(engine.packed), `fc_out` (eagle3) and the draft head (the target's LM-head rows of the draft
+vocabulary) as packed products, through the skinny kernel where it builds. Computes the same
+function as `EagleModel.forward` / `.logits` (up to float summation order). `repack()` after the
+drafter's or the target's weights change (the engine calls it from load_weights and
+load_drafter_weights); `stale()` tells whether they changed since.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.layout import transpose_storage
+from engine.model import causal_mask
+from engine.packed import PackedLayer, Product, pack_layer, packed_forward, step_inputs, use_kernel
+from engine.runtime import WeightsFingerprint, packable
+from engine.spec.eagle import EagleModel
+
+
+class EagleRuntime:
+    def __init__(self, net: EagleModel) -> None:
+        self.net = net.eval()
+        self.repack()
+
+    @torch.no_grad()
+    def repack(self) -> None:
+        net = self.net
+        net.refresh_head()
+        w = net.fc.weight
+        kernel = use_kernel(w)
+        if w.device.type == "cpu" and not kernel:
+            transpose_storage(net)
+        self.layer: PackedLayer | None = pack_layer(net.layers[0]) if packable(w) else None
+        # Packed copies for the compiled kernels (None: torch's ops serve).
+        self.head = Product(net.head_t, True) if kernel else None
+        self.fc = Product(w.detach().t(), True) if kernel else None
+        self.fc_out = Product(net.fc_out.weight.detach().t(), True) if kernel and net.fc_out is not None else None
+        self.fingerprint = WeightsFingerprint(net)
+
+    def stale(self) -> str | None:
+        return self.fingerprint.changed()
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,  # [B, T] x_{t+1}
+        features: torch.Tensor,  # [B, T, F] f_t
+        positions: torch.Tensor,  # [B, T]
+        cache: KVCache | None = None,
+        cache_pos: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The predicted features f_{t+1}: [B, T, F]."""
+        net = self.net
+        if self.layer is None or torch.is_grad_enabled():
+            return net(tokens, features, positions, cache, cache_pos, attn_mask)
+        emb = net.target.model.embed_tokens(tokens)  # [B, T, H]
+        pair = torch.cat([emb, features], -1)  # [B, T, H + F]
+        x = self.fc(pair.reshape(-1, pair.shape[-1])).view(*pair.shape[:-1], -1) if self.fc is not None else net.fc(pair)
+        if cache is not None and cache_pos is None:
+            cache_pos = positions
+        if attn_mask is None:
+            attn_mask = causal_mask(cache_pos if cache is not None else positions)
+        cos, sin = net.rope(positions, x.dtype)
+        c = net.config
+        s = step_inputs(cos, sin, attn_mask, cache_pos, c.num_attention_heads // c.num_key_value_heads)
+        h = packed_forward(self.layer, x, s, cache, 0)  # [B, T, H]
+        if net.fc_out is None:
+            return h
+        aux = self.fc_out(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1) if self.fc_out is not None else net.fc_out(h)
+        return torch.cat([aux, h], -1)
+
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """[..., F] predicted features -> [..., Vd] draft logits."""
+        h = predicted[..., -self.net.config.hidden_size :]
+        if self.head is None or torch.is_grad_enabled():
+            return h @ self.net.head_t
+        return self.head(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)

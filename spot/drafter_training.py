@@ -1,0 +1,143 @@
+"""Training the EAGLE drafter on packed pairs: the step shared by warm-start and spot training.
+
+`DrafterOptim` holds the optimiser and loss knobs (TLT's recipe: AdamW betas (0.9, 0.95), weight
+decay 0.01 on matrices, grad clip 1.0, warmup then cosine, ce weight 0.1). `DrafterTrainer`
+owns the optimiser and runs one step at a time (`step(idx, lr)`), so a caller decides when to
+stop: warm-start by steps and a time budget (`train`), the spot trainer between preemption
+checks. `evaluate` gives the held-out predictors of acceptance (spot.loss).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from spot.loss import acceptance_metrics, eagle_loss
+from spot.pairs import PackedPairs
+
+
+@dataclass(kw_only=True)
+class DrafterOptim:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    ce_weight: float = 0.1
+
+    def lr_at(self, step: int, progress: float) -> float:
+        """Linear warmup over warmup_steps, then cosine from lr to lr * min_lr_ratio as progress goes 0 -> 1."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def window_stream(num_windows: int, batch: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """Endless batches of window indices: shuffled epochs, concatenated."""
+    pending = torch.empty(0, dtype=torch.long)
+    while True:
+        while pending.numel() < batch:
+            pending = torch.cat([pending, torch.randperm(num_windows, generator=generator)])
+        yield pending[:batch]
+        pending = pending[batch:]
+
+
+def batch_loss(model, packed: PackedPairs, idx: torch.Tensor, ce_weight: float):
+    """-> (loss, metrics, pred [M, F], targets [M, F]) over the loss pairs of windows idx."""
+    b = packed.batch(idx).to(model.fc.weight.device, model.fc.weight.dtype)
+    pred = model(b.tokens, b.features, b.positions, attn_mask=b.attn_mask)  # [B, W, F]
+    pred, targets = pred[b.loss_mask], b.targets[b.loss_mask]  # [M, F]
+    with torch.no_grad():
+        target_logits = model.logits(targets)  # [M, Vd]: the target's own head rows
+    loss, metrics = eagle_loss(pred, targets, model.logits(pred), target_logits, ce_weight=ce_weight)
+    return loss, metrics, pred, targets
+
+
+class DrafterTrainer:
+    """AdamW over an EagleModel; `step` is one optimiser step on some windows of packed pairs."""
+
+    def __init__(self, model, optim: DrafterOptim) -> None:
+        self.model, self.optim = model, optim
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=optim.lr, betas=(0.9, 0.95),
+        )
+
+    def step(self, packed: PackedPairs, idx: torch.Tensor, lr: float) -> tuple[float, dict[str, float]]:
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.model.train()
+        loss, metrics, _, _ = batch_loss(self.model, packed, idx, self.optim.ce_weight)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
+        self.opt.step()
+        self.model.eval()
+        return loss.item(), metrics
+
+
+def train(model, packed: PackedPairs, optim: DrafterOptim, *, steps: int, batch_windows: int, seed: int,
+          seconds: float | None, log_every: int) -> dict:
+    """Runs up to `steps` steps, or until `seconds` have passed; returns losses and timings. When
+    time binds, the cosine schedule follows the elapsed fraction of the budget."""
+    trainer = DrafterTrainer(model, optim)
+    batches = window_stream(len(packed), min(batch_windows, len(packed)), torch.Generator().manual_seed(seed))
+    losses: list[float] = []
+    t0 = t_log = time.perf_counter()
+    pairs = step = 0
+    stopped_early = False
+    for step in range(steps):
+        elapsed = time.perf_counter() - t0
+        if seconds is not None and elapsed >= seconds and step > 0:
+            stopped_early = True
+            log(f"stopping early at step {step}/{steps}: the time budget is spent")
+            break
+        lr = optim.lr_at(step, max(step / steps, elapsed / seconds if seconds else 0.0))
+        idx = next(batches)
+        loss, metrics = trainer.step(packed, idx, lr)
+        losses.append(loss)
+        pairs += int(packed.loss[idx].sum())
+        if (step + 1) % log_every == 0 or step + 1 == steps:
+            now = time.perf_counter()
+            w = losses[-log_every:]
+            log(f"step {step + 1}/{steps} loss {sum(w) / len(w):.4f} (feature {metrics['spot/feature_loss']:.4f} "
+                f"ce {metrics['spot/ce_loss']:.3f}) top1 {metrics['spot/top1_draft_vocab']:.3f} lr {lr:.2e} "
+                f"pairs/s {pairs / (now - t_log):.0f} elapsed {now - t0:.0f}s")
+            t_log, pairs = now, 0
+    else:
+        step = steps
+    k = min(10, len(losses))
+    return {
+        "steps": step, "stopped_early": stopped_early, "seconds": round(time.perf_counter() - t0, 1),
+        "loss_start": sum(losses[:k]) / k, "loss_end": sum(losses[-k:]) / k, "losses": losses,
+    }
+
+
+@torch.no_grad()
+def evaluate(model, packed: PackedPairs, ce_weight: float) -> dict:
+    """Held-out loss, top-1 agreement and expected acceptance at T = 1, weighted by pairs."""
+    W_full = model.target.lm_head.weight.detach()  # [V, H]
+    H = model.config.hidden_size
+    sums = {"loss": 0.0, "top1_agreement": 0.0, "expected_acceptance": 0.0}
+    total = 0
+    for w in range(len(packed)):  # one window at a time: [M, V] full-vocabulary logits are large
+        loss, _, pred, targets = batch_loss(model, packed, torch.tensor([w]), ce_weight)
+        M = pred.shape[0]
+        _, acc = acceptance_metrics(model.logits(pred), targets[:, -H:] @ W_full.t(), model.vocab_ids)
+        sums["loss"] += loss.item() * M
+        sums["top1_agreement"] += acc["spot/top1_agreement"] * M
+        sums["expected_acceptance"] += acc["spot/expected_acceptance"] * M
+        total += M
+    return {k: round(v / total, 4) for k, v in sums.items()} | {"pairs": total}
