@@ -23,7 +23,16 @@ from engine.sampling import row_keys
 from engine.spec.tree import DraftTree, PaddedTree
 from engine.spec.verify_rejection import rejection_verify
 
-torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """40,000-row verifications are faster on one thread than on two spinning ones on a shared
+    machine; the previous thread count is restored after each test."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
 
 V, START = 6, 6  # tokens 0..5; state 6 is the start of the response
 
