@@ -66,8 +66,22 @@ def batch_list(text: str) -> list[int]:
     return batches
 
 
+def cpu_model() -> str:
+    """The CPU's model name (benchmarks are labelled with it: machines differ between sessions)."""
+    import platform
+
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def emit_json(obj: dict) -> None:
-    print(json.dumps(obj, sort_keys=True))
+    """The last line of a bench: one JSON object, with the CPU model it ran on."""
+    print(json.dumps({"cpu": cpu_model(), **obj}, sort_keys=True))
 
 
 def record_ms(result: dict, key: str, baseline_s: float, ours_s: float) -> None:

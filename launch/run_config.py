@@ -3,32 +3,44 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from engine.config import EngineConfig
+from pipeline.actors.base import ActorConfig
+from pipeline.algorithms.config import AlgorithmConfig
+from pipeline.metrics.config import MetricsConfig
 
 
 @dataclass(kw_only=True)
 class RunSection:
     name: str = "tiny"
     out_dir: str = "runs"  # each run writes runs/<name>-<timestamp>/
-    seed: int = 0
+    seed: int = 0  # keys the sampling noise, the data order and the actor's initialisation
 
 
 @dataclass(kw_only=True)
 class ModelSection:
-    path: str = "checkpoints/tiny"  # HF folder with tokenizer
+    path: str = "checkpoints/tiny"  # HF folder with tokenizer: the engine and the actor load it
 
 
 @dataclass(kw_only=True)
 class TaskSection:
-    name: str = "arith"
+    name: str = "arith"  # arith | math (built-in generators), or a file below
+    file: str | None = None  # JSONL / parquet of math problems, checked with math-verify (overrides the generator)
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    id_field: str = "id"
+    max_bad_share: float = 0.01  # stop when more rows than this share are malformed
+    chat: bool = False  # wrap each problem in the tokenizer's chat template (answer in \boxed{})
+    train_problems: int = 4096  # problems drawn from a generator for training
     eval_problems: int = 200  # held-out problems for greedy accuracy
-    prompts: int = 32  # prompts per rollout batch
-    seed: int = 1234
+    eval_max_new_tokens: int | None = None  # None: rollout.max_new_tokens
 
     def validate(self) -> None:
-        if self.eval_problems < 1 or self.prompts < 1:
-            raise ValueError("task.eval_problems and task.prompts must be >= 1")
+        if self.eval_problems < 1 or self.train_problems < 1:
+            raise ValueError("task.eval_problems and task.train_problems must be >= 1")
+        if not 0 <= self.max_bad_share < 1:
+            raise ValueError(f"task.max_bad_share must be in [0, 1), got {self.max_bad_share}")
 
 
 @dataclass(kw_only=True)
@@ -44,6 +56,38 @@ class RolloutSection:
             raise ValueError(f"rollout.n must be >= 1, got {self.n}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(kw_only=True)
+class TrainerSection:
+    steps: int = 20  # RL steps
+    prompts_per_step: int = 32  # over all ranks (each rank rolls out prompts_per_step / world size)
+    ppo_epochs: int = 1  # passes over a step's rollouts
+    mini_batches: int = 1  # optimizer steps per PPO epoch
+    eval_every: int = 5  # held-out accuracy every N steps (and before the first, after the last); 0 = only those
+    save_every: int = 0  # checkpoint every N steps (and after the last); 0 = only after the last
+    resume: str | None = None  # a checkpoint folder (runs/<run>/checkpoints/step-N) to continue from
+    # Old log-probs of the PPO ratio: the actor's recomputed ones, or the engine's own (the
+    # behaviour policy's, free: exactly the old policy in synchronous mode, when the sampling
+    # distribution is the policy's: temperature 1, no top-k / top-p). auto: engine where it holds.
+    old_logprobs: Literal["auto", "actor", "engine"] = "auto"
+    async_steps: Literal[0, 1] = 0  # 1: step t+1's rollouts use the policy before step t's update
+    is_cap: float = 2.0  # truncated importance weight cap of the asynchronous mode
+
+    def validate(self) -> None:
+        for key in ("steps", "prompts_per_step", "ppo_epochs", "mini_batches"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"trainer.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("eval_every", "save_every"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"trainer.{key} must be >= 0, got {getattr(self, key)}")
+        if self.old_logprobs == "engine" and self.async_steps:
+            raise ValueError("trainer.old_logprobs=engine is wrong with trainer.async_steps=1 (the behaviour policy is "
+                             "one update behind the old one); use actor or auto")
+        if not self.is_cap >= 1:
+            raise ValueError(f"trainer.is_cap must be >= 1, got {self.is_cap}")
 
 
 @dataclass(kw_only=True)
@@ -53,3 +97,7 @@ class TrainConfig:
     task: TaskSection = field(default_factory=TaskSection)
     engine: EngineConfig = field(default_factory=EngineConfig)
     rollout: RolloutSection = field(default_factory=RolloutSection)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)

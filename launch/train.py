@@ -1,85 +1,133 @@
-"""`python -m launch.train --config configs/tiny.yaml [section.key=value ...]`: the main CPU job.
+"""`python -m launch.train --config configs/tiny.yaml [section.key=value ...]`: an RL run.
 
-For now (before the RL loop lands): load the policy, report its greedy held-out accuracy on the
-task, then run one step's rollouts (n samples per prompt) through the engine and report their
-rewards, lengths and throughput. The resolved config, the rollouts and a summary are saved in
-runs/<name>-<timestamp>/.
+Alone or under `torchrun --nproc-per-node=R -m launch.train ...` (gloo on CPU, NCCL on GPU):
+each rank holds its own engine and a data-parallel replica of the actor, rolls out its shard of
+every step's prompts, then trains (pipeline.trainer). Rank 0 prints; every rank writes its own
+log (`runs/<run>/rank{r}.log`). The run folder holds the resolved config, metrics.jsonl,
+lengths.jsonl, the W&B offline run, checkpoints, dashboard.png, summary.txt and summary.json.
+`trainer.resume=runs/<run>/checkpoints/step-N` continues a run exactly where it stopped.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from engine.engine import RolloutEngine
-from engine.sampling import SamplingParams
-from engine.types import Request
-from launch.config import load_config, override_args, save_config
+from launch.config import load_config, override_args, save_config, to_dict
 from launch.run_config import TrainConfig
+from pipeline.actors import build_actor
+from pipeline.data import PromptLoader
+from pipeline.dist import Ranks, init_ranks, shutdown
+from pipeline.metrics import MetricsLogger
+from pipeline.run_state import load_run
 from pipeline.tasks import get_task
+from pipeline.tasks.eval import EVAL_SEED
+from pipeline.text import load_tokenizer
+from pipeline.trainer import Trainer
 
 
-def percentile(xs: list[int], q: float) -> int:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+class RankLog:
+    """Rank 0 prints; every rank appends to its own file."""
+
+    def __init__(self, run_dir: Path, r: Ranks) -> None:
+        self.r, self.path = r, run_dir / f"rank{r.rank}.log"
+
+    def __call__(self, msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+        if self.r.main:
+            print(line, flush=True)
 
 
-def run(cfg: TrainConfig, out: Path) -> dict:
-    from transformers import AutoTokenizer
+def run_dir_for(cfg: TrainConfig, r: Ranks) -> Path:
+    """The run folder: chosen by rank 0 (its timestamp), told to the others; a resumed run keeps its folder."""
+    if cfg.trainer.resume:
+        return Path(cfg.trainer.resume).resolve().parent.parent
+    name = [f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"]
+    if r.world > 1:
+        dist.broadcast_object_list(name, src=0)
+    return Path(cfg.run.out_dir) / name[0]
 
-    torch.manual_seed(cfg.run.seed)
+
+def problems_for(cfg: TrainConfig):
     task = get_task(cfg.task.name)
+    if cfg.task.file:
+        from pipeline.tasks.math import load_math_file
+
+        train, report = load_math_file(cfg.task.file, prompt_field=cfg.task.prompt_field, answer_field=cfg.task.answer_field,
+                                       id_field=cfg.task.id_field, max_bad_share=cfg.task.max_bad_share)
+        held = task.make_problems("test", cfg.task.eval_problems, EVAL_SEED)
+        return task, train, held
+    return task, task.make_problems("train", cfg.task.train_problems, cfg.run.seed), task.make_problems(
+        "test", cfg.task.eval_problems, EVAL_SEED)
+
+
+def run(cfg: TrainConfig, r: Ranks) -> dict:
+    run_dir = run_dir_for(cfg, r)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = RankLog(run_dir, r)
+    if r.main and not cfg.trainer.resume:
+        save_config(cfg, run_dir / "config.yaml")
+    log(f"run {run_dir} on {r.world} rank(s)")
+    torch.manual_seed(cfg.run.seed)
+    tokenizer = load_tokenizer(cfg.model.path)
+    task, train_problems, held_out = problems_for(cfg)
+    loader = PromptLoader(train_problems, cfg.trainer.prompts_per_step, cfg.run.seed, world_size=r.world, rank=r.rank)
     engine = RolloutEngine.from_pretrained(cfg.model.path, cfg.engine)
-    tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    stops = tuple(engine.model.config.eos_ids) or (tok.eos_token_id,)
+    actor = build_actor(cfg.actor, cfg.model.path)
+    reference = None
+    if cfg.algorithm.kl_coef > 0:
+        from pipeline.reference import ReferencePolicy
 
-    def requests(problems, n):
-        return [Request(prompt_id=p.id, prompt=tok(p.prompt)["input_ids"], n=n) for p in problems]
-
-    held_out = task.make_problems("test", cfg.task.eval_problems, cfg.task.seed)
-    greedy = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0, stop_token_ids=stops)
-    t0 = time.perf_counter()
-    texts = [tok.decode(r.tokens, skip_special_tokens=True) for r in engine.generate(requests(held_out, 1), greedy)]
-    accuracy = sum(task.reward(t, p.answer) for t, p in zip(texts, held_out)) / len(held_out)
-    print(f"held-out greedy accuracy: {accuracy:.1%} on {len(held_out)} problems ({time.perf_counter() - t0:.1f}s)")
-
-    prompts = task.make_problems("train", cfg.task.prompts, cfg.task.seed)
-    r = cfg.rollout
-    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                            seed=cfg.run.seed, step=0, stop_token_ids=stops)
-    rollouts = engine.generate(requests(prompts, r.n), params)
-    s = engine.last_stats
-    answers = {p.id: p.answer for p in prompts}
-    rewards = [task.reward(tok.decode(ro.tokens, skip_special_tokens=True), answers[ro.prompt_id]) for ro in rollouts]
-    lengths = [len(ro.tokens) for ro in rollouts]
-    with (out / "rollouts.jsonl").open("w") as f:
-        for ro, rew in zip(rollouts, rewards):
-            f.write(json.dumps({"id": ro.prompt_id, "sample": ro.sample, "tokens": ro.tokens, "reward": rew,
-                                "finish_reason": ro.finish_reason}) + "\n")
-    summary = {
-        "heldout_accuracy": accuracy, "rollouts": len(rollouts), "reward_mean": statistics.mean(rewards),
-        "length_p50": percentile(lengths, 0.5), "length_p90": percentile(lengths, 0.9), "length_max": max(lengths),
-        "tokens": s.new_tokens, "seconds": round(s.wall_s, 3), "tokens_per_s": round(s.tokens_per_s, 1),
-        "decode_steps": len(s.batch_sizes), "accept_len": round(s.accept_len, 3),
-    }
-    # The long tail: how many decode steps ran with most of the batch already finished.
-    full = max(s.batch_sizes) if s.batch_sizes else 0
-    tail = sum(1 for b in s.batch_sizes if b <= full // 4)
-    print(
-        f"rollouts: {len(rollouts)} ({cfg.task.prompts} prompts x {r.n}), reward {summary['reward_mean']:.2f}, "
-        f"length p50 {summary['length_p50']} / p90 {summary['length_p90']} / max {summary['length_max']} tokens, "
-        f"{s.new_tokens} tokens in {s.wall_s:.1f}s = {s.tokens_per_s:.0f} tok/s; "
-        f"{tail}/{len(s.batch_sizes)} decode steps ran with <= 1/4 of the batch (the long tail)"
-    )
-    if engine.drafter is not None:
-        print(f"speculation ({engine.drafter.name}): accept length {s.accept_len:.2f}")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        reference = ReferencePolicy(cfg.actor, cfg.model.path)
+    start = 0
+    if cfg.trainer.resume:
+        state = load_run(cfg.trainer.resume)
+        actor.load(Path(cfg.trainer.resume) / "actor")
+        loader.load_state_dict(state.loader)
+        start = state.step
+        log(f"resumed from {cfg.trainer.resume} at step {start}")
+    engine.load_weights(actor.named_weights(), version=start)  # the engine serves exactly the actor's weights
+    logger = MetricsLogger.from_config(run_dir, cfg.metrics, rank=r.rank, run_name=run_dir.name,
+                                       resolved_config=to_dict(cfg), resume_after_step=start if cfg.trainer.resume else None)
+    trainer = Trainer(cfg, r, engine, actor, tokenizer, task, loader, held_out, run_dir, start_step=start,
+                      reference=reference)
+    tc = cfg.trainer
+    accuracy = {}
+    with logger:
+        if start == 0:
+            accuracy[0] = trainer.evaluate()
+            if r.main:
+                logger.log(0, {"eval/accuracy": accuracy[0]})
+                log(f"held-out greedy accuracy before training: {accuracy[0]:.1%} on {len(held_out)} problems")
+        t0 = time.perf_counter()
+        for _ in range(start, tc.steps):
+            result = trainer.step()
+            step = trainer.step_index
+            metrics = result.metrics
+            if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
+                acc = trainer.evaluate()
+                if acc is not None:
+                    metrics["eval/accuracy"] = accuracy[step] = acc
+            logger.log(step, metrics, lengths=result.lengths)
+            if (tc.save_every and step % tc.save_every == 0) or step == tc.steps:
+                trainer.save()
+        train_s = time.perf_counter() - t0
+    summary = {"run_dir": str(run_dir), "steps": tc.steps, "world_size": r.world, "train_seconds": round(train_s, 1),
+               "heldout_accuracy": {str(k): v for k, v in accuracy.items()}}
+    if r.main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        for name in ("dashboard.png", "summary.txt"):
+            if (run_dir / name).exists():
+                log(f"wrote {run_dir / name}")
     return summary
 
 
@@ -91,11 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(rest)
     try:
         cfg = load_config(TrainConfig, args.config, overrides)
-        out = Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.yaml")
-        print(f"run {out} (config saved)")
-        run(cfg, out)
+        r = init_ranks(cfg.actor.device)
+        try:
+            run(cfg, r)
+        finally:
+            shutdown()
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,74 @@
+"""The job's ranks: torch.distributed from torchrun's environment, and the few collectives the
+loop needs on small values (barriers that are timed, per-rank floats, sums).
+
+`python -m launch.train` runs as one process (world size 1, no process group) or under
+`torchrun --nproc-per-node=R`: gloo on CPU (127.0.0.1 on one machine), NCCL on GPUs. The
+process group is the control plane; bulk tensors go through the actor's backend (DDP / ZeRO)
+and pipeline.weight_sync.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_ranks(device: str = "cpu", timeout_s: float = 1800.0) -> Ranks:
+    """Joins the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR...); alone without it."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Ranks()
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(local)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return Ranks(rank=rank, world=world, local_rank=local)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def timed_barrier(r: Ranks) -> float:
+    """Seconds this rank waited for the others (0 alone)."""
+    t = time.perf_counter()
+    if r.world > 1:
+        dist.barrier()
+    return time.perf_counter() - t
+
+
+def gather_floats(r: Ranks, values: list[float]) -> list[list[float]]:
+    """Every rank's `values` (same length on every rank), indexed by rank."""
+    if r.world == 1:
+        return [list(values)]
+    t = torch.tensor(values, dtype=torch.float64)
+    out = [torch.zeros_like(t) for _ in range(r.world)]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def all_sum(r: Ranks, value: float) -> float:
+    if r.world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t)

@@ -1,0 +1,61 @@
+"""Run checkpoints: everything a resumed run needs to continue exactly as if it had not stopped.
+
+`runs/<run>/checkpoints/step-N/` holds `actor/` (the actor backend's own folder: weights,
+optimizer, per-rank RNG state), `drafter/` when the engine has a model drafter, and `state.json`
+(the RL step, the data loader's position, the engine's weights version, and any component
+state such as a tuner's). Writing is collective and atomic: the actor folder first, then rank 0
+writes `state.json` last, so a folder without it is an incomplete checkpoint and is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.atomic import atomic_file, atomic_folder
+
+STATE = "state.json"
+
+
+@dataclass(kw_only=True)
+class RunState:
+    step: int  # RL steps completed
+    loader: dict
+    engine_version: int
+    components: dict = field(default_factory=dict)  # name -> JSON state (e.g. the tuner)
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step-{step}"
+
+
+def save_run(folder: Path, state: RunState, actor, drafter_net=None, *, main: bool) -> None:
+    """Collective: every rank calls it (the actor's save is collective)."""
+    folder = Path(folder)
+    if main:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / STATE).unlink(missing_ok=True)  # incomplete until state.json is written again
+    actor.save(folder / "actor")
+    if main:
+        if drafter_net is not None:
+            with atomic_folder(folder / "drafter") as tmp:
+                drafter_net.save(tmp)
+        with atomic_file(folder / STATE) as f:
+            json.dump({"step": state.step, "loader": state.loader, "engine_version": state.engine_version,
+                       "components": state.components}, f, indent=2)
+
+
+def load_run(folder: str | Path) -> RunState:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {folder} does not exist (trainer.resume should name runs/<run>/checkpoints/step-N)")
+    path = folder / STATE
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint folder {folder} has no {STATE}: it is incomplete (the run stopped while writing it)")
+    try:
+        data = json.loads(path.read_text())
+        return RunState(step=int(data["step"]), loader=dict(data["loader"]), engine_version=int(data["engine_version"]),
+                        components=dict(data.get("components", {})))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint {path} is malformed ({type(e).__name__}: {e})") from None

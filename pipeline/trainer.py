@@ -1,0 +1,255 @@
+"""The RL loop: orchestration only; every stage lives in its own module.
+
+One step on every rank (colocated: each rank rolls out, then trains):
+
+    prompts (pipeline.data: this rank's shard of the step)
+    -> rollouts (pipeline.rollouts: the engine, noise keyed by run seed, RL step, prompt, sample)
+    -> idle window (pipeline.idle: wait for the slowest rank, or do spot work)
+    -> rewards -> advantages (pipeline.algorithms; DAPO's dynamic sampling refills the batch)
+    -> old (and reference) log-probs (the actor)
+    -> PPO epochs over mini-batches (the actor's update with the algorithm's loss)
+    -> weight sync (engine.load_weights(actor.named_weights(), version=step))
+    -> metrics -> eval every N steps -> checkpoint every N steps.
+
+Loss weights are normalised over the whole data-parallel mini-batch (all ranks), as the actor
+backends expect. Synchronous by default; `trainer.async_steps: 1` rolls out step t+1 with the
+policy before step t's update (one step off-policy) and corrects with a truncated importance
+weight min(pi_old / pi_behaviour, is_cap) on each token's advantage.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.engine import RolloutEngine
+from engine.sampling import SamplingParams
+from pipeline.algorithms import build_algorithm, mismatch_kl
+from pipeline.data import PromptLoader
+from pipeline.dist import Ranks, all_sum, gather_floats
+from pipeline.idle import IdleWork, idle_window
+from pipeline.records import TrainBatch
+from pipeline.rollouts import ScoredRollouts, roll_out
+from pipeline.run_state import RunState, checkpoint_dir, save_run
+from pipeline.tasks import Problem, Task
+from pipeline.train_batch import pack_rollouts
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, float]
+    lengths: list[int]  # this step's response lengths (all ranks)
+    rollouts: ScoredRollouts  # this rank's
+
+
+class Trainer:
+    def __init__(self, cfg, ranks: Ranks, engine: RolloutEngine, actor, tokenizer, task: Task, loader: PromptLoader,
+                 eval_problems: list[Problem], run_dir, idle_work: IdleWork | None = None, start_step: int = 0,
+                 reference=None) -> None:
+        self.cfg, self.r, self.engine, self.actor, self.tok, self.task = cfg, ranks, engine, actor, tokenizer, task
+        self.loader, self.eval_problems, self.run_dir, self.idle_work = loader, eval_problems, run_dir, idle_work
+        self.reference = reference  # a ReferencePolicy when algorithm.kl_coef > 0
+        if cfg.algorithm.kl_coef > 0 and reference is None:
+            raise ValueError("algorithm.kl_coef > 0 needs a reference policy (pipeline.reference.ReferencePolicy)")
+        self.algo = build_algorithm(cfg.algorithm, cfg.rollout.max_new_tokens)
+        self.step_index = start_step
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.stops = engine_stops(engine, tokenizer)
+        self.pending: ScoredRollouts | None = None  # async mode: the next step's rollouts, made before this update
+        r, tc = cfg.rollout, cfg.trainer
+        policy_sampling = r.temperature == 1.0 and r.top_p == 1.0 and r.top_k == 0
+        if tc.old_logprobs == "engine" and not policy_sampling:
+            raise ValueError("trainer.old_logprobs=engine needs rollout.temperature=1, top_p=1, top_k=0 (the engine's "
+                             "log-probs are those of the sampling distribution); use actor or auto")
+        self.engine_old_logprobs = tc.old_logprobs == "engine" or (
+            tc.old_logprobs == "auto" and policy_sampling and not tc.async_steps)
+
+    # -- one RL step -----------------------------------------------------------------------
+    def sampling(self, step: int) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              seed=self.cfg.run.seed, step=step, stop_token_ids=self.stops)
+
+    def _roll_out(self, step: int) -> ScoredRollouts:
+        return roll_out(self.engine, self.tok, self.task, self.loader.next_step(), self.sampling(step), self.cfg.rollout.n,
+                        self.cfg.task.chat)
+
+    def step(self) -> StepResult:
+        t_step = time.perf_counter()
+        step = self.step_index
+        t = time.perf_counter()
+        if self.cfg.trainer.async_steps and self.pending is not None:
+            scored = self.pending  # made with the policy before the last update
+        else:
+            scored = self._fill(step)
+        rollout_s = time.perf_counter() - t
+        idle_s, idle_metrics = idle_window(self.r, step, self.idle_work)
+        if self.cfg.trainer.async_steps:
+            self.pending = self._fill(step + 1)  # with this policy, before this step's update
+        batch, metrics = self._train_batch(scored)
+        t = time.perf_counter()
+        if self.engine_old_logprobs:
+            batch.old_logprobs = batch.engine_logprobs.clone()
+        else:
+            old = self.actor.logprobs(batch.input_ids, batch.attention_mask).logprobs
+            batch.old_logprobs = old.cpu() * batch.response_mask
+            metrics.update(mismatch_kl(batch.engine_logprobs, batch.old_logprobs, batch.response_mask)[1])
+        if self.reference is not None:
+            batch.ref_logprobs = self.reference.logprobs(batch.input_ids, batch.attention_mask) * batch.response_mask
+        logprob_s = time.perf_counter() - t
+        if self.cfg.trainer.async_steps:
+            ratio = (batch.old_logprobs - batch.engine_logprobs).clamp(max=20).exp().clamp(max=self.cfg.trainer.is_cap)
+            batch.advantages = batch.advantages * torch.where(batch.response_mask.bool(), ratio, 0)
+        t = time.perf_counter()
+        metrics.update(self._update(batch))
+        update_s = time.perf_counter() - t
+        t = time.perf_counter()
+        self.engine.load_weights(self.actor.named_weights(), version=step + 1)
+        sync_s = time.perf_counter() - t
+        self.step_index = step + 1
+        metrics.update(self._step_metrics(scored, rollout_s, idle_s, logprob_s, update_s, sync_s, time.perf_counter() - t_step))
+        metrics.update(idle_metrics)
+        lengths = [int(x) for row in gather_floats(self.r, [float(x) for x in scored.lengths.tolist()]) for x in row]
+        return StepResult(metrics=metrics, lengths=lengths, rollouts=scored)
+
+    def _fill(self, step: int) -> ScoredRollouts:
+        """The step's rollouts; with dynamic sampling, groups whose rewards do not differ are
+        dropped and more prompts rolled out until every rank has its share (all ranks take the
+        same number of rounds, so their data loaders stay in step)."""
+        scored = self._roll_out(step)
+        if not self.algo.dynamic_sampling:
+            return scored
+        want, n = len(scored.problems), scored.n
+        kept = [scored]
+        for _ in range(self.algo.max_sampling_rounds - 1):
+            if all_sum(self.r, float(_informative(kept, n) < want)) == 0:
+                break
+            kept.append(self._roll_out(step))
+        return _select_informative(kept, want, n)
+
+    def _train_batch(self, scored: ScoredRollouts) -> tuple[TrainBatch, dict[str, float]]:
+        n = scored.n
+        rewards, metrics = self.algo.shape_rewards(scored.rewards, scored.lengths)
+        adv, m = self.algo.advantages(rewards.view(-1, n), None)
+        metrics.update(m)
+        prompts = [scored.prompts[i // n] for i in range(len(scored.batch))]
+        batch = pack_rollouts(prompts, [r.tokens for r in scored.batch], [r.logprobs for r in scored.batch],
+                              adv.reshape(-1), self.pad_id)
+        return batch, metrics
+
+    def _update(self, batch: TrainBatch) -> dict[str, float]:
+        tc = self.cfg.trainer
+        rows = torch.arange(batch.size)
+        sums: dict[str, float] = {}
+        count = 0
+        first: dict[str, float] = {}
+        for epoch in range(tc.ppo_epochs):
+            for chunk in rows.chunk(tc.mini_batches):
+                mb = batch.select(chunk)
+                mb.loss_weights = self._global_weights(mb.response_mask)
+                measure = self.engine_old_logprobs and count == 0
+
+                def loss_fn(lp, ent, micro, measure=measure):
+                    loss, m = self.algo.loss(lp, micro, ent)
+                    if measure:  # before any update: the actor's log-probs against the engine's
+                        m.update(mismatch_kl(micro.engine_logprobs, lp.detach(), micro.response_mask)[1])
+                    return loss, m
+
+                m = self.actor.update(mb, loss_fn)
+                for k in [k for k in m if k.startswith("train/mismatch")]:
+                    first[k] = m.pop(k)
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                count += 1
+        return {k: v / count for k, v in sums.items()} | first
+
+    def _global_weights(self, mask: torch.Tensor) -> torch.Tensor:
+        """The algorithm's aggregation weights for this rank's rows, rescaled so that they are
+        normalised over the mini-batch of all ranks (token counts for token-mean, rows otherwise)."""
+        local = self.algo.loss_weights(mask)
+        count = float(mask.sum()) if self.algo.aggregation == "token-mean" else float(mask.shape[0])
+        total = all_sum(self.r, count)
+        return local * (count / total) if total > 0 else local
+
+    def _step_metrics(self, scored: ScoredRollouts, rollout_s, idle_s, logprob_s, update_s, sync_s, step_s) -> dict[str, float]:
+        stats = scored.batch.stats
+        per_rank = gather_floats(self.r, [rollout_s, idle_s, float(stats.new_tokens), float(scored.rewards.sum()),
+                                          float(scored.rewards.numel()), stats.accept_len, float(stats.speculative_steps),
+                                          float(stats.accepted), float(stats.drafted)])
+        m = {"step": float(self.step_index), "timing/step": step_s, "timing/logprob": logprob_s, "timing/update": update_s,
+             "timing/sync": sync_s, "world_size": float(self.r.world)}
+        tokens = sum(row[2] for row in per_rank)
+        rollout_max = max(row[0] for row in per_rank)
+        for rank, row in enumerate(per_rank):
+            m[f"timing/rollout/rank{rank}"], m[f"timing/idle/rank{rank}"] = row[0], row[1]
+        # Means over ranks: rollout + idle is the time to the barrier, the same on every rank.
+        m["timing/rollout"] = sum(row[0] for row in per_rank) / len(per_rank)
+        m["timing/rollout_max"] = rollout_max
+        m["timing/idle"] = sum(row[1] for row in per_rank) / len(per_rank)
+        m["reward/mean"] = sum(row[3] for row in per_rank) / max(sum(row[4] for row in per_rank), 1)
+        m["reward/std"] = float(scored.rewards.std()) if scored.rewards.numel() > 1 else 0.0
+        m["rollout/tokens_per_s"] = tokens / rollout_max if rollout_max > 0 else 0.0
+        m["rollout/batch_size"] = sum(row[4] for row in per_rank)
+        drafted, accepted = sum(row[8] for row in per_rank), sum(row[7] for row in per_rank)
+        if drafted > 0:
+            spec = [row for row in per_rank if row[6] > 0]
+            m["spec/accept_len"] = sum(row[5] * row[6] for row in spec) / sum(row[6] for row in spec)
+            m["spec/accept_rate"] = accepted / drafted
+        lengths = scored.lengths.float()
+        m["rollout/response_length/mean"] = float(lengths.mean())
+        m["rollout/response_length/max"] = float(lengths.max())
+        return m
+
+    # -- eval and checkpoints --------------------------------------------------------------
+    def evaluate(self) -> float | None:
+        """Greedy held-out accuracy through the engine (rank 0; the others wait)."""
+        acc = None
+        if self.r.main:
+            r = self.cfg.rollout
+            params = SamplingParams(max_new_tokens=self.cfg.task.eval_max_new_tokens or r.max_new_tokens, temperature=0.0,
+                                    stop_token_ids=self.stops)
+            scored = roll_out(self.engine, self.tok, self.task, self.eval_problems, params, 1, self.cfg.task.chat)
+            acc = float(scored.rewards.mean())
+        return acc
+
+    def save(self, components: dict | None = None) -> None:
+        state = RunState(step=self.step_index, loader=self.loader.state_dict(), engine_version=self.engine.version,
+                         components=components or {})
+        drafter = next((p.net for p in self.engine._drafter_parts() if hasattr(p, "net")), None)
+        save_run(checkpoint_dir(self.run_dir, self.step_index), state, self.actor, drafter, main=self.r.main)
+
+
+def engine_stops(engine: RolloutEngine, tokenizer) -> tuple[int, ...]:
+    from pipeline.text import stop_tokens
+
+    return stop_tokens(engine.model.config, tokenizer)
+
+
+def _informative(parts: list[ScoredRollouts], n: int) -> int:
+    return sum(int((p.rewards.view(-1, n).max(1).values > p.rewards.view(-1, n).min(1).values).sum()) for p in parts)
+
+
+def _select_informative(parts: list[ScoredRollouts], want: int, n: int) -> ScoredRollouts:
+    """The first `want` groups with differing rewards across the rounds' rollouts (fewer if the
+    rounds ran out: then the batch is smaller, and the step's metrics say how many were kept)."""
+    from engine.types import RolloutBatch
+
+    problems, prompts, rollouts, rewards, steps = [], [], [], [], []
+    for p in parts:
+        grouped = p.rewards.view(-1, n)
+        for g in range(grouped.shape[0]):
+            if len(problems) == want:
+                break
+            if grouped[g].max() > grouped[g].min():
+                problems.append(p.problems[g])
+                prompts.append(p.prompts[g])
+                rollouts.extend(p.batch.rollouts[g * n : (g + 1) * n])
+                rewards.append(grouped[g])
+        steps.extend(p.batch.steps)
+    if not problems:  # nothing informative at all: train on the first round (zero advantages)
+        return parts[0]
+    batch = RolloutBatch(rollouts=rollouts, steps=steps, prefill_s=sum(p.batch.prefill_s for p in parts),
+                         wall_s=sum(p.batch.wall_s for p in parts), policy_version=parts[0].batch.policy_version)
+    return ScoredRollouts(problems=problems, prompts=prompts, batch=batch, rewards=torch.cat(rewards), n=n)

@@ -1,0 +1,176 @@
+"""The RL loop: speculation changes nothing that is learned, resume is exact, sync serves the new
+policy, ranks run under torchrun, and bad input is named."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch.config import load_config
+from launch.run_config import TrainConfig
+from launch.train import run
+from pipeline.dist import Ranks
+from pipeline.tasks import TASKS, Task, arith
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def digit_share(text: str, answer: str) -> float:
+    """A dense reward a random model already earns some of: the share of digits in the response."""
+    return sum(c.isdigit() for c in text) / max(len(text), 1)
+
+
+@pytest.fixture
+def digits_task(monkeypatch):
+    monkeypatch.setitem(TASKS, "digits", Task(name="digits", make_problems=arith.make_problems, reward=digit_share))
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(char_model_dir, tmp_path_factory) -> Path:
+    from engine.checkpoint import load_checkpoint
+    from engine.spec.eagle import EagleConfig, EagleModel
+
+    target = load_checkpoint(char_model_dir)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("drafter")
+    EagleModel(EagleConfig.for_target(target.config), target).save(path)
+    return path
+
+
+def config(char_model_dir, out, *overrides) -> TrainConfig:
+    base = [
+        f"model.path={char_model_dir}", f"run.out_dir={out}", "task.name=digits", "task.train_problems=64",
+        "task.eval_problems=4", "rollout.n=4", "rollout.max_new_tokens=24", "engine.max_batch=16", "engine.max_len=96",
+        "trainer.steps=3", "trainer.prompts_per_step=4", "trainer.mini_batches=2", "trainer.eval_every=0",
+        "actor.lr=1e-3", "actor.micro_batch_tokens=256", "metrics.wandb=false", "metrics.console=false",
+        "metrics.dashboard=false", "engine.spec.depth=4", "engine.spec.verify_tokens=4",
+    ]
+    return load_config(TrainConfig, REPO / "configs" / "tiny.yaml", [*base, *overrides])
+
+
+def step_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "timing/step" in r]
+
+
+def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(run_dir) / "checkpoints" / f"step-{step}" / "actor" / "model.safetensors"))
+
+
+LEARNED = ("reward/mean", "reward/std", "train/pg_loss", "train/grad_norm", "rollout/response_length/mean",
+           "rollout/response_length/max")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["eagle", "ngram"])
+def test_speculation_on_and_off_learn_exactly_the_same_run(char_model_dir, drafter_dir, digits_task, tmp_path, drafter):
+    off = run(config(char_model_dir, tmp_path / "off", "engine.spec.enabled=false"), Ranks())
+    on = run(config(char_model_dir, tmp_path / "on", "engine.spec.enabled=true", f"engine.spec.drafter={drafter}",
+                    f"engine.spec.drafter_path={drafter_dir}"), Ranks())
+    rows_off, rows_on = step_rows(off["run_dir"]), step_rows(on["run_dir"])
+    assert len(rows_on) == len(rows_off) == 3
+    assert all(r["spec/accept_len"] >= 1 for r in rows_on) and not any("spec/accept_len" in r for r in rows_off)
+    for a, b in zip(rows_off, rows_on):
+        assert {k: a[k] for k in LEARNED} == {k: b[k] for k in LEARNED}
+    w_off, w_on = weights(off["run_dir"], 3), weights(on["run_dir"], 3)
+    initial = weights_of(char_model_dir)
+    assert any(not torch.equal(w_off[k], initial[k]) for k in w_off)  # the policy did move
+    assert all(torch.equal(w_off[k], w_on[k]) for k in w_off)
+
+
+def weights_of(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(folder) / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_resume_from_a_step_2_checkpoint_equals_the_uninterrupted_run_at_step_4(char_model_dir, digits_task, tmp_path):
+    full = run(config(char_model_dir, tmp_path / "full", "trainer.steps=4", "trainer.save_every=2",
+                      "engine.spec.enabled=false"), Ranks())
+    first = run(config(char_model_dir, tmp_path / "cut", "trainer.steps=2", "engine.spec.enabled=false"), Ranks())
+    ckpt = Path(first["run_dir"]) / "checkpoints" / "step-2"
+    resumed = run(config(char_model_dir, tmp_path / "cut", "trainer.steps=4", f"trainer.resume={ckpt}",
+                         "engine.spec.enabled=false"), Ranks())
+    assert resumed["run_dir"] == first["run_dir"]
+    rows_full, rows_cut = step_rows(full["run_dir"]), step_rows(resumed["run_dir"])
+    assert [r["step"] for r in rows_cut] == [1, 2, 3, 4]  # steps 3-4 appended after the resumed point
+    for a, b in zip(rows_full, rows_cut):
+        assert {k: a[k] for k in LEARNED} == {k: b[k] for k in LEARNED}
+    w_full, w_cut = weights(full["run_dir"], 4), weights(resumed["run_dir"], 4)
+    assert all(torch.equal(w_full[k], w_cut[k]) for k in w_full)
+
+
+def test_after_a_sync_the_engine_serves_the_actors_weights(char_model_dir, digits_task, tmp_path):
+    from engine.engine import RolloutEngine
+    from pipeline.actors import build_actor
+    from pipeline.data import PromptLoader
+    from pipeline.text import load_tokenizer
+    from pipeline.trainer import Trainer
+
+    cfg = config(char_model_dir, tmp_path, "engine.spec.enabled=false")
+    tok = load_tokenizer(char_model_dir)
+    task = TASKS["digits"]
+    engine = RolloutEngine.from_pretrained(char_model_dir, cfg.engine)
+    actor = build_actor(cfg.actor, char_model_dir)
+    loader = PromptLoader(task.make_problems("train", 16, 0), 4, 0)
+    trainer = Trainer(cfg, Ranks(), engine, actor, tok, task, loader, [], tmp_path)
+    result = trainer.step()
+    assert engine.version == 1 and all(r.policy_version == 0 for r in result.rollouts.batch)
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        want = actor.model(input_ids=ids).logits
+        got = engine.runtime(ids, torch.arange(ids.shape[1])[None]).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    before = result.rollouts
+    again = trainer.step()
+    assert all(r.policy_version == 1 for r in again.rollouts.batch) and engine.version == 2
+    assert before is not again.rollouts
+
+
+def test_a_non_finite_reward_is_an_error_naming_the_prompt(char_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(TASKS, "nan", Task(name="nan", make_problems=arith.make_problems, reward=lambda t, a: float("nan")))
+    with pytest.raises(ValueError, match="reward nan of prompt .* is not a finite number"):
+        run(config(char_model_dir, tmp_path, "task.name=nan", "engine.spec.enabled=false", "trainer.steps=1"), Ranks())
+
+
+def test_a_malformed_config_key_is_named(char_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="trainer.stepz"):
+        config(char_model_dir, tmp_path, "trainer.stepz=3")
+    with pytest.raises(ValueError, match="trainer.old_logprobs=engine"):
+        config(char_model_dir, tmp_path, "trainer.old_logprobs=engine", "trainer.async_steps=1")
+
+
+def test_an_incomplete_checkpoint_folder_is_refused(char_model_dir, digits_task, tmp_path):
+    folder = tmp_path / "checkpoints" / "step-2"
+    folder.mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="step-2 has no state.json"):
+        run(config(char_model_dir, tmp_path, f"trainer.resume={folder}", "engine.spec.enabled=false"), Ranks())
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_roll_out_their_shards_and_train_together(char_model_dir, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "launch.train",
+           "--config", str(REPO / "configs" / "tiny.yaml"), f"model.path={char_model_dir}", f"run.out_dir={tmp_path}",
+           "task.train_problems=64", "task.eval_problems=4", "rollout.n=4", "rollout.max_new_tokens=16",
+           "engine.max_batch=16", "engine.max_len=96", "engine.spec.enabled=false", "trainer.steps=2",
+           "trainer.prompts_per_step=4", "trainer.eval_every=0", "actor.micro_batch_tokens=256", "metrics.wandb=false",
+           "metrics.dashboard=false"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = list(tmp_path.iterdir())
+    assert (run_dir / "rank0.log").is_file() and (run_dir / "rank1.log").is_file()
+    rows = step_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["world_size"] == 2 for r in rows)
+    assert all({"timing/rollout/rank0", "timing/rollout/rank1", "timing/idle/rank0", "timing/idle/rank1"} <= r.keys() for r in rows)
+    assert all(r["rollout/batch_size"] == 16 for r in rows)  # 4 prompts x 4 samples over both ranks
+    assert (run_dir / "checkpoints" / "step-2" / "state.json").is_file()
