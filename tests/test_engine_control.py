@@ -4,6 +4,8 @@ pre-generated drafts, requests larger than the batch, and the engine's maximum s
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -24,12 +26,12 @@ from engine.spec.pregenerated import PregeneratedDrafter
 from engine.types import Request
 
 PARAMS = {
-    "greedy": SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=(2,)),
-    "T1": SamplingParams(max_new_tokens=40, temperature=1.0, seed=5, stop_token_ids=(2,)),
+    "greedy": SamplingParams(max_new_tokens=24, temperature=0.0, stop_token_ids=(2,)),
+    "T1": SamplingParams(max_new_tokens=24, temperature=1.0, seed=5, stop_token_ids=(2,)),
 }
 
 
-def requests(n: int = 3, count: int = 4, seed: int = 4) -> list[Request]:
+def requests(n: int = 3, count: int = 3, seed: int = 4) -> list[Request]:
     g = torch.Generator().manual_seed(seed)
     return [Request(prompt_id=f"p{i}", prompt=torch.randint(3, 101, (3 + 2 * i,), generator=g).tolist(), n=n)
             for i in range(count)]
@@ -198,8 +200,11 @@ SINK_DRAFTERS = {
 }
 
 
-@pytest.mark.parametrize("layers", [(), (0,), (1,)], ids=["final", "aux0", "aux1"])
-@pytest.mark.parametrize("name", SINK_DRAFTERS)
+SINK_CASES = [("off", ()), ("off", (0,)), ("eagle-chain", (1,)), ("eagle-tree", ()), ("eagle-tree", (0,)),
+              ("eagle3-tree", (1,))]
+
+
+@pytest.mark.parametrize(("name", "layers"), SINK_CASES, ids=[f"{n}-{'aux%d' % l[0] if l else 'final'}" for n, l in SINK_CASES])
 def test_sink_gets_every_committed_token_once_with_teacher_forced_features(hf_folders, name, layers):
     target = load_checkpoint(hf_folders["llama"], dtype=torch.float64)
     make, spec = SINK_DRAFTERS[name]
@@ -260,7 +265,7 @@ def _random_drafts(reference, seed):
 
 
 def _other_seed(target, params):
-    other = engine(target).generate(requests(), SamplingParams(**{**vars(params), "seed": 99}))
+    other = engine(target).generate(requests(), dataclasses.replace(params, seed=99))
     return {(r.prompt_id, r.sample): r.tokens for r in other}
 
 
@@ -342,11 +347,11 @@ def test_a_shape_with_the_wrong_verify_mode_is_refused(target):
 def test_maximum_sizes_let_a_policy_pick_bigger_shapes_than_the_default(target, params):
     shapes = [DraftShape(depth=2, topk=1, verify_tokens=2), DraftShape(depth=6, topk=3, verify_tokens=10), None,
               DraftShape(depth=6, topk=1, verify_tokens=6), DraftShape(depth=3, topk=2, verify_tokens=5)]
-    reference = engine(target).generate(requests(), params)
+    reference = engine(target).generate(requests(count=2), params)
     e = engine(target, eagle(target), Cycle(shapes), depth=2, topk=1, verify_tokens=2, max_depth=6, max_topk=3,
                max_verify_tokens=10)
     assert e.shape.label == "d2k1v2" and e.limits.label == "d6k3v10"
-    batch = e.generate(requests(), params)
+    batch = e.generate(requests(count=2), params)
     same_rollouts(batch, reference)
     labels = [s.label if s else "off" for s in shapes]
     assert [s.shape for s in batch.steps] == [labels[i % len(labels)] for i in range(len(batch.steps))]

@@ -12,9 +12,11 @@ from engine.checkpoint import load_checkpoint
 from engine.config import EngineConfig
 from engine.engine import RolloutEngine
 from engine.sampling import SamplingParams
+from engine.spec.compose import FallbackDrafter
 from engine.spec.config import SpecConfig
 from engine.spec.eagle import EagleConfig, EagleModel
 from engine.spec.eagle_drafter import EagleDrafter
+from engine.spec.ngram import NgramDrafter
 from engine.types import Request
 from tests.conftest import FAMILIES, make_hf_model
 
@@ -43,10 +45,12 @@ def new_weights(family: str, seed: int = 1) -> dict[str, torch.Tensor]:
     return make_hf_model(family, seed=seed).state_dict()
 
 
-def model_with(family: str, folder, state: dict[str, torch.Tensor]):
+def model_with(folder, state: dict[str, torch.Tensor]):
+    """The checkpoint in `folder` with `state` loaded into it the plain PyTorch way."""
     model = load_checkpoint(folder)
     with torch.no_grad():
-        model.load_state_dict(state, strict=False)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)  # a tied head may be left out
     return model
 
 
@@ -68,7 +72,7 @@ def test_loaded_weights_generate_exactly_what_a_fresh_engine_of_them_does(hf_fol
     other = make_hf_model(family, seed=1)
     e.load_weights(other.state_dict() if form == "state_dict" else other.named_parameters(), version=3)
     got = e.generate(requests(), PARAMS)
-    want = engine(model_with(family, hf_folders[family], other.state_dict())).generate(requests(), PARAMS)
+    want = engine(model_with(hf_folders[family], other.state_dict())).generate(requests(), PARAMS)
     assert outputs(got) == outputs(want)  # tokens and logprobs bit for bit
     assert [r.tokens for r in got] != [r.tokens for r in before]  # the new weights are served, not the old ones
     assert got.policy_version == 3 and {r.policy_version for r in got} == {3} and e.version == 3
@@ -86,7 +90,7 @@ def test_a_tied_model_takes_the_state_dict_with_or_without_its_lm_head(hf_folder
         state.pop("lm_head.weight", None)
     e.load_weights(state, version=1)
     assert torch.equal(e.model.lm_head.weight, state["model.embed_tokens.weight"])
-    want = engine(model_with("llama", hf_folders["llama"], new_weights("llama"))).generate(requests(), PARAMS)
+    want = engine(model_with(hf_folders["llama"], new_weights("llama"))).generate(requests(), PARAMS)
     assert outputs(e.generate(requests(), PARAMS)) == outputs(want)
 
 
@@ -133,7 +137,7 @@ def test_weights_changed_in_place_are_refused_not_served_stale(hf_folders, chang
         e.generate(requests(), PARAMS)
     # Loading the weights the model now has serves them, as a fresh engine of them would.
     e.load_weights(model.state_dict(), version=1)
-    fresh = engine(model_with("llama", hf_folders["llama"], {k: v.clone() for k, v in model.state_dict().items()}))
+    fresh = engine(model_with(hf_folders["llama"], {k: v.clone() for k, v in model.state_dict().items()}))
     assert outputs(e.generate(requests(), PARAMS)) == outputs(fresh.generate(requests(), PARAMS))
 
 
@@ -195,7 +199,7 @@ def test_after_load_weights_the_drafter_reads_the_new_head(hf_folders):
     drafter = EagleDrafter(eagle_net(target))
     e = engine(target, drafter)
     e.load_weights(new_weights("qwen2"), version=1)
-    fresh_target = model_with("qwen2", hf_folders["qwen2"], new_weights("qwen2"))
+    fresh_target = model_with(hf_folders["qwen2"], new_weights("qwen2"))
     fresh = EagleDrafter(eagle_net(fresh_target))
     assert torch.equal(drafter.net.head_t, fresh_target.lm_head.weight.t())
     pred = torch.randn(5, fresh.net.config.feature_size, generator=torch.Generator().manual_seed(0))
@@ -206,16 +210,23 @@ def test_after_load_weights_the_drafter_reads_the_new_head(hf_folders):
     assert outputs(got) == outputs(want) and records(got) == records(want)
 
 
-def test_loaded_drafter_weights_draft_as_a_fresh_drafter_of_them(hf_folders):
+def composed(drafter: EagleDrafter, compose: bool):
+    return FallbackDrafter([NgramDrafter(), drafter]) if compose else drafter
+
+
+@pytest.mark.parametrize("compose", [False, True], ids=["eagle", "ngram+eagle"])
+def test_loaded_drafter_weights_draft_as_a_fresh_drafter_of_them(hf_folders, compose):
     target = load_checkpoint(hf_folders["llama"])
     drafter = EagleDrafter(eagle_net(target, seed=0))
-    e = engine(target, drafter)
+    e = engine(target, composed(drafter, compose))
     before = e.generate(requests(), PARAMS)
     state = eagle_state(target, seed=7)
     e.load_drafter_weights(state, version=2)
     assert drafter.version == 2
     got = e.generate(requests(), PARAMS)
-    want = engine(load_checkpoint(hf_folders["llama"]), EagleDrafter(eagle_net(target, seed=7))).generate(requests(), PARAMS)
+    fresh = engine(load_checkpoint(hf_folders["llama"]), composed(EagleDrafter(eagle_net(target, seed=7)), compose))
+    fresh.generate(requests(), PARAMS)  # the same history: an n-gram drafter remembers this step's finished rollouts
+    want = fresh.generate(requests(), PARAMS)
     assert records(got) == records(want) and outputs(got) == outputs(want)
     assert records(got) != records(before)  # the new drafter drafts differently
     assert [r.tokens for r in got] == [r.tokens for r in before]  # and the target's tokens stay
@@ -254,5 +265,5 @@ def test_two_engines_on_one_model_both_serve(hf_folders):
     second.load_weights(new_weights("qwen2"), version=1)
     with pytest.raises(ValueError, match="changed in place"):
         first.generate(requests(), PARAMS)
-    want = engine(model_with("qwen2", hf_folders["qwen2"], new_weights("qwen2"))).generate(requests(), PARAMS)
+    want = engine(model_with(hf_folders["qwen2"], new_weights("qwen2"))).generate(requests(), PARAMS)
     assert outputs(second.generate(requests(), PARAMS)) == outputs(want)
