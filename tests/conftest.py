@@ -6,10 +6,13 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The Makefile's OpenMP default, for a bare `pytest` too: spinning threads on shared cores are ~10x slower.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402  (after the OpenMP default: libgomp reads it when torch loads it)
 
 REPO = Path(__file__).resolve().parent.parent
 FAMILIES = ("llama", "qwen2", "qwen3")
