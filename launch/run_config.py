@@ -32,6 +32,7 @@ class TaskSection:
     id_field: str = "id"
     max_bad_share: float = 0.01  # stop when more rows than this share are malformed
     chat: bool = False  # wrap each problem in the tokenizer's chat template (answer in \boxed{})
+    format_weight: float = 0.0  # training reward bonus for a \boxed{} answer (math-verify tasks); eval scores correctness
     train_problems: int = 4096  # problems drawn from a generator for training
     eval_problems: int = 200  # held-out problems for greedy accuracy
     eval_max_new_tokens: int | None = None  # None: rollout.max_new_tokens
@@ -39,6 +40,8 @@ class TaskSection:
     def validate(self) -> None:
         if self.eval_problems < 1 or self.train_problems < 1:
             raise ValueError("task.eval_problems and task.train_problems must be >= 1")
+        if self.format_weight < 0:
+            raise ValueError(f"task.format_weight must be >= 0, got {self.format_weight}")
         if not 0 <= self.max_bad_share < 1:
             raise ValueError(f"task.max_bad_share must be in [0, 1), got {self.max_bad_share}")
 

@@ -41,14 +41,16 @@ def encode_problem(tokenizer, problem: Problem, chat: bool) -> list[int]:
 
 
 def roll_out(engine: RolloutEngine, tokenizer, task: Task, problems: list[Problem], params: SamplingParams, n: int,
-             chat: bool) -> ScoredRollouts:
+             chat: bool, reward=None) -> ScoredRollouts:
+    """`reward(text, answer) -> float`: the training reward (default: the task's own, correctness)."""
+    reward = reward or task.reward
     prompts = [encode_problem(tokenizer, p, chat) for p in problems]
     requests = [Request(prompt_id=p.id, prompt=ids, n=n) for p, ids in zip(problems, prompts)]
     batch = engine.generate(requests, params)
     rewards = []
     for i, ro in enumerate(batch):
         p = problems[i // n]
-        value = task.reward(tokenizer.decode(ro.tokens, skip_special_tokens=True), p.answer)
+        value = reward(tokenizer.decode(ro.tokens, skip_special_tokens=True), p.answer)
         if not (isinstance(value, (int, float)) and math.isfinite(value)):
             raise ValueError(f"task {task.name!r}: reward {value!r} of prompt {p.id!r} sample {ro.sample} is not a finite number")
         rewards.append(float(value))

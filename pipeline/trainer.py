@@ -57,6 +57,7 @@ class Trainer:
         self.step_index = start_step
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.stops = engine_stops(engine, tokenizer)
+        self.reward = training_reward(cfg.task, task)
         self.pending: ScoredRollouts | None = None  # async mode: the next step's rollouts, made before this update
         r, tc = cfg.rollout, cfg.trainer
         policy_sampling = r.temperature == 1.0 and r.top_p == 1.0 and r.top_k == 0
@@ -74,7 +75,7 @@ class Trainer:
 
     def _roll_out(self, step: int) -> ScoredRollouts:
         return roll_out(self.engine, self.tok, self.task, self.loader.next_step(), self.sampling(step), self.cfg.rollout.n,
-                        self.cfg.task.chat)
+                        self.cfg.task.chat, self.reward)
 
     def step(self) -> StepResult:
         t_step = time.perf_counter()
@@ -219,6 +220,18 @@ class Trainer:
                          components=components or {})
         drafter = next((p.net for p in self.engine._drafter_parts() if hasattr(p, "net")), None)
         save_run(checkpoint_dir(self.run_dir, self.step_index), state, self.actor, drafter, main=self.r.main)
+
+
+def training_reward(task_cfg, task: Task):
+    """The task's correctness reward, plus `task.format_weight` for a \\boxed{} answer (math-verify tasks)."""
+    if task_cfg.format_weight == 0:
+        return task.reward
+    if task.name != "math" and not task_cfg.file:
+        raise ValueError(f"task.format_weight needs a math-verify task (task.name=math or task.file), not {task.name!r}")
+    from pipeline.tasks.rewards import MathVerifyReward
+
+    scorer = MathVerifyReward(format_weight=task_cfg.format_weight)
+    return lambda text, answer: scorer(text, answer)[0]
 
 
 def engine_stops(engine: RolloutEngine, tokenizer) -> tuple[int, ...]:
