@@ -160,11 +160,7 @@ class Transformer(RopeSource, nn.Module):
         logits: bool = True,
         hidden_layers: tuple[int, ...] = (),
     ) -> ModelOutput:
-        B, T = input_ids.shape
-        if cache is not None and cache_pos is None:
-            cache_pos = positions
-        if attn_mask is None:
-            attn_mask = causal_mask(cache_pos if cache is not None else positions)
+        cache_pos, attn_mask = default_slots_and_mask(positions, cache, cache_pos, attn_mask)
         cos, sin = self.rope(positions, self.dtype)
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
         mask = attn_mask.unsqueeze(1)  # [B, 1, T, S]
@@ -175,6 +171,15 @@ class Transformer(RopeSource, nn.Module):
                 layer_hidden[i] = x
         hidden = self.model.norm(x)
         return ModelOutput(hidden=hidden, logits=self.lm_head(hidden) if logits else None, layer_hidden=layer_hidden)
+
+
+def default_slots_and_mask(positions, cache, cache_pos, attn_mask):
+    """A forward's defaults: with a cache, tokens go to the slots of their positions; the mask is causal."""
+    if cache is not None and cache_pos is None:
+        cache_pos = positions
+    if attn_mask is None:
+        attn_mask = causal_mask(cache_pos if cache is not None else positions)
+    return cache_pos, attn_mask
 
 
 def causal_mask(slots: torch.Tensor, length: int | None = None) -> torch.Tensor:

@@ -26,7 +26,7 @@ from torch import nn
 from engine.kernels.decode_ops import MAX_TOKENS, rms_norm
 from engine.kv_cache import KVCache
 from engine.layout import transpose_storage
-from engine.model import ModelOutput, Transformer, causal_mask
+from engine.model import ModelOutput, Transformer, default_slots_and_mask
 from engine.packed import PackedLayer, Product, pack_layer, packed_forward, step_inputs, use_kernel
 
 _SAMPLE = 64  # values per parameter in the weights' fingerprint
@@ -105,10 +105,7 @@ class TargetRuntime:
         if self.layers is None or torch.is_grad_enabled():
             return m(input_ids, positions, cache, cache_pos, attn_mask, logits, hidden_layers)
         B, T = input_ids.shape
-        if cache is not None and cache_pos is None:
-            cache_pos = positions
-        if attn_mask is None:
-            attn_mask = causal_mask(cache_pos if cache is not None else positions)
+        cache_pos, attn_mask = default_slots_and_mask(positions, cache, cache_pos, attn_mask)
         cos, sin = m.rope(positions, m.dtype)
         x = m.model.embed_tokens(input_ids)  # [B, T, H]
         s = step_inputs(cos, sin, attn_mask, cache_pos, m.config.num_attention_heads // m.config.num_key_value_heads)

@@ -34,12 +34,18 @@ class TaskSection:
     chat: bool = False  # wrap each problem in the tokenizer's chat template (answer in \boxed{})
     format_weight: float = 0.0  # training reward bonus for a \boxed{} answer (math-verify tasks); eval scores correctness
     train_problems: int = 4096  # problems drawn from a generator for training
+    # arith only: the training problems' difficulty (operand digits 1..max_digits, P(d) ~ d^-tail);
+    # None: the generator's defaults (12, 1.5), which the held-out problems always use.
+    max_digits: int | None = None
+    tail: float | None = None
     eval_problems: int = 200  # held-out problems for greedy accuracy
     eval_max_new_tokens: int | None = None  # None: rollout.max_new_tokens
 
     def validate(self) -> None:
         if self.eval_problems < 1 or self.train_problems < 1:
             raise ValueError("task.eval_problems and task.train_problems must be >= 1")
+        if (self.max_digits is not None or self.tail is not None) and (self.name != "arith" or self.file):
+            raise ValueError("task.max_digits / task.tail shape the arith generator only (task.name=arith, no task.file)")
         if self.format_weight < 0:
             raise ValueError(f"task.format_weight must be >= 0, got {self.format_weight}")
         if not 0 <= self.max_bad_share < 1:

@@ -66,7 +66,8 @@ def problems_for(cfg: TrainConfig):
                                        id_field=cfg.task.id_field, max_bad_share=cfg.task.max_bad_share)
         held = task.make_problems("test", cfg.task.eval_problems, EVAL_SEED)
         return task, train, held
-    return task, task.make_problems("train", cfg.task.train_problems, cfg.run.seed), task.make_problems(
+    shape = {k: v for k, v in (("max_digits", cfg.task.max_digits), ("tail", cfg.task.tail)) if v is not None}
+    return task, task.make_problems("train", cfg.task.train_problems, cfg.run.seed, **shape), task.make_problems(
         "test", cfg.task.eval_problems, EVAL_SEED)
 
 

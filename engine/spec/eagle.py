@@ -28,7 +28,7 @@ from torch import nn
 
 from engine.atomic import atomic_write
 from engine.kv_cache import KVCache
-from engine.model import DecoderLayer, Transformer, causal_mask
+from engine.model import DecoderLayer, Transformer, default_slots_and_mask
 from engine.model_config import ModelConfig
 from engine.rope import RopeSource, inverse_frequencies
 
@@ -123,10 +123,7 @@ class EagleModel(RopeSource, nn.Module):
         """Returns the predicted features f_{t+1}: [B, T, F]."""
         emb = self.target.model.embed_tokens(tokens).detach()  # [B, T, H]
         x = self.fc(torch.cat([emb, features], -1))  # [B, T, H]
-        if cache is not None and cache_pos is None:
-            cache_pos = positions
-        if attn_mask is None:
-            attn_mask = causal_mask(cache_pos if cache is not None else positions)
+        cache_pos, attn_mask = default_slots_and_mask(positions, cache, cache_pos, attn_mask)
         cos, sin = self.rope(positions, x.dtype)
         h = self.layers[0](x, cos, sin, attn_mask.unsqueeze(1), cache, cache_pos)  # [B, T, H]
         if self.fc_out is None:

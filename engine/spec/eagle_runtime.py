@@ -14,7 +14,7 @@ import torch
 
 from engine.kv_cache import KVCache
 from engine.layout import transpose_storage
-from engine.model import causal_mask
+from engine.model import default_slots_and_mask
 from engine.packed import PackedLayer, Product, pack_layer, packed_forward, step_inputs, use_kernel
 from engine.runtime import WeightsFingerprint, packable
 from engine.spec.eagle import EagleModel
@@ -59,10 +59,7 @@ class EagleRuntime:
         emb = net.target.model.embed_tokens(tokens)  # [B, T, H]
         pair = torch.cat([emb, features], -1)  # [B, T, H + F]
         x = self.fc(pair.reshape(-1, pair.shape[-1])).view(*pair.shape[:-1], -1) if self.fc is not None else net.fc(pair)
-        if cache is not None and cache_pos is None:
-            cache_pos = positions
-        if attn_mask is None:
-            attn_mask = causal_mask(cache_pos if cache is not None else positions)
+        cache_pos, attn_mask = default_slots_and_mask(positions, cache, cache_pos, attn_mask)
         cos, sin = net.rope(positions, x.dtype)
         c = net.config
         s = step_inputs(cos, sin, attn_mask, cache_pos, c.num_attention_heads // c.num_key_value_heads)
