@@ -174,3 +174,25 @@ def test_two_ranks_under_torchrun_roll_out_their_shards_and_train_together(char_
     assert all({"timing/rollout/rank0", "timing/rollout/rank1", "timing/idle/rank0", "timing/idle/rank1"} <= r.keys() for r in rows)
     assert all(r["rollout/batch_size"] == 16 for r in rows)  # 4 prompts x 4 samples over both ranks
     assert (run_dir / "checkpoints" / "step-2" / "state.json").is_file()
+
+
+@pytest.mark.slow
+def test_one_step_asynchronous_mode_trains_on_rollouts_one_policy_behind(char_model_dir, digits_task, tmp_path):
+    sync = run(config(char_model_dir, tmp_path / "sync", "engine.spec.enabled=false"), Ranks())
+    lag = run(config(char_model_dir, tmp_path / "async", "engine.spec.enabled=false", "trainer.async_steps=1"), Ranks())
+    rows_sync, rows_async = step_rows(sync["run_dir"]), step_rows(lag["run_dir"])
+    # Step 1 trains on the same rollouts; from step 2 on, async ones come from the policy before step 1's update.
+    assert rows_async[0]["reward/mean"] == rows_sync[0]["reward/mean"]
+    assert rows_async[1]["reward/mean"] != rows_sync[1]["reward/mean"]
+    # The actor recomputes the old log-probs: at step 1 they equal the engine's (same weights), later the
+    # behaviour policy is one update behind and the measured mismatch is the policy's move.
+    assert abs(rows_async[0]["train/mismatch_kl"]) < 1e-6
+    assert all(r["train/mismatch_kl"] > 1e-6 for r in rows_async[1:])
+
+
+@pytest.mark.slow
+def test_dapo_with_dynamic_sampling_runs_and_reports_what_it_kept(char_model_dir, digits_task, tmp_path):
+    out = run(config(char_model_dir, tmp_path, "engine.spec.enabled=false", "algorithm.name=dapo", "trainer.steps=2"), Ranks())
+    rows = step_rows(out["run_dir"])
+    assert len(rows) == 2 and all(r["rollout/batch_size"] <= 16 for r in rows)
+    assert all("train/pg_clipfrac_high" in r for r in rows)
