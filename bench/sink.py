@@ -20,7 +20,7 @@ from engine.engine import RolloutEngine
 from engine.features import CommittedFeatures
 from engine.sampling import SamplingParams
 from engine.types import Request
-from pipeline.text import load_tokenizer, stop_tokens
+from common.text import load_tokenizer, stop_tokens
 
 
 class BufferSink:

@@ -31,7 +31,7 @@ from engine.types import GenerateStats, Request
 
 def bench_prompts(model_dir: str, tokenizer, n: int, prompts_file: str | None) -> list[list[int]]:
     if prompts_file:
-        from pipeline.text import encode, read_prompts
+        from common.text import encode, read_prompts
 
         rows = read_prompts(prompts_file)
         chat = bool(getattr(tokenizer, "chat_template", None))

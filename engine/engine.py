@@ -34,7 +34,7 @@ from engine.model import Transformer
 from engine.runtime import TargetRuntime
 from engine.sampling import SamplingParams
 from engine.spec.drafter import Drafter, DraftShape
-from engine.spec.policy import FixedPolicy, SpecPolicy
+from engine.spec.policy import FixedPolicy, SpecPolicy, TailPolicy
 from engine.types import Request, RolloutBatch
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -54,7 +54,9 @@ class RolloutEngine:
         self.shape = DraftShape(depth=spec.depth, topk=spec.topk, verify_tokens=spec.verify_tokens, iid_children=iid)
         depth, topk, verify = spec.limits()
         self.limits = DraftShape(depth=depth, topk=topk, verify_tokens=verify, iid_children=iid)
-        self.policy: SpecPolicy = policy or FixedPolicy(self.shape)
+        if policy is None:
+            policy = FixedPolicy(self.shape) if spec.max_active_batch is None else TailPolicy(self.shape, spec.max_active_batch)
+        self.policy: SpecPolicy = policy
         self.sink = sink
         self.max_len = min(self.cfg.max_len, model.config.max_position_embeddings)
         self.drafter: Drafter | None = None

@@ -21,7 +21,7 @@ from engine.engine import RolloutEngine
 from engine.sampling import SamplingParams
 from engine.spec.config import DRAFTERS, SpecConfig
 from engine.types import Request
-from pipeline.text import encode, load_tokenizer, read_prompts, stop_tokens
+from common.text import encode, load_tokenizer, read_prompts, stop_tokens
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,7 +29,7 @@ from pipeline.metrics import MetricsLogger
 from pipeline.run_state import load_run
 from pipeline.tasks import get_task
 from pipeline.tasks.eval import EVAL_SEED
-from pipeline.text import load_tokenizer
+from common.text import load_tokenizer
 from pipeline.trainer import Trainer
 
 

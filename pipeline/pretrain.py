@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import random
 import shutil
@@ -37,6 +36,7 @@ from engine.checkpoint import save_checkpoint
 from engine.model import Transformer
 from engine.model_config import ModelConfig
 from pipeline.tasks import TASKS, Problem, get_task
+from common.optim import make_adamw, set_lr, train_step, warmup_cosine
 from pipeline.tasks.eval import EVAL_SEED, evaluate
 from pipeline.tasks.tokenizer import build_tokenizer
 
@@ -168,21 +168,14 @@ def train_batches(cfg: PretrainConfig, tokenizer) -> Iterator[tuple[torch.Tensor
 
 def lr_at(cfg: PretrainConfig, step: int) -> float:
     """Linear warmup, then cosine from lr down to lr * min_lr_ratio at the last step."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    return warmup_cosine(cfg.lr, step, cfg.warmup_steps, progress, cfg.min_lr_ratio)
 
 
 def train(cfg: PretrainConfig, model: Transformer, tokenizer) -> list[float]:
     """Runs cfg.steps optimizer steps; returns the loss of each step."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(0.9, 0.95),
-    )
+    params = list(model.parameters())
+    opt = make_adamw(params, cfg.lr, (0.9, 0.95), cfg.weight_decay)
     model.train()
     losses: list[float] = []
     batches = train_batches(cfg, tokenizer)
@@ -190,16 +183,11 @@ def train(cfg: PretrainConfig, model: Transformer, tokenizer) -> list[float]:
     tokens = 0
     for step in range(cfg.steps):
         inputs, targets = next(batches)  # [B, T]
-        for group in opt.param_groups:
-            group["lr"] = lr_at(cfg, step)
+        set_lr(opt, lr_at(cfg, step))
         positions = torch.arange(inputs.shape[1]).expand_as(inputs)  # [B, T]
         logits = model(inputs, positions).logits  # [B, T, V]
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
+        train_step(loss, opt, params, cfg.grad_clip)
         losses.append(loss.item())
         tokens += int((inputs != tokenizer.pad_token_id).sum())
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:

@@ -235,7 +235,7 @@ def training_reward(task_cfg, task: Task):
 
 
 def engine_stops(engine: RolloutEngine, tokenizer) -> tuple[int, ...]:
-    from pipeline.text import stop_tokens
+    from common.text import stop_tokens
 
     return stop_tokens(engine.model.config, tokenizer)
 

@@ -9,7 +9,6 @@ checks. `evaluate` gives the held-out predictors of acceptance (spot.loss).
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.optim import make_adamw, set_lr, train_step, warmup_cosine
 from spot.loss import acceptance_metrics, eagle_loss
 from spot.pairs import PackedPairs
 
@@ -32,9 +32,7 @@ class DrafterOptim:
 
     def lr_at(self, step: int, progress: float) -> float:
         """Linear warmup over warmup_steps, then cosine from lr to lr * min_lr_ratio as progress goes 0 -> 1."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+        return warmup_cosine(self.lr, step, self.warmup_steps, progress, self.min_lr_ratio)
 
 
 def log(msg: str) -> None:
@@ -67,23 +65,14 @@ class DrafterTrainer:
 
     def __init__(self, model, optim: DrafterOptim) -> None:
         self.model, self.optim = model, optim
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]
-        self.opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=optim.lr, betas=(0.9, 0.95),
-        )
+        self.params = list(model.parameters())
+        self.opt = make_adamw(self.params, optim.lr, (0.9, 0.95), optim.weight_decay)
 
     def step(self, packed: PackedPairs, idx: torch.Tensor, lr: float) -> tuple[float, dict[str, float]]:
-        for g in self.opt.param_groups:
-            g["lr"] = lr
+        set_lr(self.opt, lr)
         self.model.train()
         loss, metrics, _, _ = batch_loss(self.model, packed, idx, self.optim.ce_weight)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
-        self.opt.step()
+        train_step(loss, self.opt, self.params, self.optim.grad_clip)
         self.model.eval()
         return loss.item(), metrics
 

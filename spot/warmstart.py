@@ -33,7 +33,7 @@ import torch
 from engine.atomic import atomic_folder
 from engine.checkpoint import load_checkpoint, read_config
 from engine.spec.eagle import EagleConfig, EagleModel
-from pipeline.text import load_tokenizer, read_prompts
+from common.text import load_tokenizer, read_prompts
 from spot.drafter_training import DrafterOptim, evaluate, log, train
 from spot.pairs import PackedPairs
 from spot.warmstart_data import choose_draft_vocab, collect_rows

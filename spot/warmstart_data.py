@@ -22,7 +22,7 @@ from engine.model import Transformer
 from engine.sampling import SamplingParams
 from engine.spec.eagle import EagleConfig
 from engine.types import FinishReason, Request
-from pipeline.text import encode, stop_tokens
+from common.text import encode, stop_tokens
 from spot.draft_vocab import default_size, most_frequent
 from spot.drafter_training import log
 from spot.features import TokenSequence, capture_features

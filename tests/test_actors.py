@@ -17,7 +17,7 @@ import torch
 from pipeline.actors import ActorConfig, build_actor
 from pipeline.actors.deepspeed_actor import deepspeed_config, layer_key
 from pipeline.actors.forward import equal_count, micro_batches, policy_forward
-from pipeline.actors.optim import make_adamw, train_step, warmup_cosine
+from common.optim import make_adamw, train_step, warmup_cosine
 from tests.conftest import REPO, make_hf_model
 from tests.mp.actor_worker import make_batch, pg_loss
 

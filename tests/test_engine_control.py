@@ -358,3 +358,13 @@ def test_maximum_sizes_let_a_policy_pick_bigger_shapes_than_the_default(target, 
     widest = [d for s in batch.steps if s.shape == "d6k3v10" for d in s.drafted]
     assert max(widest) == 10  # more than the default shape's 2 nodes, as many as the limit allows
     assert all(d <= int(s.shape.split("v")[1]) for s in batch.steps if s.speculative for d in s.drafted)
+
+
+def test_the_tail_policy_speculates_exactly_once_the_batch_has_thinned_to_its_threshold(target):
+    params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=3, stop_token_ids=(2,))
+    reference = engine(target).generate(requests(), params)
+    tail = engine(target, eagle(target), max_active_batch=4)  # the config key builds a TailPolicy
+    out = tail.generate(requests(), params)
+    same_rollouts(out, reference)
+    assert {r.batch_size > 4 for r in out.steps} == {True, False}  # the batch did thin past the threshold
+    assert all((r.shape == "off") == (r.batch_size > 4) for r in out.steps)

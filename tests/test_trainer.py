@@ -113,7 +113,7 @@ def test_after_a_sync_the_engine_serves_the_actors_weights(char_model_dir, digit
     from engine.engine import RolloutEngine
     from pipeline.actors import build_actor
     from pipeline.data import PromptLoader
-    from pipeline.text import load_tokenizer
+    from common.text import load_tokenizer
     from pipeline.trainer import Trainer
 
     cfg = config(char_model_dir, tmp_path, "engine.spec.enabled=false")

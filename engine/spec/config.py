@@ -19,6 +19,8 @@ class SpecConfig:
     topk: int = 1  # children per expanded node; 1 = chain
     verify_tokens: int = 8  # draft nodes verified per row per step
     verify: Literal["coupled", "rejection"] = "coupled"
+    # Speculate only while at most this many rows are active (the long tail); None: every step.
+    max_active_batch: int | None = None
     # The engine's maximum sizes (cache margin, RoPE reach, drafter buffers): a speculation
     # policy may pick any shape within them on any step. None: the fixed shape above.
     max_depth: int | None = None
@@ -28,6 +30,8 @@ class SpecConfig:
     def validate(self) -> None:
         if self.drafter not in DRAFTERS:
             raise ValueError(f"engine.spec.drafter must be one of {', '.join(DRAFTERS)}; got {self.drafter!r}")
+        if self.max_active_batch is not None and self.max_active_batch < 1:
+            raise ValueError(f"engine.spec.max_active_batch must be >= 1 (or null: every step), got {self.max_active_batch}")
         for key in ("depth", "topk", "verify_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"engine.spec.{key} must be >= 1, got {getattr(self, key)}")

@@ -4,7 +4,9 @@
 (None on the first step of a generate() call) and answers a `DraftShape`, or None for a step
 without speculation ("off"). Any shape within the engine's maximum sizes (`engine.spec.max_*`)
 is allowed on any step; switching costs nothing (drafters keep taking in features while off).
-The default is `FixedPolicy`: the config's shape on every step. The tuner (BEG-MAB) is another.
+The default is `FixedPolicy`: the config's shape on every step; `TailPolicy` speculates only once
+the batch has thinned to a threshold (`engine.spec.max_active_batch`: the long tail, where a
+draft is nearly free and decoding is latency-bound). The tuner (BEG-MAB) is another.
 """
 
 from __future__ import annotations
@@ -28,3 +30,15 @@ class FixedPolicy:
 
     def choose(self, batch_size: int, last: StepRecord | None) -> DraftShape | None:
         return self.shape
+
+
+@dataclass
+class TailPolicy:
+    """The shape while at most `max_active` rows are active, off above (TLT's adaptive switch,
+    without its hysteresis: switching costs nothing here)."""
+
+    shape: DraftShape
+    max_active: int
+
+    def choose(self, batch_size: int, last: StepRecord | None) -> DraftShape | None:
+        return self.shape if batch_size <= self.max_active else None

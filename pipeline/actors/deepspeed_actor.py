@@ -24,7 +24,7 @@ import torch
 from pipeline.actors.base import ActorConfig, LogProbs, LossFn
 from pipeline.actors.checkpoint import collective_folder, load_rng, rank_and_world, require_files, rng_file, save_rng
 from pipeline.actors.forward import accumulate, batched_logprobs, load_policy, policy_forward
-from pipeline.actors.optim import param_groups
+from common.optim import param_groups
 from pipeline.actors.torch_actor import actor_device
 from pipeline.records import TrainBatch
 

@@ -3,7 +3,7 @@
 Gradients accumulate over the micro-batches under DDP's `no_sync` and are all-reduced once, in
 the last backward; the loss is multiplied by the world size so that DDP's mean becomes the sum
 that globally normalised loss weights call for (pipeline.actors.base). Optimiser and step are
-pipeline.actors.optim's. A checkpoint is the model as a Hugging Face folder (config.json and
+common.optim's. A checkpoint is the model as a Hugging Face folder (config.json and
 safetensors, loadable by the engine), `optimizer.pt` and each rank's RNG state.
 """
 
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from pipeline.actors.base import ActorConfig, LogProbs, LossFn
 from pipeline.actors.checkpoint import collective_folder, load_rng, rank_and_world, require_files, rng_file, save_rng
 from pipeline.actors.forward import accumulate, batched_logprobs, load_policy, policy_forward
-from pipeline.actors.optim import clip_and_step, make_adamw
+from common.optim import clip_and_step, make_adamw
 from pipeline.records import TrainBatch
 
 
