@@ -6,9 +6,10 @@ Per row the drafter keeps its own one-layer KV cache of *pairs* (f_{t-1}, x_t) a
 it: the last one's token is the next root) wait in a *pending* buffer. When asked to draft, the
 drafter first *catches up* (all pending pairs go through the network at once), then expands the
 tree level by level from its own predicted features, on tentative cache slots that the next
-catch-up overwrites. Steps without a draft only append to the pending buffer; when it would
-overflow, the pending pairs are caught up without drafting. So speculation can be off for many
-steps (a large batch) and on again with the drafter's cache complete.
+catch-up overwrites. Steps without a draft only append to the pending buffer (sized for whole
+responses within a byte budget; past it, pending pairs are caught up without drafting), so
+speculation can be off for many steps (a large batch) and on again with the drafter's cache
+complete, and rows that finish while it is off cost the drafter nothing.
 
 Tree expansion (coupled verification): a node's first child is the drafter's own noise-indexed
 sample at that position (the same keys the target samples with, so a good drafter proposes
@@ -36,6 +37,8 @@ from engine.spec.eagle import EagleModel
 from engine.spec.eagle_runtime import EagleRuntime
 from engine.spec.tree import DraftTree
 from engine.spec.verify import Verdict
+
+PENDING_BYTES = 256 * 2**20  # the pending features' budget; past it, off steps catch up early
 
 
 class EagleDrafter(DrafterBase):
@@ -84,13 +87,15 @@ class EagleDrafter(DrafterBase):
     # -- hooks -----------------------------------------------------------------------------
     def reset(self, max_batch: int, max_len: int, params: SamplingParams, limits: DraftShape) -> None:
         self.params = params
-        # Pending pairs: one target pass commits at most verify_tokens + 1; room for two passes.
-        capacity = 2 * (limits.verify_tokens + 2)
+        # Pending pairs per row: room for a whole response where the byte budget allows, so rows
+        # that finish while speculation is off never pay a catch-up; at least two target passes.
+        F = self.net.config.feature_size
+        per_pair = F * self.net.fc.weight.element_size() * max_batch
+        capacity = max(2 * (limits.verify_tokens + 2), min(max_len + limits.verify_tokens + 2, PENDING_BYTES // per_pair))
         tentative = limits.depth * limits.topk + 1  # tentative slots of the deepest, widest tree
         if (self.cache is None or self.cache.max_batch < max_batch or self.cache.max_len < max_len + tentative
                 or self.pend_tok.shape[1] < capacity):
             self.cache = self.net.new_cache(max_batch, max_len + tentative)
-            F = self.net.config.feature_size
             dev, dtype = self.net.fc.weight.device, self.net.fc.weight.dtype
             self.pend_feat = torch.zeros(max_batch, capacity, F, dtype=dtype, device=dev)  # [N, W, F]
             self.pend_tok = torch.zeros(max_batch, capacity, dtype=torch.long, device=dev)  # [N, W]
