@@ -26,6 +26,7 @@ from pipeline.actors import build_actor
 from pipeline.data import PromptLoader
 from pipeline.dist import Ranks, init_ranks, shutdown
 from pipeline.metrics import MetricsLogger
+from pipeline.records_log import log_step, truncate_after
 from pipeline.run_state import load_run
 from pipeline.tasks import get_task
 from pipeline.tasks.eval import EVAL_SEED
@@ -92,6 +93,8 @@ def run(cfg: TrainConfig, r: Ranks) -> dict:
     start = 0
     if cfg.trainer.resume:
         state = load_run(cfg.trainer.resume)
+        if r.main:
+            truncate_after(run_dir, state.step)
         actor.load(Path(cfg.trainer.resume) / "actor")
         loader.load_state_dict(state.loader)
         start = state.step
@@ -113,6 +116,7 @@ def run(cfg: TrainConfig, r: Ranks) -> dict:
         for _ in range(start, tc.steps):
             result = trainer.step()
             step = trainer.step_index
+            log_step(run_dir, step, r.rank, result.rollouts)
             metrics = result.metrics
             if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
                 acc = trainer.evaluate()

@@ -107,6 +107,10 @@ def test_resume_from_a_step_2_checkpoint_equals_the_uninterrupted_run_at_step_4(
         assert {k: a[k] for k in LEARNED} == {k: b[k] for k in LEARNED}
     w_full, w_cut = weights(full["run_dir"], 4), weights(resumed["run_dir"], 4)
     assert all(torch.equal(w_full[k], w_cut[k]) for k in w_full)
+    for name in ("rollouts.jsonl", "decode_steps.jsonl"):  # the simulator's records: no step twice, none lost
+        lines = lambda run: [json.loads(x) for x in (Path(run["run_dir"]) / name).read_text().splitlines()]  # noqa: E731
+        drop = lambda rows: [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]  # noqa: E731
+        assert drop(lines(full)) == drop(lines(resumed))
 
 
 def test_after_a_sync_the_engine_serves_the_actors_weights(char_model_dir, digits_task, tmp_path):
@@ -174,6 +178,8 @@ def test_two_ranks_under_torchrun_roll_out_their_shards_and_train_together(char_
     assert all({"timing/rollout/rank0", "timing/rollout/rank1", "timing/idle/rank0", "timing/idle/rank1"} <= r.keys() for r in rows)
     assert all(r["rollout/batch_size"] == 16 for r in rows)  # 4 prompts x 4 samples over both ranks
     assert (run_dir / "checkpoints" / "step-2" / "state.json").is_file()
+    rollouts = [json.loads(x) for x in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert sorted((r["step"], r["rank"]) for r in rollouts) == sorted([(s, k) for s in (1, 2) for k in (0, 1)] * 8)
 
 
 @pytest.mark.slow

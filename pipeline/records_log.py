@@ -1,0 +1,48 @@
+"""Per-rank records of every RL step, for the simulator's calibration (sim.runs reads them).
+
+`decode_steps.jsonl`: one line per engine decode step of one rank (engine.types.StepRecord.as_dict
+plus the RL step and the rank); `rollouts.jsonl`: one line per rollout (step, rank, prompt id,
+sample, length, finish reason, reward). Every rank appends to the same files, one `write` per
+line on a file opened with O_APPEND, which Linux keeps whole for lines this short; a resumed run
+first drops the lines of the steps it is about to redo (rank 0, before the others start).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from engine.atomic import atomic_file
+
+FILES = ("decode_steps.jsonl", "rollouts.jsonl")
+
+
+def _append(path: Path, rows: list[dict]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        for row in rows:
+            os.write(fd, (json.dumps(row) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def log_step(run_dir: Path, step: int, rank: int, scored) -> None:
+    """scored: pipeline.rollouts.ScoredRollouts of this rank's step."""
+    _append(run_dir / FILES[0], [{"step": step, "rank": rank, **r.as_dict()} for r in scored.batch.steps])
+    _append(run_dir / FILES[1], [
+        {"step": step, "rank": rank, "prompt_id": ro.prompt_id, "sample": ro.sample, "length": len(ro.tokens),
+         "finish_reason": ro.finish_reason.value, "reward": float(rew)}
+        for ro, rew in zip(scored.batch, scored.rewards.tolist())
+    ])
+
+
+def truncate_after(run_dir: Path, step: int) -> None:
+    """Keeps the lines of steps <= step (a resumed run logs the later ones again)."""
+    for name in FILES:
+        path = Path(run_dir) / name
+        if not path.is_file():
+            continue
+        keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        with atomic_file(path) as f:
+            f.write("".join(line + "\n" for line in keep))
