@@ -87,7 +87,7 @@ class RolloutEngine:
         c = self.model.config
         self.cache = KVCache.for_model(c, self.cfg.max_batch, self.max_len + margin, self.model.dtype, self.model.device)
         self.rope_reach = self.max_len + margin + 2 * self.limits.verify_tokens + 2 * self.limits.depth + 2
-        for net in [self.model, *self._drafter_nets()]:
+        for net in [self.model, *self.drafter_nets()]:
             net.build_rope_table(self.rope_reach)
 
     def attach_drafter(self, drafter: Drafter) -> None:
@@ -98,10 +98,10 @@ class RolloutEngine:
         if self.cache.max_len < self.max_len + margin:
             self._build_cache(margin)
         else:
-            for net in self._drafter_nets():
+            for net in self.drafter_nets():
                 net.build_rope_table(self.rope_reach)
 
-    def _drafter_nets(self) -> list:
+    def drafter_nets(self) -> list:
         """The drafters' networks (a FallbackDrafter's parts too); model-free drafters have none."""
         return [part.net for part in self._drafter_parts() if hasattr(part, "net")]
 

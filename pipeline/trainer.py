@@ -218,7 +218,7 @@ class Trainer:
     def save(self, components: dict | None = None) -> None:
         state = RunState(step=self.step_index, loader=self.loader.state_dict(), engine_version=self.engine.version,
                          components=components or {})
-        drafter = next((p.net for p in self.engine._drafter_parts() if hasattr(p, "net")), None)
+        drafter = next(iter(self.engine.drafter_nets()), None)
         save_run(checkpoint_dir(self.run_dir, self.step_index), state, self.actor, drafter, main=self.r.main)
 
 
