@@ -74,7 +74,7 @@ LEARNED = ("reward/mean", "reward/std", "train/pg_loss", "train/grad_norm", "rol
 def test_speculation_on_and_off_learn_exactly_the_same_run(char_model_dir, drafter_dir, digits_task, tmp_path, drafter):
     off = run(config(char_model_dir, tmp_path / "off", "engine.spec.enabled=false"), Ranks())
     on = run(config(char_model_dir, tmp_path / "on", "engine.spec.enabled=true", f"engine.spec.drafter={drafter}",
-                    f"engine.spec.drafter_path={drafter_dir}"), Ranks())
+                    f"engine.spec.drafter_path={drafter_dir}", "engine.spec.max_active_batch=null"), Ranks())
     rows_off, rows_on = step_rows(off["run_dir"]), step_rows(on["run_dir"])
     assert len(rows_on) == len(rows_off) == 3
     assert all(r["spec/accept_len"] >= 1 for r in rows_on) and not any("spec/accept_len" in r for r in rows_off)
