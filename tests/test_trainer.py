@@ -134,10 +134,8 @@ def test_after_a_sync_the_engine_serves_the_actors_weights(char_model_dir, digit
         want = actor.model(input_ids=ids).logits
         got = engine.runtime(ids, torch.arange(ids.shape[1])[None]).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    before = result.rollouts
     again = trainer.step()
     assert all(r.policy_version == 1 for r in again.rollouts.batch) and engine.version == 2
-    assert before is not again.rollouts
 
 
 def test_a_non_finite_reward_is_an_error_naming_the_prompt(char_model_dir, tmp_path, monkeypatch):
