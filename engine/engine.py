@@ -54,9 +54,7 @@ class RolloutEngine:
         self.shape = DraftShape(depth=spec.depth, topk=spec.topk, verify_tokens=spec.verify_tokens, iid_children=iid)
         depth, topk, verify = spec.limits()
         self.limits = DraftShape(depth=depth, topk=topk, verify_tokens=verify, iid_children=iid)
-        if policy is None:
-            policy = FixedPolicy(self.shape) if spec.max_active_batch is None else TailPolicy(self.shape, spec.max_active_batch)
-        self.policy: SpecPolicy = policy
+        self.policy: SpecPolicy = policy or self._config_policy()
         self.sink = sink
         self.max_len = min(self.cfg.max_len, model.config.max_position_embeddings)
         self.drafter: Drafter | None = None
@@ -64,6 +62,20 @@ class RolloutEngine:
         self._build_cache(margin=0)
         if drafter is not None:
             self.attach_drafter(drafter)
+
+    def _config_policy(self) -> SpecPolicy:
+        spec = self.cfg.spec
+        if spec.tuner_arms:
+            from engine.tuner import TunerPolicy, parse_arm
+
+            arms = [parse_arm(a, self.limits.iid_children) for a in spec.tuner_arms]
+            for arm in arms:
+                if arm is not None:
+                    arm.check_within(self.limits)
+            return TunerPolicy(arms, spec.tuner_buckets, epsilon=spec.tuner_epsilon, window=spec.tuner_window)
+        if spec.max_active_batch is not None:
+            return TailPolicy(self.shape, spec.max_active_batch)
+        return FixedPolicy(self.shape)
 
     @classmethod
     def from_pretrained(cls, path, cfg: EngineConfig | None = None, **kw) -> RolloutEngine:

@@ -97,6 +97,8 @@ def run(cfg: TrainConfig, r: Ranks) -> dict:
             truncate_after(run_dir, state.step)
         actor.load(Path(cfg.trainer.resume) / "actor")
         loader.load_state_dict(state.loader)
+        if "spec_policy" in state.components:
+            engine.policy.load_state_dict(state.components["spec_policy"])
         start = state.step
         log(f"resumed from {cfg.trainer.resume} at step {start}")
     engine.load_weights(actor.named_weights(), version=start)  # the engine serves exactly the actor's weights

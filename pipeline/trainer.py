@@ -112,6 +112,8 @@ class Trainer:
         self.step_index = step + 1
         metrics.update(self._step_metrics(scored, rollout_s, idle_s, logprob_s, update_s, sync_s, time.perf_counter() - t_step))
         metrics.update(idle_metrics)
+        if hasattr(self.engine.policy, "metrics"):
+            metrics.update(self.engine.policy.metrics())
         lengths = [int(x) for row in gather_floats(self.r, [float(x) for x in scored.lengths.tolist()]) for x in row]
         return StepResult(metrics=metrics, lengths=lengths, rollouts=scored)
 
@@ -215,9 +217,12 @@ class Trainer:
             acc = float(scored.rewards.mean())
         return acc
 
-    def save(self, components: dict | None = None) -> None:
+    def save(self) -> None:
+        components = {}
+        if hasattr(self.engine.policy, "state_dict"):  # a learning policy (the tuner) resumes where it was
+            components["spec_policy"] = self.engine.policy.state_dict()
         state = RunState(step=self.step_index, loader=self.loader.state_dict(), engine_version=self.engine.version,
-                         components=components or {})
+                         components=components)
         drafter = next(iter(self.engine.drafter_nets()), None)
         save_run(checkpoint_dir(self.run_dir, self.step_index), state, self.actor, drafter, main=self.r.main)
 

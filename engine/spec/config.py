@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 DRAFTERS = ("eagle", "eagle3", "ngram", "ngram+eagle", "ngram+eagle3")
@@ -21,6 +21,11 @@ class SpecConfig:
     verify: Literal["coupled", "rejection"] = "coupled"
     # Speculate only while at most this many rows are active (the long tail); None: every step.
     max_active_batch: int | None = None
+    # The BEG-MAB tuner (engine.tuner): arms like ["off", "d4k1v4", "d16k1v16"]; empty: no tuner.
+    tuner_arms: list[str] = field(default_factory=list)
+    tuner_buckets: list[int] = field(default_factory=lambda: [1, 2, 5, 21])  # TLT's thresholds
+    tuner_epsilon: float = 0.1
+    tuner_window: int = 300
     # The engine's maximum sizes (cache margin, RoPE reach, drafter buffers): a speculation
     # policy may pick any shape within them on any step. None: the fixed shape above.
     max_depth: int | None = None
@@ -30,6 +35,14 @@ class SpecConfig:
     def validate(self) -> None:
         if self.drafter not in DRAFTERS:
             raise ValueError(f"engine.spec.drafter must be one of {', '.join(DRAFTERS)}; got {self.drafter!r}")
+        if self.tuner_arms:
+            from engine.tuner import Bandit, parse_arm
+
+            if self.max_active_batch is not None:
+                raise ValueError("engine.spec.tuner_arms and engine.spec.max_active_batch both choose when to speculate; set one")
+            for label in self.tuner_arms:
+                parse_arm(label)
+            Bandit(len(self.tuner_arms), self.tuner_buckets, epsilon=self.tuner_epsilon, window=self.tuner_window)
         if self.max_active_batch is not None and self.max_active_batch < 1:
             raise ValueError(f"engine.spec.max_active_batch must be >= 1 (or null: every step), got {self.max_active_batch}")
         for key in ("depth", "topk", "verify_tokens"):
