@@ -221,13 +221,13 @@ class GenerateRun:
         tree = self._propose(b, shape) if shape is not None else None
         draft_s = time.perf_counter() - td
         if tree is None or tree.padded().width == 0:
-            forward_s, verdict, drafted = self._plain_step(b)
+            forward_s, verdict, drafted, emitted = self._plain_step(b)
         else:
-            forward_s, verdict, drafted = self._tree_step(b, tree)
+            forward_s, verdict, drafted, emitted = self._tree_step(b, tree)
         other_s = time.perf_counter() - td - draft_s - forward_s
         self.steps.append(StepRecord(
             index=len(self.steps), batch_size=b, shape=shape.label if shape is not None else "off",
-            drafted=drafted.tolist(), accepted=verdict.num_accepted.tolist(), emitted=self.emitted.tolist(),
+            drafted=drafted.tolist(), accepted=verdict.num_accepted.tolist(), emitted=emitted.tolist(),
             context_mean=context, draft_s=draft_s, forward_s=forward_s, other_s=other_s,
         ))
 
@@ -250,8 +250,8 @@ class GenerateRun:
         empty = torch.empty(b, 0, dtype=torch.long, device=self.device)
         verdict = Verdict(accepted=empty.bool(), num_accepted=ones - 1, last_index=ones - 1, path=empty,
                           tokens=token.unsqueeze(1), num_emitted=ones)
-        self._after_pass(b, out, roots.unsqueeze(1), verdict, token.unsqueeze(1), logp.unsqueeze(1))
-        return forward_s, verdict, ones - 1
+        emitted = self._after_pass(b, out, roots.unsqueeze(1), verdict, token.unsqueeze(1), logp.unsqueeze(1))
+        return forward_s, verdict, ones - 1, emitted
 
     def _tree_step(self, b: int, tree: DraftTree):
         state, e = self.state, self.e
@@ -275,20 +275,21 @@ class GenerateRun:
         # Log-prob of each emitted token: at the entry it was sampled from (root, then path nodes).
         src = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=self.device), verdict.path + 1], 1).clamp(min=0)  # [b, N+1]
         fed = entries.gather(1, src)  # [b, N+1] the tokens input at root, then path nodes
-        self._after_pass(b, out, fed, verdict, verdict.tokens, self._emitted_logprobs(logits, logp, src, verdict), src)
-        return forward_s, verdict, pt.valid.sum(1)
+        emitted = self._after_pass(b, out, fed, verdict, verdict.tokens, self._emitted_logprobs(logits, logp, src, verdict), src)
+        return forward_s, verdict, pt.valid.sum(1), emitted
 
-    def _after_pass(self, b, out, fed, verdict: Verdict, tokens, logprobs, src=None) -> None:
-        """Emission, then the drafter's and the sink's view of the pass."""
-        gen_before = self.state.generated[:b].clone()
-        self.emitted = self._emit(torch.arange(b, device=self.device), tokens, logprobs, verdict.num_emitted)
+    def _after_pass(self, b, out, fed, verdict: Verdict, tokens, logprobs, src=None) -> torch.Tensor:
+        """Emission, then the drafter's and the sink's view of the pass; returns the tokens emitted per row [b]."""
+        gen_before = self.state.generated[:b].clone() if self.e.sink is not None else None
+        emitted = self._emit(torch.arange(b, device=self.device), tokens, logprobs, verdict.num_emitted)
         e = self.e
         if e.drafter is not None:
             e.drafter.update(verdict, target_features(out, self.drafter_layers) if self.drafter_wants else None)
         if e.sink is not None:
-            self._sink(b, out, fed, gen_before, src)
+            self._sink(b, out, fed, gen_before, emitted, src)
+        return emitted
 
-    def _sink(self, b, out, fed, gen_before, src) -> None:
+    def _sink(self, b, out, fed, gen_before, emitted, src) -> None:
         """Committed tokens that stay in the rollout: entry j of the path (0 = the root) at
         response position gen_before - 1 + j, for j < emitted."""
         feats = target_features(out, self.sink_layers)  # [b, 1+N, F]
@@ -296,7 +297,7 @@ class GenerateRun:
             feats = feats.gather(1, src.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
         W = fed.shape[1]
         j = torch.arange(W, device=self.device)
-        keep = j < self.emitted.unsqueeze(1)  # [b, W]
+        keep = j < emitted.unsqueeze(1)  # [b, W]
         rows = torch.arange(b, device=self.device).unsqueeze(1).expand(b, W)[keep]
         state = self.state
         self.e.sink.tokens(CommittedFeatures(

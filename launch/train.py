@@ -63,8 +63,9 @@ def problems_for(cfg: TrainConfig):
     if cfg.task.file:
         from pipeline.tasks.math import load_math_file
 
-        train, report = load_math_file(cfg.task.file, prompt_field=cfg.task.prompt_field, answer_field=cfg.task.answer_field,
-                                       id_field=cfg.task.id_field, max_bad_share=cfg.task.max_bad_share)
+        train, _ = load_math_file(  # bad rows are reported as file:line by the loader
+            cfg.task.file, prompt_field=cfg.task.prompt_field, answer_field=cfg.task.answer_field,
+            id_field=cfg.task.id_field, max_bad_share=cfg.task.max_bad_share)
         held = task.make_problems("test", cfg.task.eval_problems, EVAL_SEED)
         return task, train, held
     shape = {k: v for k, v in (("max_digits", cfg.task.max_digits), ("tail", cfg.task.tail)) if v is not None}

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.text import stop_tokens
 from engine.engine import RolloutEngine
 from engine.sampling import SamplingParams
 from pipeline.algorithms import build_algorithm, mismatch_kl
@@ -56,7 +57,7 @@ class Trainer:
         self.algo = build_algorithm(cfg.algorithm, cfg.rollout.max_new_tokens)
         self.step_index = start_step
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.stops = engine_stops(engine, tokenizer)
+        self.stops = stop_tokens(engine.model.config, tokenizer)
         self.reward = training_reward(cfg.task, task)
         self.pending: ScoredRollouts | None = None  # async mode: the next step's rollouts, made before this update
         r, tc = cfg.rollout, cfg.trainer
@@ -237,12 +238,6 @@ def training_reward(task_cfg, task: Task):
 
     scorer = MathVerifyReward(format_weight=task_cfg.format_weight)
     return lambda text, answer: scorer(text, answer)[0]
-
-
-def engine_stops(engine: RolloutEngine, tokenizer) -> tuple[int, ...]:
-    from common.text import stop_tokens
-
-    return stop_tokens(engine.model.config, tokenizer)
 
 
 def _informative(parts: list[ScoredRollouts], n: int) -> int:
