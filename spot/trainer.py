@@ -1,0 +1,212 @@
+"""Online ("spot") training of the EAGLE drafter: preemptible micro-steps and atomic checkpoints.
+
+A *micro-step* is one AdamW step (spot.drafter_training.DrafterTrainer, shared with warm-start:
+the EAGLE loss, clipping) on the response pairs of a few rows packed into windows whose masks
+keep rows apart (spot.pairs.PackedPairs). `train` runs micro-steps until a preempt flag, a step
+count or the rows run out; it checks the flag before every micro-step, so it stops within one.
+The learning rate warms up and then stays constant (optim.lr_at with progress 0): online
+training has no end for a cosine to aim at.
+
+The model is the caller's own copy: the engine's drafter is never trained in place; it reloads
+`named_weights()` through `engine.load_drafter_weights`. Randomness (which rows a micro-step
+takes when given more than `rows_per_step`) is keyed by (seed, micro-step index), so a
+checkpoint needs no RNG state beyond the seed and the micro-step count.
+
+A *checkpoint* is a folder `ckpt-<micro_steps>` written whole by engine.atomic.atomic_folder:
+`drafter.safetensors` (the trainable weights only: not the target's shared embedding and LM
+head, not the draft vocabulary, which `trainer.json` identifies by a digest), `optimizer.pt`
+(AdamW's state) and `trainer.json` (micro_steps, settings, what model it fits, and the size and
+SHA-256 of each file). A folder whose files do not match that manifest is incomplete:
+`latest_checkpoint` skips it and `resume` refuses it with a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load, save
+
+from engine.atomic import atomic_folder
+from engine.spec.eagle import EagleModel
+from spot.drafter_training import DrafterOptim, DrafterTrainer
+from spot.pairs import PackedPairs
+from spot.records import HiddenStateRows
+
+WEIGHTS, OPTIMIZER, META = "drafter.safetensors", "optimizer.pt", "trainer.json"
+FORMAT = 1
+CKPT = re.compile(r"ckpt-(\d+)")
+
+
+class SpotTrainer:
+    """Trains a copy of the drafter online from rows; preemptible between micro-steps; atomic checkpoints."""
+
+    def __init__(self, model: EagleModel, optim: DrafterOptim, *, window: int = 256, rows_per_step: int = 8,
+                 seed: int = 0) -> None:
+        if window < 1 or rows_per_step < 1:
+            raise ValueError(f"window and rows_per_step must be >= 1, got {window} and {rows_per_step}")
+        self.model, self.optim = model, optim
+        self.window, self.rows_per_step, self.seed = window, rows_per_step, seed
+        self.step_fn = DrafterTrainer(model, optim)
+        self.micro_steps = 0
+
+    # -- training --------------------------------------------------------------------------
+    def pick(self, rows: list[HiddenStateRows]) -> list[HiddenStateRows]:
+        """The rows with a response pair; at most rows_per_step of them, keyed by (seed, micro-step)."""
+        rows = [r for r in rows if r.response_len > 0]
+        if len(rows) <= self.rows_per_step:
+            return rows
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.micro_steps)
+        keep = torch.randperm(len(rows), generator=g)[: self.rows_per_step].sort().values
+        return [rows[i] for i in keep.tolist()]
+
+    def micro_step(self, rows: list[HiddenStateRows]) -> dict[str, float]:
+        """One AdamW step on the rows' response pairs, all windows in one batch."""
+        rows = self.pick(rows)
+        if not rows:
+            raise ValueError("micro_step: no row has a response token to learn from")
+        packed = PackedPairs(rows, self.window)
+        lr = self.optim.lr_at(self.micro_steps, 0.0)
+        loss, metrics = self.step_fn.step(packed, torch.arange(len(packed)), lr)
+        self.micro_steps += 1
+        return {
+            "spot/drafter_loss": loss, "spot/top1": metrics["spot/top1_draft_vocab"],
+            "spot/feature_loss": metrics["spot/feature_loss"], "spot/ce_loss": metrics["spot/ce_loss"],
+            "spot/pairs": float(packed.num_pairs), "spot/rows": float(len(rows)), "spot/lr": lr,
+        }
+
+    def train(self, next_rows: Callable[[int], list[HiddenStateRows]], should_stop: Callable[[], bool],
+              max_micro_steps: int | None = None) -> dict[str, float]:
+        """Micro-steps until should_stop() (checked before each), max_micro_steps, or next_rows(i) == [].
+
+        next_rows gets the trainer's total micro-step index, so a resumed run sees the same rows.
+        Returns the count, mean loss and top-1 of this call's micro-steps (loss and top-1 only
+        when it ran one) and its wall time.
+        """
+        t0 = time.perf_counter()
+        losses, top1 = [], []
+        while max_micro_steps is None or len(losses) < max_micro_steps:
+            if should_stop():
+                break
+            rows = next_rows(self.micro_steps)
+            if not rows:
+                break
+            m = self.micro_step(rows)
+            losses.append(m["spot/drafter_loss"])
+            top1.append(m["spot/top1"])
+        out = {"spot/micro_steps": float(len(losses)), "spot/train_s": time.perf_counter() - t0}
+        if losses:
+            out |= {"spot/drafter_loss": sum(losses) / len(losses), "spot/top1": sum(top1) / len(top1)}
+        return out
+
+    # -- weights ---------------------------------------------------------------------------
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """Copies of the trainable weights, named as EagleDrafter.load_weights wants them."""
+        return [(n, p.detach().clone()) for n, p in self.model.named_parameters()]
+
+    @torch.no_grad()
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replaces every trainable weight in place (e.g. after an average across ranks); the optimiser state stays."""
+        params = dict(self.model.named_parameters())
+        seen = set()
+        for name, t in named:
+            if name not in params:
+                raise ValueError(f"drafter weight {name!r} does not exist; expected names like {sorted(params)[:3]}")
+            if params[name].shape != t.shape:
+                raise ValueError(f"drafter weight {name!r} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}")
+            params[name].copy_(t)
+            seen.add(name)
+        if seen != set(params):
+            raise ValueError(f"drafter weights missing: {sorted(set(params) - seen)[:5]}")
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def fits(self) -> dict:
+        """What a checkpoint must agree on to be loaded into this model."""
+        c = self.model.config
+        vocab = self.model.draft_vocab.detach().cpu().contiguous()
+        return {"kind": c.kind, "hidden_size": c.hidden_size, "feature_size": c.feature_size,
+                "vocab_size": c.vocab_size, "draft_vocab_sha256": hashlib.sha256(vocab.numpy().tobytes()).hexdigest()}
+
+    def save(self, path: Path) -> None:
+        """Writes the checkpoint folder `path` whole (see the module docstring), replacing one there."""
+        weights = {n: t.cpu().contiguous() for n, t in self.named_weights()}
+        opt = io.BytesIO()
+        torch.save(self.step_fn.opt.state_dict(), opt)
+        blobs = {WEIGHTS: save(weights, metadata={"format": "pt"}), OPTIMIZER: opt.getvalue()}
+        meta = {
+            "format": FORMAT, "micro_steps": self.micro_steps, "seed": self.seed, "window": self.window,
+            "rows_per_step": self.rows_per_step, "model": self.fits(),
+            "files": {name: {"bytes": len(b), "sha256": hashlib.sha256(b).hexdigest()} for name, b in blobs.items()},
+        }
+        with atomic_folder(path) as tmp:
+            for name, b in blobs.items():
+                (tmp / name).write_bytes(b)
+            (tmp / META).write_text(json.dumps(meta, indent=1))
+
+    @classmethod
+    def resume(cls, path: Path, model: EagleModel, optim: DrafterOptim, **kw) -> SpotTrainer:
+        """A trainer in the state `save` wrote to `path`; settings not in kw come from the checkpoint."""
+        path = Path(path)
+        meta = read_meta(path)
+        blobs = {}
+        for name, want in meta["files"].items():
+            b = (path / name).read_bytes()
+            if hashlib.sha256(b).hexdigest() != want["sha256"]:
+                raise ValueError(f"checkpoint {path}: {name} is corrupt (its SHA-256 differs from {META}'s); "
+                                 f"resume from an earlier checkpoint or delete {path}")
+            blobs[name] = b
+        settings = {k: meta[k] for k in ("window", "rows_per_step", "seed")} | kw
+        trainer = cls(model, optim, **settings)
+        if meta["model"] != trainer.fits():
+            raise ValueError(f"checkpoint {path} was written for a drafter {meta['model']}, this one is {trainer.fits()}")
+        try:
+            trainer.load_weights(load(blobs[WEIGHTS]).items())
+            trainer.step_fn.opt.load_state_dict(torch.load(io.BytesIO(blobs[OPTIMIZER]), map_location="cpu"))
+        except (ValueError, RuntimeError, KeyError) as e:
+            raise ValueError(f"checkpoint {path} does not load into this drafter: {e}") from e
+        trainer.micro_steps = meta["micro_steps"]
+        return trainer
+
+
+def checkpoint_path(folder: Path, micro_steps: int) -> Path:
+    return Path(folder) / f"ckpt-{micro_steps}"
+
+
+def read_meta(path: Path) -> dict:
+    """trainer.json of a complete checkpoint folder (files present with the sizes it names), else ValueError."""
+    try:
+        meta = json.loads((path / META).read_text())
+        files = meta["files"]
+        if meta["format"] != FORMAT or set(files) != {WEIGHTS, OPTIMIZER}:
+            raise ValueError(f"format {meta['format']} with files {sorted(files)}")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"checkpoint {path} is incomplete or not a spot checkpoint ({META}: {e}); "
+                         f"resume from an earlier one or delete it") from e
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file() or f.stat().st_size != want["bytes"]:
+            raise ValueError(f"checkpoint {path} is incomplete: {name} is missing or not {want['bytes']} bytes; "
+                             f"resume from an earlier one or delete it")
+    return meta
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The complete checkpoint `folder/ckpt-<n>` of highest n, or None; incomplete ones are skipped."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    found = sorted(((int(m[1]), p) for p in folder.iterdir() if (m := CKPT.fullmatch(p.name)) and p.is_dir()),
+                   reverse=True)
+    for n, p in found:
+        try:
+            if read_meta(p)["micro_steps"] == n:
+                return p
+        except ValueError:
+            continue
+    return None
