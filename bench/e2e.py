@@ -1,7 +1,7 @@
 """`python -m bench.e2e --config configs/tiny.yaml --steps N [--json]`: RL steps, speculation on vs off.
 
 Runs the same N RL steps twice in this process (same seeds, same data): once with the config's
-speculation, once with `engine.spec.enabled=false`, and compares them side by side:
+speculation, once with `engine.spec.enabled=false` (and no spot training: nothing to train), and compares them side by side:
 
 - step-time ratio (off / on, mean over steps 2..N: step 1 pays one-time costs);
 - R_gen, the generation share of the step without speculation (rollout / step time);
@@ -66,9 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = {}
         r = None
-        for name, spec in (("on", "true"), ("off", "false")):
-            cfg = load_config(TrainConfig, args.config, [*common, f"engine.spec.enabled={spec}", f"run.out_dir={out / name}",
-                                                        f"run.name=e2e-{name}"])
+        for name, spec in (("on", []), ("off", ["engine.spec.enabled=false", "spot.enabled=false"])):
+            cfg = load_config(TrainConfig, args.config, [*common, *spec, f"run.out_dir={out / name}", f"run.name=e2e-{name}"])
             r = r or init_ranks(cfg.actor.device)
             runs[name] = Path(train_run(cfg, r)["run_dir"])
     except (FileNotFoundError, ValueError) as e:

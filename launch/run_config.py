@@ -9,6 +9,7 @@ from engine.config import EngineConfig
 from pipeline.actors.base import ActorConfig
 from pipeline.algorithms.config import AlgorithmConfig
 from pipeline.metrics.config import MetricsConfig
+from spot.config import SpotConfig
 
 
 @dataclass(kw_only=True)
@@ -110,3 +111,4 @@ class TrainConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    spot: SpotConfig = field(default_factory=SpotConfig)

@@ -103,10 +103,30 @@ def run(cfg: TrainConfig, r: Ranks) -> dict:
         start = state.step
         log(f"resumed from {cfg.trainer.resume} at step {start}")
     engine.load_weights(actor.named_weights(), version=start)  # the engine serves exactly the actor's weights
+    spot = None
+    if cfg.spot.enabled:
+        from spot.colocated import build_spot_work
+
+        resume = Path(cfg.trainer.resume) if cfg.trainer.resume else None
+        spot = build_spot_work(cfg.spot, engine, run_name=run_dir.name, rank=r.rank, local_rank=r.local_rank,
+                               world=r.world, seed=cfg.run.seed, max_new_tokens=cfg.rollout.max_new_tokens, resume=resume)
+        if resume is not None and "idle_work" in state.components:
+            spot.work.load_state_dict(state.components["idle_work"])
+            engine.load_drafter_weights(spot.work.trainer.named_weights(), version=spot.work.drafter_version)
+        log(f"spot training on: node buffer {spot.buffer.name} ({cfg.spot.buffer_mb} MiB), drafter trained in idle windows")
+    try:
+        return _train(cfg, r, run_dir, log, engine, actor, tokenizer, task, loader, held_out, start, reference,
+                      spot.work if spot else None)
+    finally:
+        if spot is not None:
+            spot.close()
+
+
+def _train(cfg, r, run_dir, log, engine, actor, tokenizer, task, loader, held_out, start, reference, idle_work) -> dict:
     logger = MetricsLogger.from_config(run_dir, cfg.metrics, rank=r.rank, run_name=run_dir.name,
                                        resolved_config=to_dict(cfg), resume_after_step=start if cfg.trainer.resume else None)
     trainer = Trainer(cfg, r, engine, actor, tokenizer, task, loader, held_out, run_dir, start_step=start,
-                      reference=reference)
+                      reference=reference, idle_work=idle_work)
     tc = cfg.trainer
     accuracy = {}
     with logger:

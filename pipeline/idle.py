@@ -2,27 +2,47 @@
 
 In a synchronous step every rank waits for the slowest one (the long tail); that wait is the
 bubble spot training ([D]) and bubble drafts ([F]) fill. `IdleWork` is the hook they implement:
-`work(others_done)` runs preemptible work until `others_done()` is true (every rank has finished
-its rollouts) and returns its metrics. With no work plugged in, a rank simply waits at the
-barrier. Either way the loop measures the wait per rank (`timing/idle/rank{r}`).
+`begin(step)` as the step's rollouts start, `rollouts_done(step, batch)` after each of this
+rank's generate calls, and `work(window)` once this rank's rollouts are done: preemptible work
+until `window.others_done()` is true (every rank has finished its rollouts), returning its
+metrics. With no work plugged in, a rank simply waits at the barrier. Either way the loop
+measures the wait per rank (`timing/idle/rank{r}`).
 
 Completion is counted in the job's TCPStore (torch.distributed's default store: the control
-plane), so a rank can poll it between micro-steps without a collective.
+plane), so a rank can poll it between micro-steps without a collective. The last rank to finish
+also stores the wall-clock time it did (`window.all_done_at()`), so work can tell the idle time
+it filled from any overrun past the end of the window.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch.distributed as dist
 
+from engine.types import RolloutBatch
 from pipeline.dist import Ranks, timed_barrier
 
 
+@dataclass
+class IdleWindow:
+    step: int
+    rank: int
+    world: int
+    started: float  # time.time() when this rank's rollouts were done
+    others_done: Callable[[], bool]  # every rank's rollouts are done (cheap: a store read)
+    all_done_at: Callable[[], float]  # time.time() when the last rank was done; blocks until then
+
+
 class IdleWork(Protocol):
-    def work(self, others_done: Callable[[], bool]) -> dict[str, float]: ...
+    def begin(self, step: int) -> None: ...
+
+    def rollouts_done(self, step: int, batch: RolloutBatch) -> None: ...
+
+    def work(self, window: IdleWindow) -> dict[str, float]: ...
 
 
 def idle_window(r: Ranks, step: int, work: IdleWork | None) -> tuple[float, dict[str, float]]:
@@ -30,11 +50,15 @@ def idle_window(r: Ranks, step: int, work: IdleWork | None) -> tuple[float, dict
     t = time.perf_counter()
     if work is None:
         return timed_barrier(r), {}
+    started = time.time()
     if r.world == 1:  # nobody to wait for
-        return 0.0, work.work(lambda: True)
+        return 0.0, work.work(IdleWindow(step, 0, 1, started, lambda: True, lambda: started))
     store = dist.distributed_c10d._get_default_store()
-    key = f"tailspec/rollouts_done/{step}"
-    store.add(key, 1)
-    metrics = work.work(lambda: store.add(key, 0) >= r.world)
+    key, at_key = f"tailspec/rollouts_done/{step}", f"tailspec/rollouts_done_at/{step}"
+    if store.add(key, 1) == r.world:
+        store.set(at_key, repr(started))
+    window = IdleWindow(step, r.rank, r.world, started, lambda: store.add(key, 0) >= r.world,
+                        lambda: float(store.get(at_key).decode()))
+    metrics = work.work(window)
     timed_barrier(r)
     return time.perf_counter() - t, metrics

@@ -30,8 +30,9 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step-{step}"
 
 
-def save_run(folder: Path, state: RunState, actor, drafter_net=None, *, main: bool) -> None:
-    """Collective: every rank calls it (the actor's save is collective)."""
+def save_run(folder: Path, state: RunState, actor, drafter_net=None, *, main: bool, extras=None) -> None:
+    """Collective: every rank calls it (the actor's save is collective). `extras`: name -> a
+    function writing that subfolder atomically (rank 0, before state.json; e.g. the spot trainer's)."""
     folder = Path(folder)
     if main:
         folder.mkdir(parents=True, exist_ok=True)
@@ -41,6 +42,8 @@ def save_run(folder: Path, state: RunState, actor, drafter_net=None, *, main: bo
         if drafter_net is not None:
             with atomic_folder(folder / "drafter") as tmp:
                 drafter_net.save(tmp)
+        for name, write in (extras or {}).items():
+            write(folder / name)
         with atomic_file(folder / STATE) as f:
             json.dump({"step": state.step, "loader": state.loader, "engine_version": state.engine_version,
                        "components": state.components}, f, indent=2)

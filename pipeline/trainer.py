@@ -75,13 +75,18 @@ class Trainer:
                               seed=self.cfg.run.seed, step=step, stop_token_ids=self.stops)
 
     def _roll_out(self, step: int) -> ScoredRollouts:
-        return roll_out(self.engine, self.tok, self.task, self.loader.next_step(), self.sampling(step), self.cfg.rollout.n,
-                        self.cfg.task.chat, self.reward)
+        scored = roll_out(self.engine, self.tok, self.task, self.loader.next_step(), self.sampling(step), self.cfg.rollout.n,
+                          self.cfg.task.chat, self.reward)
+        if self.idle_work is not None:
+            self.idle_work.rollouts_done(step, scored.batch)
+        return scored
 
     def step(self) -> StepResult:
         t_step = time.perf_counter()
         step = self.step_index
         t = time.perf_counter()
+        if self.idle_work is not None:
+            self.idle_work.begin(step)
         if self.cfg.trainer.async_steps and self.pending is not None:
             scored = self.pending  # made with the policy before the last update
         else:
@@ -214,7 +219,11 @@ class Trainer:
             r = self.cfg.rollout
             params = SamplingParams(max_new_tokens=self.cfg.task.eval_max_new_tokens or r.max_new_tokens, temperature=0.0,
                                     stop_token_ids=self.stops)
-            scored = roll_out(self.engine, self.tok, self.task, self.eval_problems, params, 1, self.cfg.task.chat)
+            sink, self.engine.sink = self.engine.sink, None  # held-out rollouts are not training data for anyone
+            try:
+                scored = roll_out(self.engine, self.tok, self.task, self.eval_problems, params, 1, self.cfg.task.chat)
+            finally:
+                self.engine.sink = sink
             acc = float(scored.rewards.mean())
         return acc
 
@@ -222,10 +231,14 @@ class Trainer:
         components = {}
         if hasattr(self.engine.policy, "state_dict"):  # a learning policy (the tuner) resumes where it was
             components["spec_policy"] = self.engine.policy.state_dict()
+        extras = {}
+        if hasattr(self.idle_work, "save"):  # spot training: its trainer's folder and state
+            components["idle_work"] = self.idle_work.state_dict()
+            extras["spot"] = self.idle_work.save
         state = RunState(step=self.step_index, loader=self.loader.state_dict(), engine_version=self.engine.version,
                          components=components)
         drafter = next(iter(self.engine.drafter_nets()), None)
-        save_run(checkpoint_dir(self.run_dir, self.step_index), state, self.actor, drafter, main=self.r.main)
+        save_run(checkpoint_dir(self.run_dir, self.step_index), state, self.actor, drafter, main=self.r.main, extras=extras)
 
 
 def training_reward(task_cfg, task: Task):

@@ -49,7 +49,7 @@ def config(char_model_dir, out, *overrides) -> TrainConfig:
         "task.eval_problems=4", "rollout.n=4", "rollout.max_new_tokens=24", "engine.max_batch=16", "engine.max_len=96",
         "trainer.steps=3", "trainer.prompts_per_step=4", "trainer.mini_batches=2", "trainer.eval_every=0",
         "actor.lr=1e-3", "actor.micro_batch_tokens=256", "metrics.wandb=false", "metrics.console=false",
-        "metrics.dashboard=false", "engine.spec.depth=4", "engine.spec.verify_tokens=4",
+        "metrics.dashboard=false", "engine.spec.depth=4", "engine.spec.verify_tokens=4", "spot.enabled=false",
     ]
     return load_config(TrainConfig, REPO / "configs" / "tiny.yaml", [*base, *overrides])
 
@@ -164,7 +164,7 @@ def test_two_ranks_under_torchrun_roll_out_their_shards_and_train_together(char_
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "launch.train",
            "--config", str(REPO / "configs" / "tiny.yaml"), f"model.path={char_model_dir}", f"run.out_dir={tmp_path}",
            "task.train_problems=64", "task.eval_problems=4", "rollout.n=4", "rollout.max_new_tokens=16",
-           "engine.max_batch=16", "engine.max_len=96", "engine.spec.enabled=false", "trainer.steps=2",
+           "engine.max_batch=16", "engine.max_len=96", "engine.spec.enabled=false", "spot.enabled=false", "trainer.steps=2",
            "trainer.prompts_per_step=4", "trainer.eval_every=0", "actor.micro_batch_tokens=256", "metrics.wandb=false",
            "metrics.dashboard=false"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -1,0 +1,85 @@
+"""Spot training colocated with the rollout ranks: the pieces one rank needs, built from the config.
+
+`build_spot_work` attaches a DataBufferSink to the rank's engine, creates the node's DataBuffer
+(local rank 0; the others attach after a barrier; a crashed run's stale segments are reclaimed
+first), and wraps a SpotTrainer around a *copy* of the engine's EAGLE drafter: the engine's own
+drafter only ever changes through `load_drafter_weights`, so it never serves half-trained weights.
+`SpotRun.close()` detaches, and the creator removes the segment (also at interpreter exit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine.spec.eagle import EagleModel
+from spot.buffer import DataBuffer, reclaim_stale, segment_name
+from spot.config import SpotConfig
+from spot.coordinator import ControlPlane, SpotSettings, SpotWork
+from spot.drafter_training import DrafterOptim
+from spot.sink import DataBufferSink
+from spot.trainer import SpotTrainer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class SpotRun:
+    work: SpotWork
+    buffer: DataBuffer
+    owner: bool
+
+    def close(self) -> None:
+        self.work.engine.sink = None
+        self.buffer.close()
+        if self.owner:
+            self.buffer.unlink()
+
+
+def drafter_copy(net: EagleModel) -> EagleModel:
+    """A trainable copy of an engine drafter's network, sharing its (frozen) target."""
+    vocab = net.draft_vocab.clone() if net.draft_vocab.numel() else None
+    copy = EagleModel(net.config, net.target, vocab).to(net.fc.weight.device, net.fc.weight.dtype)
+    copy.load_state_dict(net.state_dict())
+    return copy
+
+
+def optim_of(cfg: SpotConfig) -> DrafterOptim:
+    return DrafterOptim(lr=cfg.lr, warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
+                        ce_weight=cfg.ce_weight, min_lr_ratio=1.0)
+
+
+def build_spot_work(cfg: SpotConfig, engine, *, run_name: str, rank: int, local_rank: int, world: int, seed: int,
+                    max_new_tokens: int, resume: Path | None = None) -> SpotRun:
+    nets = engine.drafter_nets()
+    if len(nets) != 1 or not isinstance(nets[0], EagleModel):
+        raise ValueError("spot.enabled needs a speculative engine with one EAGLE drafter (engine.spec.enabled: true, "
+                         "engine.spec.drafter: eagle or eagle3, engine.spec.drafter_path: a warm-started drafter)")
+    net = nets[0]
+    name = segment_name(run_name)
+    owner = local_rank == 0
+    if owner:
+        reclaim_stale()
+        buffer = DataBuffer.create(name, capacity_bytes=cfg.buffer_mb * 2**20, feature_size=net.config.feature_size,
+                                   dtype=DTYPES[cfg.feature_dtype], max_entries=cfg.buffer_entries)
+    if world > 1:
+        dist.barrier()
+    if not owner:
+        buffer = DataBuffer.attach(name)
+    sink = DataBufferSink(buffer, max_new_tokens=max_new_tokens, feature_layers=net.config.aux_layers)
+    engine.sink = sink
+    model = drafter_copy(net)
+    kw = dict(window=cfg.window, rows_per_step=cfg.rows_per_step, seed=seed * 1000 + rank)
+    if resume is not None and (resume / "spot").is_dir():
+        trainer = SpotTrainer.resume(resume / "spot", model, optim_of(cfg), **kw)
+    else:
+        trainer = SpotTrainer(model, optim_of(cfg), **kw)
+    store = dist.distributed_c10d._get_default_store() if world > 1 else None
+    control = ControlPlane(store, rank, world) if store is not None else None
+    settings = SpotSettings(rows_per_step=cfg.rows_per_step, offset_ratio=cfg.offset_ratio,
+                            max_micro_steps=cfg.max_micro_steps, seed=seed)
+    work = SpotWork(engine, trainer, buffer, sink, control, settings)
+    return SpotRun(work=work, buffer=buffer, owner=owner)

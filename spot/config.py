@@ -1,0 +1,40 @@
+"""The spot-training config section (`spot:` in configs/*.yaml)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class SpotConfig:
+    enabled: bool = False  # train the engine's EAGLE drafter online in the ranks' idle windows
+    # The node's DataBuffer (spot.buffer): a ring of rollouts' features in /dev/shm.
+    buffer_mb: int = 256
+    buffer_entries: int = 4096  # header slots (entries held at most)
+    feature_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Sampling: entries per micro-step, and the share of the previous step's long responses.
+    rows_per_step: int = 8
+    offset_ratio: float = 0.25
+    window: int = 256  # pairs per packed window
+    max_micro_steps: int | None = None  # per idle window; None: until the window ends
+    # The drafter's optimiser (spot.drafter_training.DrafterOptim): warmup, then constant.
+    lr: float = 1.0e-3
+    warmup_steps: int = 0
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    ce_weight: float = 0.1
+
+    def validate(self) -> None:
+        for key in ("buffer_mb", "buffer_entries", "rows_per_step", "window"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"spot.{key} must be >= 1, got {getattr(self, key)}")
+        if self.max_micro_steps is not None and self.max_micro_steps < 1:
+            raise ValueError(f"spot.max_micro_steps must be >= 1 or null (until the window ends), got {self.max_micro_steps}")
+        if not 0 <= self.offset_ratio <= 1:
+            raise ValueError(f"spot.offset_ratio must be in [0, 1], got {self.offset_ratio}")
+        if not self.lr > 0:
+            raise ValueError(f"spot.lr must be > 0, got {self.lr}")
+        for key in ("warmup_steps", "weight_decay", "grad_clip", "ce_weight"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"spot.{key} must be >= 0, got {getattr(self, key)}")

@@ -1,0 +1,162 @@
+"""The rank coordinator: spot training in each rank's idle window, one drafter for all ranks.
+
+Per rank and step, a state machine kept in the job's TCPStore (torch.distributed's default
+store, the control plane: no Redis, ZMQ or Ray):
+
+    GENERATING --rollouts done--> IDLE --spot work--> TRAINING --last rank done--> BARRIER
+                                       (PREGENERATING: bubble drafts, [F])
+
+`SpotWork` is the loop's idle-window hook (pipeline.idle.IdleWork). While a rank generates,
+its engine's feature sink collects the target's features; when its rollouts are done they go
+into the node's DataBuffer (`rollouts_done`). In the idle window the rank trains its copy of
+the drafter on buffer samples (the current step's finished responses mixed with the previous
+step's long ones) and checks between micro-steps whether every rank is done, so it stops within
+one micro-step of the window's end. Then the replicas are averaged, each weighted by the
+micro-steps it ran (one all-reduce: gloo on CPU, NCCL on GPU; a rank that ran none counts
+zero), and every rank loads the average into its engine as a new drafter version before the
+next step. Each rank keeps its own AdamW moments (local-SGD style): only weights are averaged.
+
+Time is accounted honestly: a rank's idle time is from its rollouts' end to the last rank's
+(`IdleWindow.all_done_at`); training within it counts towards `spot/utilisation`; training past
+it is `spot/overrun_s`, time the step pays for spot training.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from spot.buffer import DataBuffer
+from spot.trainer import SpotTrainer
+
+
+class RankState(str, enum.Enum):
+    GENERATING = "generating"
+    IDLE = "idle"
+    TRAINING = "training"
+    PREGENERATING = "pregenerating"  # reserved for bubble drafts ([F])
+    BARRIER = "barrier"
+
+
+class ControlPlane:
+    """Every rank's (step, state) in a store (a torch.distributed Store: TCPStore in a job)."""
+
+    def __init__(self, store, rank: int, world: int, prefix: str = "tailspec/spot") -> None:
+        self.store, self.rank, self.world, self.prefix = store, rank, world, prefix
+
+    def set(self, step: int, state: RankState) -> None:
+        self.store.set(f"{self.prefix}/state/{self.rank}", f"{step} {state.value}")
+
+    def states(self) -> list[tuple[int, RankState] | None]:
+        """Each rank's last (step, state), None for a rank that never set one."""
+        out = []
+        for r in range(self.world):
+            key = f"{self.prefix}/state/{r}"
+            if not self.store.check([key]):
+                out.append(None)
+                continue
+            step, state = self.store.get(key).decode().split()
+            out.append((int(step), RankState(state)))
+        return out
+
+
+def weighted_average(named: list[tuple[str, torch.Tensor]], weight: float) -> list[tuple[str, torch.Tensor]] | None:
+    """sum_r w_r * theta_r / sum_r w_r over the process group, in one all-reduce; None when every
+    weight is 0 (nobody trained: keep the weights). Identical on every rank: an all-reduce hands
+    every rank the same sum."""
+    flat = torch.cat([t.detach().reshape(-1).double() for _, t in named])  # [N] float64: the sum does not round
+    buf = torch.cat([flat * weight, torch.tensor([float(weight)], dtype=torch.float64)])  # [N + 1]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(buf)
+    total = float(buf[-1])
+    if total <= 0:
+        return None
+    avg = buf[:-1] / total
+    out, at = [], 0
+    for name, t in named:
+        out.append((name, avg[at : at + t.numel()].view(t.shape).to(t.dtype)))
+        at += t.numel()
+    return out
+
+
+@dataclass(kw_only=True)
+class SpotSettings:
+    rows_per_step: int = 8  # buffer entries per micro-step
+    offset_ratio: float = 0.25  # share of the previous step's long responses in a sample
+    max_micro_steps: int | None = None  # per window; None: until the window ends
+    seed: int = 0
+
+
+class SpotWork:
+    """pipeline.idle.IdleWork: spot training in the idle window, on one rank."""
+
+    def __init__(self, engine, trainer: SpotTrainer, buffer: DataBuffer, sink, control: ControlPlane | None,
+                 settings: SpotSettings) -> None:
+        self.engine, self.trainer, self.buffer, self.sink = engine, trainer, buffer, sink
+        self.control, self.settings = control, settings
+        self.drafter_version = 0
+        self.generator = torch.Generator().manual_seed(settings.seed * 1000 + (control.rank if control else 0))
+
+    # -- checkpoints (pipeline.run_state: rank 0 writes, every rank resumes from it) ----------
+    def save(self, folder) -> None:
+        self.trainer.save(folder)
+
+    def state_dict(self) -> dict:
+        return {"drafter_version": self.drafter_version}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.drafter_version = int(state["drafter_version"])
+
+    def _state(self, step: int, state: RankState) -> None:
+        if self.control is not None:
+            self.control.set(step, state)
+
+    def begin(self, step: int) -> None:
+        self._state(step, RankState.GENERATING)
+
+    def rollouts_done(self, step: int, batch) -> None:
+        self.sink.flush(batch.rollouts, step)
+
+    def _rows(self, step: int):
+        s = self.settings
+        return [e.to_row() for e in self.buffer.sample(s.rows_per_step, step=step, offset_ratio=s.offset_ratio,
+                                                       generator=self.generator)]
+
+    def work(self, window) -> dict[str, float]:
+        step = window.step
+        self._state(step, RankState.IDLE)
+        self.trainer.model.refresh_head()  # the target's LM head changed at the last weight sync
+        self._state(step, RankState.TRAINING)
+        t0 = time.time()
+        result = self.trainer.train(lambda i: self._rows(step), window.others_done, self.settings.max_micro_steps)
+        t1 = time.time()
+        self._state(step, RankState.BARRIER)
+        end = window.all_done_at()
+        idle_s = max(0.0, end - window.started)
+        useful_s = max(0.0, min(t1, end) - t0)
+        overrun_s = max(0.0, t1 - max(end, t0))
+        n = float(result["spot/micro_steps"])
+        averaged = weighted_average(self.trainer.named_weights(), n)
+        sums = torch.tensor([n, useful_s, idle_s, result.get("spot/drafter_loss", 0.0) * n,
+                             result.get("spot/top1", 0.0) * n], dtype=torch.float64)
+        overrun = torch.tensor([overrun_s], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sums)
+            dist.all_reduce(overrun, op=dist.ReduceOp.MAX)
+        metrics = {"spot/micro_steps": float(sums[0]), "spot/train_s": float(sums[1]), "spot/idle_s": float(sums[2]),
+                   "spot/overrun_s": float(overrun), "spot/drafter_version": float(self.drafter_version)}
+        if sums[2] > 0:
+            metrics["spot/utilisation"] = float(sums[1] / sums[2])
+        if averaged is not None:
+            self.trainer.load_weights(averaged)
+            self.drafter_version += 1
+            self.engine.load_drafter_weights(averaged, version=self.drafter_version)
+            metrics["spot/drafter_version"] = float(self.drafter_version)
+            metrics["spot/drafter_loss"] = float(sums[3] / sums[0])
+            metrics["spot/top1"] = float(sums[4] / sums[0])
+        metrics.update(self.buffer.stats())
+        return metrics
