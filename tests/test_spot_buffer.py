@@ -17,6 +17,7 @@ import sys
 import time
 import uuid
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -307,7 +308,7 @@ def test_attached_reader_sees_the_creators_entries_and_unlink_removes_the_segmen
 def test_the_creator_removes_its_segment_at_exit(seg):
     code = (f"from spot.buffer import DataBuffer; DataBuffer.create({seg!r}, capacity_bytes=4096, feature_size=4); "
             f"import os; assert os.path.exists('/dev/shm/{seg}')")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=sb.Path(__file__).parent.parent)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=Path(__file__).parent.parent)
     assert not (sb.SHM / seg).exists()
 
 
