@@ -57,7 +57,7 @@ class SpotTrainer:
         self.micro_steps = 0
 
     # -- training --------------------------------------------------------------------------
-    def pick(self, rows: list[HiddenStateRows]) -> list[HiddenStateRows]:
+    def choose_rows(self, rows: list[HiddenStateRows]) -> list[HiddenStateRows]:
         """The rows with a response pair; at most rows_per_step of them, keyed by (seed, micro-step)."""
         rows = [r for r in rows if r.response_len > 0]
         if len(rows) <= self.rows_per_step:
@@ -68,7 +68,7 @@ class SpotTrainer:
 
     def micro_step(self, rows: list[HiddenStateRows]) -> dict[str, float]:
         """One AdamW step on the rows' response pairs, all windows in one batch."""
-        rows = self.pick(rows)
+        rows = self.choose_rows(rows)
         if not rows:
             raise ValueError("micro_step: no row has a response token to learn from")
         packed = PackedPairs(rows, self.window)
@@ -126,7 +126,7 @@ class SpotTrainer:
             raise ValueError(f"drafter weights missing: {sorted(set(params) - seen)[:5]}")
 
     # -- checkpoints -----------------------------------------------------------------------
-    def fits(self) -> dict:
+    def model_signature(self) -> dict:
         """What a checkpoint must agree on to be loaded into this model."""
         c = self.model.config
         vocab = self.model.draft_vocab.detach().cpu().contiguous()
@@ -141,7 +141,7 @@ class SpotTrainer:
         blobs = {WEIGHTS: save(weights, metadata={"format": "pt"}), OPTIMIZER: opt.getvalue()}
         meta = {
             "format": FORMAT, "micro_steps": self.micro_steps, "seed": self.seed, "window": self.window,
-            "rows_per_step": self.rows_per_step, "model": self.fits(),
+            "rows_per_step": self.rows_per_step, "model": self.model_signature(),
             "files": {name: {"bytes": len(b), "sha256": hashlib.sha256(b).hexdigest()} for name, b in blobs.items()},
         }
         with atomic_folder(path) as tmp:
@@ -163,8 +163,8 @@ class SpotTrainer:
             blobs[name] = b
         settings = {k: meta[k] for k in ("window", "rows_per_step", "seed")} | kw
         trainer = cls(model, optim, **settings)
-        if meta["model"] != trainer.fits():
-            raise ValueError(f"checkpoint {path} was written for a drafter {meta['model']}, this one is {trainer.fits()}")
+        if meta["model"] != trainer.model_signature():
+            raise ValueError(f"checkpoint {path} was written for a drafter {meta['model']}, this one is {trainer.model_signature()}")
         try:
             trainer.load_weights(load(blobs[WEIGHTS]).items())
             trainer.step_fn.opt.load_state_dict(torch.load(io.BytesIO(blobs[OPTIMIZER]), map_location="cpu"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import signal
 import threading
 import time
@@ -19,6 +20,7 @@ from engine.spec.eagle_drafter import EagleDrafter
 from spot.drafter_training import DrafterOptim, evaluate
 from spot.features import TokenSequence, capture_features
 from spot.pairs import PackedPairs
+from spot.records import HiddenStateRows
 from spot.trainer import SpotTrainer, checkpoint_path, latest_checkpoint
 
 TOTAL, EVERY = 8, 2  # micro-steps of a preemption run, and its checkpoint interval
@@ -107,10 +109,9 @@ def test_train_stops_when_the_rows_run_out_or_at_max_micro_steps(tiny):
     m = trainer.train(lambda i: [], lambda: False)
     assert m["spot/micro_steps"] == 0 and "spot/drafter_loss" not in m
     assert trainer.train(rows_for(tiny), lambda: False, max_micro_steps=2)["spot/micro_steps"] == 2
-    prompt_only = [r for r in tiny[1]][0]
+    r = tiny[1][0]
     with pytest.raises(ValueError, match="no row has a response token"):
-        trainer.micro_step([type(prompt_only)(prompt_id="x", tokens=prompt_only.tokens, features=prompt_only.features,
-                                              prompt_len=prompt_only.length)])
+        trainer.micro_step([HiddenStateRows(prompt_id="x", tokens=r.tokens, features=r.features, prompt_len=r.length)])
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -124,11 +125,18 @@ def test_a_flag_raised_at_a_random_moment_stops_training_within_one_micro_step(t
         started_after_flag.append(stop.is_set())
         return rows(i)
 
-    timer = threading.Timer(random.Random(seed).uniform(0, 0.03), stop.set)
+    done_at_flag = []
+
+    def raise_flag():
+        done_at_flag.append(trainer.micro_steps)
+        stop.set()
+
+    timer = threading.Timer(random.Random(seed).uniform(0, 0.03), raise_flag)
     timer.start()
     trainer.train(next_rows, stop.is_set, max_micro_steps=10_000)
     timer.join()
-    assert stop.is_set() and sum(started_after_flag) <= 1  # at most the one in flight when the flag rose
+    # At most the micro-step in flight when the flag rose runs on.
+    assert sum(started_after_flag) <= 1 and trainer.micro_steps - done_at_flag[0] <= 1
 
 
 def test_named_weights_are_the_trainable_ones_and_reload_into_a_separate_engine_drafter(tiny, tmp_path):
@@ -153,6 +161,7 @@ def preempt_in_process(tiny, folder: Path, rng: random.Random) -> None:
         at = rng.randint(0, TOTAL - 1)
         should_stop = lambda: trainer.micro_steps >= at  # noqa: E731
         drive(trainer, folder, rows_for(tiny), should_stop, save_on_stop=rng.random() < 0.5)
+        assert trainer.micro_steps == at  # the flag is checked before every micro-step
         return
     stop = threading.Event()
     timer = threading.Timer(rng.uniform(0, 0.06), stop.set)
@@ -177,6 +186,12 @@ def hold_at(nth: int, partial: bool, notify: int) -> None:
     Path.write_bytes = write_bytes
 
 
+def read_byte(fd: int, timeout: float = 30.0) -> bytes:
+    ready, _, _ = select.select([fd], [], [], timeout)
+    assert ready, f"the child sent nothing within {timeout} s"
+    return os.read(fd, 1)
+
+
 def sigkill_a_child(tiny, folder: Path, rng: random.Random) -> bool:
     """Forks a spot job and SIGKILLs it, either held mid-save or at a random moment; -> whether it was mid-save."""
     mid_save = rng.random() < 0.6
@@ -196,13 +211,13 @@ def sigkill_a_child(tiny, folder: Path, rng: random.Random) -> bool:
             os._exit(code)
     os.close(w)
     try:
-        assert os.read(r, 1) == b"s"
+        assert read_byte(r) == b"s"
         if mid_save:
-            assert os.read(r, 1) == b"h"
+            assert read_byte(r) == b"h"
         else:
             time.sleep(rng.uniform(0, 0.08))  # not synchronisation: a random moment to kill at
-        os.kill(pid, signal.SIGKILL)
     finally:
+        os.kill(pid, signal.SIGKILL)  # a child that already exited is a zombie until waitpid: no error
         _, status = os.waitpid(pid, 0)
         os.close(r)
     assert os.WIFSIGNALED(status) or os.WEXITSTATUS(status) == 0
