@@ -17,7 +17,11 @@ A *checkpoint* is a folder `ckpt-<micro_steps>` written whole by engine.atomic.a
 head, not the draft vocabulary, which `trainer.json` identifies by a digest), `optimizer.pt`
 (AdamW's state) and `trainer.json` (micro_steps, settings, what model it fits, and the size and
 SHA-256 of each file). A folder whose files do not match that manifest is incomplete:
-`latest_checkpoint` skips it and `resume` refuses it with a ValueError naming it.
+`latest_checkpoint` skips it and `resume` refuses it with a ValueError naming it;
+`prune_checkpoints` removes all but the newest few complete ones.
+
+The target's embedding and LM head are read through the model (EagleModel.refresh_head): after
+the target's weights change the caller calls `model.refresh_head()` before the next micro-step.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import hashlib
 import io
 import json
 import re
+import shutil
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -196,17 +201,36 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
-def latest_checkpoint(folder: Path) -> Path | None:
-    """The complete checkpoint `folder/ckpt-<n>` of highest n, or None; incomplete ones are skipped."""
+def complete(path: Path, micro_steps: int) -> bool:
+    try:
+        return read_meta(path)["micro_steps"] == micro_steps
+    except ValueError:
+        return False
+
+
+def checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """(n, folder/ckpt-<n>) for every checkpoint-named folder, complete or not, newest first."""
     folder = Path(folder)
     if not folder.is_dir():
-        return None
-    found = sorted(((int(m[1]), p) for p in folder.iterdir() if (m := CKPT.fullmatch(p.name)) and p.is_dir()),
-                   reverse=True)
-    for n, p in found:
-        try:
-            if read_meta(p)["micro_steps"] == n:
-                return p
-        except ValueError:
-            continue
-    return None
+        return []
+    return sorted(((int(m[1]), p) for p in folder.iterdir() if (m := CKPT.fullmatch(p.name)) and p.is_dir()),
+                  reverse=True)
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The complete checkpoint `folder/ckpt-<n>` of highest n, or None; incomplete ones are skipped."""
+    return next((p for n, p in checkpoints(folder) if complete(p, n)), None)
+
+
+def prune_checkpoints(folder: Path, keep: int = 2) -> list[Path]:
+    """Removes every checkpoint older than the newest `keep` complete ones; -> the removed folders."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}: the newest complete checkpoint is what a restart resumes from")
+    found = checkpoints(folder)
+    kept = [n for n, p in found if complete(p, n)][:keep]
+    if len(kept) < keep:
+        return []
+    removed = [p for n, p in found if n < kept[-1]]
+    for p in removed:
+        shutil.rmtree(p)
+    return removed

@@ -21,7 +21,7 @@ from spot.drafter_training import DrafterOptim, evaluate
 from spot.features import TokenSequence, capture_features
 from spot.pairs import PackedPairs
 from spot.records import HiddenStateRows
-from spot.trainer import SpotTrainer, checkpoint_path, latest_checkpoint
+from spot.trainer import SpotTrainer, checkpoint_path, latest_checkpoint, prune_checkpoints
 
 TOTAL, EVERY = 8, 2  # micro-steps of a preemption run, and its checkpoint interval
 OPTIM = DrafterOptim(lr=3e-3, warmup_steps=3)
@@ -306,3 +306,19 @@ def test_a_checkpoint_for_another_draft_vocabulary_is_refused(tiny, tmp_path):
         SpotTrainer.resume(tmp_path / "ckpt-0", fresh(tiny, torch.arange(1, 9)), OPTIM)
     assert SpotTrainer.resume(tmp_path / "ckpt-0", fresh(tiny, torch.arange(8)), OPTIM).micro_steps == 0
     assert latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_pruning_keeps_the_newest_complete_checkpoints_and_drops_older_ones(tiny, tmp_path):
+    trainer = new_trainer(tiny)
+    for _ in range(4):
+        trainer.train(rows_for(tiny), lambda: False, max_micro_steps=1)
+        trainer.save(checkpoint_path(tmp_path, trainer.micro_steps))
+    (checkpoint_path(tmp_path, 4) / "trainer.json").unlink()  # the newest is incomplete: it does not count
+    (checkpoint_path(tmp_path, 5)).mkdir()
+    removed = prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in removed) == ["ckpt-1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-2", "ckpt-3", "ckpt-4", "ckpt-5"]
+    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 3)
+    assert prune_checkpoints(tmp_path, keep=3) == []  # only two complete ones: nothing goes
+    with pytest.raises(ValueError, match="keep must be >= 1"):
+        prune_checkpoints(tmp_path, keep=0)
