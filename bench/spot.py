@@ -1,0 +1,139 @@
+"""`torchrun --nproc-per-node=2 -m bench.spot --config configs/tiny.yaml --steps N [--plot F.png] [--json]`:
+RL steps with spot training on vs a frozen drafter, side by side.
+
+After a discarded one-step warm-up run, runs the same N RL steps twice in this process group (same seeds, same data, both speculative):
+once with the config's spot training, once with `spot.enabled=false` (the warm-started drafter,
+frozen). The drafter never changes a token, so the two runs must be identical (every step's
+rewards and losses, the final policy weights); the bench checks it. It prints, per step, the
+accept length of both runs; and over steps 2..N (step 1 pays one-time costs):
+
+- the step-time ratio (spot / frozen): spot training must be free;
+- the share of idle rank-seconds spent training (`spot/utilisation`) and the worst overrun past
+  the end of an idle window (`spot/overrun_s`);
+- the accept-length ratio at the last step (spot / frozen; TLT reports 6.53 / 4.59 = 1.42) and the
+  spot run's last accept length against its first (the drafter follows the policy: within 10%).
+
+Spot training needs idle windows, so run it on two or more ranks. `--plot` writes the two
+accept-length curves (PNG). Prints the CPU model; `--json` ends with one line
+`{"step_ratio", "utilisation", "accept_ratio_last", "accept_spot_vs_start", "identical", ...}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.common import cpu_model, emit_json
+from bench.e2e import COMPARED, final_weights, mean, read_metrics
+from launch.config import load_config
+from launch.run_config import TrainConfig
+from launch.train import run as train_run
+from pipeline.dist import init_ranks, shutdown
+
+
+def smooth(xs: list[float], k: int) -> list[float]:
+    """Trailing mean over up to k values (accept lengths of single steps are noisy)."""
+    return [mean(xs[max(0, i - k + 1) : i + 1]) for i in range(len(xs))]
+
+
+def plot(path: Path, spot: list[float], frozen: list[float], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = list(range(1, len(spot) + 1))
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    ax.plot(steps, spot, "o-", label="spot-trained drafter")
+    ax.plot(steps, frozen, "s--", label="frozen drafter")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("accept length (tokens per verify)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.spot", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/tiny.yaml")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--smooth", type=int, default=3, help="trailing mean over this many steps for the first/last values")
+    p.add_argument("--out", default=None, help="folder for the two runs (default: a temporary one)")
+    p.add_argument("--plot", default=None, help="write the accept-length curves to this PNG")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the discarded warm-up run")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("overrides", nargs="*", help="section.key=value, applied to both runs")
+    args = p.parse_args(argv)
+    if args.steps < 2:
+        print("error: --steps must be >= 2 (step 1 is excluded from the timing)", file=sys.stderr)
+        return 1
+    out = Path(args.out or tempfile.mkdtemp(prefix="tailspec-spot-"))
+    common = [f"trainer.steps={args.steps}", "trainer.eval_every=0", "trainer.save_every=0", "metrics.wandb=false",
+              "metrics.console=false", "metrics.dashboard=false", "task.eval_problems=1", *args.overrides]
+    r = None
+    try:
+        runs = {}
+        # A discarded one-step run first: one-time costs (kernel builds, caches) would favour the second run.
+        plan = [("warmup", ["spot.enabled=false", "trainer.steps=1"])] if args.warmup else []
+        plan += [("spot", ["spot.enabled=true"]), ("frozen", ["spot.enabled=false"])]
+        for name, extra in plan:
+            cfg = load_config(TrainConfig, args.config, [*common, *extra, f"run.out_dir={out / name}", f"run.name=spot-{name}"])
+            if not cfg.engine.spec.enabled:
+                raise ValueError("bench.spot compares drafters: it needs engine.spec.enabled=true")
+            r = r or init_ranks(cfg.actor.device)
+            runs[name] = Path(train_run(cfg, r)["run_dir"])
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        shutdown()
+    if r is not None and not r.main:
+        return 0
+    on, off = read_metrics(runs["spot"]), read_metrics(runs["frozen"])
+    same_steps = len(on) == len(off) and all(a.get(k) == b.get(k) for a, b in zip(on, off) for k in COMPARED)
+    w_on, w_off = final_weights(runs["spot"], args.steps), final_weights(runs["frozen"], args.steps)
+    same_weights = w_on.keys() == w_off.keys() and all(torch.equal(w_on[k], w_off[k]) for k in w_on)
+    acc_on = [m.get("spec/accept_len", float("nan")) for m in on]
+    acc_off = [m.get("spec/accept_len", float("nan")) for m in off]
+    s_on, s_off = smooth(acc_on, args.smooth), smooth(acc_off, args.smooth)
+    t_on, t_off = mean([m["timing/step"] for m in on[1:]]), mean([m["timing/step"] for m in off[1:]])
+    idle = sum(m.get("spot/idle_s", 0.0) for m in on[1:])
+    trained = sum(m.get("spot/train_s", 0.0) for m in on[1:])
+    result = {
+        "step_ratio": round(t_on / t_off, 4), "step_s_spot": round(t_on, 3), "step_s_frozen": round(t_off, 3),
+        "utilisation": round(trained / idle, 3) if idle > 0 else None,
+        "idle_s_per_step": round(idle / (len(on) - 1), 3), "overrun_s_max": round(max(m.get("spot/overrun_s", 0.0) for m in on), 3),
+        "micro_steps": int(sum(m.get("spot/micro_steps", 0.0) for m in on)),
+        "accept_spot": [round(x, 3) for x in acc_on], "accept_frozen": [round(x, 3) for x in acc_off],
+        "accept_ratio_last": round(s_on[-1] / s_off[-1], 3), "accept_spot_vs_start": round(s_on[-1] / s_on[0], 3),
+        "accept_frozen_vs_start": round(s_off[-1] / s_off[0], 3), "smooth": args.smooth,
+        "identical": same_steps and same_weights, "steps": args.steps, "world_size": r.world if r else 1,
+        "config": args.config, "overrides": args.overrides, "cpu": cpu_model(), "runs": {k: str(v) for k, v in runs.items()},
+    }
+    print(f"cpu: {result['cpu']}", file=sys.stderr)
+    print(f"{'step':>5} {'accept spot':>12} {'accept frozen':>14} {'step s spot':>12} {'step s frozen':>14}", file=sys.stderr)
+    for i, (a, b) in enumerate(zip(on, off)):
+        print(f"{i + 1:>5} {acc_on[i]:>12.2f} {acc_off[i]:>14.2f} {a['timing/step']:>12.2f} {b['timing/step']:>14.2f}",
+              file=sys.stderr)
+    print(f"step ratio (spot / frozen, steps 2..N) {result['step_ratio']:.3f}; utilisation {result['utilisation']}; "
+          f"max overrun {result['overrun_s_max']} s; {result['micro_steps']} micro-steps", file=sys.stderr)
+    print(f"accept length, {args.smooth}-step mean: spot {s_on[0]:.2f} -> {s_on[-1]:.2f} ({result['accept_spot_vs_start']:.2f}x), "
+          f"frozen {s_off[0]:.2f} -> {s_off[-1]:.2f} ({result['accept_frozen_vs_start']:.2f}x); last step spot / frozen "
+          f"{result['accept_ratio_last']:.2f}; identical runs: {result['identical']}", file=sys.stderr)
+    if args.plot:
+        plot(Path(args.plot), acc_on, acc_off, f"{args.config} {' '.join(args.overrides)}\n{result['cpu']}")
+        print(f"wrote {args.plot}", file=sys.stderr)
+    if args.json:
+        emit_json(result)
+    return 0 if result["identical"] else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
