@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # OpenMP workers spin briefly between ops, then sleep (engine/__init__.py sets the same default).
 export GOMP_SPINCOUNT ?= 10000
 
-.PHONY: setup test test-fast train models pretrain-tiny bench bench-spec bench-e2e drafters sim clean help
+.PHONY: setup test test-fast train models pretrain-tiny bench bench-spec bench-e2e bench-spot drafters sim clean help
 
 help:
 	@echo "make setup          create .venv (CPU torch 2.13.0, project editable with test extras)"
@@ -20,6 +20,7 @@ help:
 	@echo "make bench          engine benchmark on SmolLM2 against transformers generate"
 	@echo "make bench-spec     speculative vs autoregressive on the tiny model and SmolLM2"
 	@echo "make bench-e2e      RL steps with speculation on vs off on the tiny config (identical runs, step-time ratio)"
+	@echo "make bench-spot     RL steps with spot training vs a frozen drafter on 2 ranks (free? does it follow the policy?)"
 	@echo "make sim            project the cluster scenarios (sim/scenarios) into docs/SIMULATOR.md's figures"
 
 # Setup is stamped on the files that define it: seconds when nothing changed.
@@ -77,6 +78,11 @@ bench-spec: drafters
 
 bench-e2e: setup checkpoints/tiny/config.json checkpoints/tiny-drafter/config.json
 	$(PY) -m bench.e2e --config configs/tiny.yaml --steps 6
+
+# Spot training is free and keeps the drafter on the policy: 20 steps at a learning rate that moves it.
+bench-spot: setup checkpoints/tiny/config.json checkpoints/tiny-drafter/config.json
+	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 -m bench.spot --config configs/tiny.yaml --steps 20 \
+		--plot docs/figures/spot_accept.png actor.lr=2e-4 engine.spec.max_active_batch=null
 
 sim: setup
 	for s in 7b 32b 235b_moe; do $(PY) -m sim.run --scenario sim/scenarios/$$s.yaml --out docs/sim --checks || exit 1; done
