@@ -55,7 +55,17 @@ def parse(argv: list[str] | None) -> tuple[PoolConfig, float]:
     return from_dict(PoolConfig, args), pg_timeout
 
 
+def warn_shared_store() -> None:
+    """torch's shared rendezvous TCPStore breaks re-rendezvous: a member joining later waits forever
+    for MASTER_ADDR (pytorch/pytorch#135712). The agents must run with it off."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        print("warning: torchrun shares its rendezvous store with the workers: a member that joins later will hang "
+              "in the rendezvous; launch the agents with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/SPOT_POOL.md)",
+              file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    warn_shared_store()
     preempted = PreemptFlag()
     try:
         cfg, pg_timeout = parse(argv)

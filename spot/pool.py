@@ -163,23 +163,37 @@ def save_once(trainer: SpotTrainer, folder: Path, keep: int) -> Path | None:
 
 # -- the members' collectives ----------------------------------------------------------------------
 
-def average_gradients(model: torch.nn.Module, world: int) -> list:
-    """Hooks that all-reduce each gradient as backward accumulates it, then divide by the world: the
-    optimiser (and its clipping) sees the members' mean gradient. -> the hook handles."""
-    def hook(p: torch.Tensor) -> None:
-        dist.all_reduce(p.grad)
-        p.grad.div_(world)
+class Members:
+    """The pool's collectives: the gradient average and the stop agreement. A collective that fails
+    (a member vanished: gloo sees its sockets reset) is recorded in `failed` and re-raised."""
 
-    return [p.register_post_accumulate_grad_hook(hook) for p in model.parameters() if p.requires_grad]
+    def __init__(self, r: Ranks, device: str) -> None:
+        self.r, self.device = r, device
+        self.failed: RuntimeError | None = None
 
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        try:
+            dist.all_reduce(t, op=op)
+        except RuntimeError as e:
+            self.failed = e
+            raise
 
-def agree(r: Ranks, flags: list[bool], device: str) -> list[bool]:
-    """Each flag is true on every member when it is true on any."""
-    if r.world == 1:
-        return flags
-    t = torch.tensor([float(f) for f in flags], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in t.tolist()]
+    def average_gradients(self, model: torch.nn.Module) -> list:
+        """Hooks that all-reduce each gradient as backward accumulates it, then divide by the world: the
+        optimiser (and its clipping) sees the members' mean gradient. -> the hook handles."""
+        def hook(p: torch.Tensor) -> None:
+            self.all_reduce(p.grad)
+            p.grad.div_(self.r.world)
+
+        return [p.register_post_accumulate_grad_hook(hook) for p in model.parameters() if p.requires_grad]
+
+    def agree(self, flags: list[bool]) -> list[bool]:
+        """Each flag is true on every member when it is true on any."""
+        if self.r.world == 1:
+            return flags
+        t = torch.tensor([float(f) for f in flags], device=self.device)
+        self.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in t.tolist()]
 
 
 def resume_point(r: Ranks, folder: Path) -> Path | None:
@@ -257,9 +271,10 @@ def run_pool(cfg: PoolConfig, r: Ranks, preempted: Callable[[], bool]) -> PoolRe
     model, buf = open_inputs(cfg)
     try:
         trainer = make_trainer(cfg, r, model)
-        hooks = average_gradients(model, r.world) if r.world > 1 else []
+        members = Members(r, cfg.device)
+        hooks = members.average_gradients(model) if r.world > 1 else []
         try:
-            return train_members(cfg, r, trainer, buf, preempted)
+            return train_members(cfg, members, trainer, buf, preempted)
         finally:
             for h in hooks:
                 h.remove()
@@ -267,8 +282,9 @@ def run_pool(cfg: PoolConfig, r: Ranks, preempted: Callable[[], bool]) -> PoolRe
         buf.close()
 
 
-def train_members(cfg: PoolConfig, r: Ranks, trainer: SpotTrainer, buf: DataBuffer,
+def train_members(cfg: PoolConfig, members: Members, trainer: SpotTrainer, buf: DataBuffer,
                   preempted: Callable[[], bool]) -> PoolResult:
+    r = members.r
     out, start, t0 = Path(cfg.out), trainer.micro_steps, time.perf_counter()
     ckpts = out / CHECKPOINTS
     log(r, f"members {r.world}, micro-step {start}, buffer {buf.name} ({int(buf.stats()['buffer/entries'])} entries)")
@@ -278,7 +294,7 @@ def train_members(cfg: PoolConfig, r: Ranks, trainer: SpotTrainer, buf: DataBuff
         while True:
             done = cfg.micro_steps is not None and trainer.micro_steps >= cfg.micro_steps
             rows = [] if done else sample_rows(buf, cfg, r.rank, trainer.micro_steps)
-            stop, finish, wait = agree(r, [preempted(), done or (out / STOP).exists(), not rows], cfg.device)
+            stop, finish, wait = members.agree([preempted(), done or (out / STOP).exists(), not rows])
             if stop or finish:
                 break
             if wait:
@@ -301,7 +317,9 @@ def train_members(cfg: PoolConfig, r: Ranks, trainer: SpotTrainer, buf: DataBuff
                 log(r, f"micro-step {n} loss {sum(losses[-k:]) / k:.4f} top1 {sum(top1[-k:]) / k:.3f} "
                        f"members {r.world} rows {len(rows)} {rate:.1f} micro-steps/s"
                        + (f" published v{published[0]}" if published else ""))
-    except dist.DistError as e:
+    except RuntimeError as e:
+        if members.failed is None:
+            raise
         path = save_once(trainer, ckpts, cfg.keep_checkpoints)
         raise MemberLost(f"a member left during micro-step {trainer.micro_steps + 1} ({type(e).__name__}); "
                          f"{'saved ' + path.name if path else 'its state is checkpointed by another member'}; "

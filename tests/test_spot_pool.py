@@ -124,6 +124,15 @@ def test_a_missing_input_is_named(inputs, tmp_path, which):
         run_pool(cfg, Ranks(), never)
 
 
+def test_the_cli_names_a_missing_buffer_and_exits_1_without_a_traceback(inputs):
+    res = subprocess.run([sys.executable, "-m", "launch.spot_pool", "--target", str(inputs.target), "--drafter",
+                          str(inputs.drafter), "--buffer", "tailspec-no-such-buffer", "--out", str(inputs.out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)})
+    assert res.returncode == 1
+    assert "error:" in res.stderr and "tailspec-no-such-buffer" in res.stderr and "Traceback" not in res.stderr
+
+
 def test_a_buffer_of_other_features_is_refused(inputs):
     other = segment_name(f"pooltest-other-{uuid.uuid4().hex[:8]}")
     with DataBuffer.create(other, capacity_bytes=1 << 16, feature_size=inputs.feature_size + 1):
@@ -155,12 +164,13 @@ def free_port() -> int:
 def start_agent(port: int, inputs: Inputs, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2:3", "--nproc-per-node=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=pooltest",
-           "--rdzv-conf=join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
+           "--rdzv-conf=join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=20",
            "--max-restarts=5", "--monitor-interval=0.5",
            "-m", "launch.spot_pool", "--target", str(inputs.target), "--drafter", str(inputs.drafter),
            "--buffer", inputs.buffer, "--out", str(inputs.out), "--checkpoint-every", "100000", "--publish-every", "5",
            "--rows-per-step", "4", "--window", "64", "--log-every", "1", "--pg-timeout", "20"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO),
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # see docs/SPOT_POOL.md: a late joiner hangs without it
     with log.open("w") as f:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
