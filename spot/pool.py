@@ -22,7 +22,8 @@ Rank 0 publishes the drafter every `publish_every` micro-steps and at the end, a
 versioned: `<out>/published/v<N>/` (EagleModel.save's layout, loadable by EagleModel.load and as
 `engine.spec.drafter_path`) then `<out>/published/LATEST` naming it. N counts publications (1, 2,
 ...), so it only grows across restarts; config.json records `spot_micro_steps`. Rollout ranks
-call `latest_published(out)` to see whether there is a newer drafter to load.
+call `latest_published(out)` to see whether there is a newer drafter, and load it with
+`engine.load_drafter_weights(published_weights(path), version)`.
 
 This module knows nothing of torchrun itself (launch/spot_pool.py is the entry point) or of who
 fills the buffers (spot.sink).
@@ -42,6 +43,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from engine.atomic import atomic_folder, atomic_write
 from engine.checkpoint import load_checkpoint
@@ -119,6 +121,14 @@ def latest_published(out: str | Path) -> tuple[int, Path] | None:
     if m is None or not (pub / name).is_dir():
         raise ValueError(f"{pub / LATEST} names {name!r}, which is not a published drafter folder under {pub}")
     return int(m[1]), pub / name
+
+
+def published_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """A published drafter's trainable weights, named for engine.load_drafter_weights (the draft
+    vocabulary is not among them: it is fixed by the warm drafter the pool started from)."""
+    state = load_file(str(Path(path) / "model.safetensors"))
+    state.pop("draft_vocab", None)
+    return state
 
 
 def publish(model: EagleModel, out: str | Path, micro_steps: int, keep: int) -> tuple[int, Path]:
@@ -267,7 +277,6 @@ def make_trainer(cfg: PoolConfig, r: Ranks, model: EagleModel) -> SpotTrainer:
 def run_pool(cfg: PoolConfig, r: Ranks, preempted: Callable[[], bool]) -> PoolResult:
     """One member's life between two membership changes (see the module docstring)."""
     cfg.validate()
-    out = Path(cfg.out)
     model, buf = open_inputs(cfg)
     try:
         trainer = make_trainer(cfg, r, model)

@@ -23,7 +23,7 @@ from engine.spec.eagle import EagleConfig, EagleModel
 from pipeline.dist import Ranks
 from spot.buffer import BufferEntry, DataBuffer, segment_name
 from spot.features import TokenSequence, capture_features
-from spot.pool import LATEST, PUBLISHED, STOP, PoolConfig, latest_published, run_pool
+from spot.pool import LATEST, PUBLISHED, STOP, PoolConfig, latest_published, published_weights, run_pool
 from spot.trainer import latest_checkpoint
 from tests.conftest import REPO
 
@@ -79,6 +79,9 @@ def test_a_pool_of_one_publishes_versions_and_resumes_where_it_stopped(inputs, c
     drafter = EagleModel.load(path, load_checkpoint(char_model_dir))
     warm = EagleModel.load(inputs.drafter, load_checkpoint(char_model_dir))
     assert not torch.equal(drafter.fc.weight, warm.fc.weight)
+    weights = published_weights(path)  # what a rollout rank hands engine.load_drafter_weights
+    assert weights.keys() == dict(warm.named_parameters()).keys()
+    torch.testing.assert_close(weights["fc.weight"], drafter.fc.weight, rtol=0, atol=0)
     assert json.loads((path / "config.json").read_text())["spot_micro_steps"] == 6
     assert latest_checkpoint(inputs.out / "checkpoints").name == "ckpt-6"  # written at the end
 
