@@ -1,10 +1,11 @@
-"""Spot training colocated with the rollout ranks: the pieces one rank needs, built from the config.
+"""Spot training on the rollout ranks: the pieces one rank needs, built from the config.
 
 `build_spot_work` attaches a DataBufferSink to the rank's engine, creates the node's DataBuffer
 (local rank 0; the others attach after a barrier; a crashed run's stale segments are reclaimed
 first), and wraps a SpotTrainer around a *copy* of the engine's EAGLE drafter: the engine's own
 drafter only ever changes through `load_drafter_weights`, so it never serves half-trained weights.
-`SpotRun.close()` detaches, and the creator removes the segment (also at interpreter exit).
+With `spot.mode: pool` the rank only fills the buffer and follows an
+external pool's publications (spot.follower). `SpotRun.close()` detaches, and the creator removes the segment (also at interpreter exit).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass
 class SpotRun:
-    work: SpotWork
+    work: SpotWork  # or a spot.follower.PoolFollower (spot.mode: pool)
     buffer: DataBuffer
     owner: bool
 
@@ -59,7 +60,7 @@ def build_spot_work(cfg: SpotConfig, engine, *, run_name: str, rank: int, local_
         raise ValueError("spot.enabled needs a speculative engine with one EAGLE drafter (engine.spec.enabled: true, "
                          "engine.spec.drafter: eagle or eagle3, engine.spec.drafter_path: a warm-started drafter)")
     net = nets[0]
-    name = segment_name(run_name)
+    name = cfg.buffer_name or segment_name(run_name)
     owner = local_rank == 0
     if owner:
         reclaim_stale()
@@ -71,13 +72,17 @@ def build_spot_work(cfg: SpotConfig, engine, *, run_name: str, rank: int, local_
         buffer = DataBuffer.attach(name)
     sink = DataBufferSink(buffer, max_new_tokens=max_new_tokens, feature_layers=net.config.aux_layers)
     engine.sink = sink
+    store = dist.distributed_c10d._get_default_store() if world > 1 else None
+    if cfg.mode == "pool":
+        from spot.follower import PoolFollower
+
+        return SpotRun(work=PoolFollower(engine, buffer, sink, cfg.pool_dir, store, rank), buffer=buffer, owner=owner)
     model = drafter_copy(net)
     kw = dict(window=cfg.window, rows_per_step=cfg.rows_per_step, seed=seed * 1000 + rank)
     if resume is not None and (resume / "spot").is_dir():
         trainer = SpotTrainer.resume(resume / "spot", model, optim_of(cfg), **kw)
     else:
         trainer = SpotTrainer(model, optim_of(cfg), **kw)
-    store = dist.distributed_c10d._get_default_store() if world > 1 else None
     control = ControlPlane(store, rank, world) if store is not None else None
     settings = SpotSettings(rows_per_step=cfg.rows_per_step, offset_ratio=cfg.offset_ratio,
                             max_micro_steps=cfg.max_micro_steps, seed=seed)

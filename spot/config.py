@@ -8,7 +8,13 @@ from typing import Literal
 
 @dataclass(kw_only=True)
 class SpotConfig:
-    enabled: bool = False  # train the engine's EAGLE drafter online in the ranks' idle windows
+    enabled: bool = False  # train the engine's EAGLE drafter online
+    # colocated: the rollout ranks train it in their idle windows (spot.coordinator); pool: an
+    # external elastic pool (launch.spot_pool) trains it from this job's buffer, and the ranks
+    # load its newest publication from pool_dir every step (spot.follower).
+    mode: Literal["colocated", "pool"] = "colocated"
+    pool_dir: str | None = None  # the pool's --out folder (mode: pool)
+    buffer_name: str | None = None  # the node's segment in /dev/shm; None: tailspec-<run folder>-<host>
     # The node's DataBuffer (spot.buffer): a ring of rollouts' features in /dev/shm.
     buffer_mb: int = 256
     buffer_entries: int = 4096  # header slots (entries held at most)
@@ -26,6 +32,8 @@ class SpotConfig:
     ce_weight: float = 0.1
 
     def validate(self) -> None:
+        if self.mode == "pool" and not self.pool_dir:
+            raise ValueError("spot.mode=pool needs spot.pool_dir (the --out folder of launch.spot_pool)")
         for key in ("buffer_mb", "buffer_entries", "rows_per_step", "window"):
             if getattr(self, key) < 1:
                 raise ValueError(f"spot.{key} must be >= 1, got {getattr(self, key)}")

@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -48,11 +49,13 @@ from safetensors.torch import load_file
 from engine.atomic import atomic_folder, atomic_write
 from engine.checkpoint import load_checkpoint
 from engine.spec.eagle import EagleModel
-from pipeline.dist import Ranks
 from spot.buffer import DataBuffer
 from spot.drafter_training import DrafterOptim
 from spot.records import HiddenStateRows
 from spot.trainer import CKPT, SpotTrainer, checkpoint_path, latest_checkpoint
+
+if TYPE_CHECKING:  # a pipeline.dist.Ranks (rank, world, main): spot never imports pipeline at run time
+    from pipeline.dist import Ranks
 
 PUBLISHED, LATEST, CHECKPOINTS, STOP = "published", "LATEST", "checkpoints", "STOP"
 VERSION = re.compile(r"v(\d+)")

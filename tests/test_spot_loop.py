@@ -144,3 +144,37 @@ def test_a_two_rank_run_with_spot_training_trains_its_drafter_online(char_model_
     assert not torch.equal(saved["fc.weight"], start["fc.weight"])
     assert (run_dir / "checkpoints" / "step-3" / "spot").is_dir()
     assert not [p for p in os.listdir("/dev/shm") if run_dir.name in p]  # the node's segment is gone
+
+
+def test_pool_mode_ranks_load_the_pools_newest_publication_once(hf_folders, buffer_name, tmp_path):
+    from pipeline.idle import IdleWindow
+    from spot.follower import PoolFollower
+    from spot.pool import publish
+
+    target = load_checkpoint(hf_folders["llama"])
+    torch.manual_seed(0)
+    net = EagleModel(EagleConfig.for_target(target.config), target)
+    engine = RolloutEngine(target, EngineConfig(max_batch=2, max_len=64, spec=SpecConfig(depth=2, verify_tokens=2)),
+                           EagleDrafter(net))
+    window = IdleWindow(step=1, rank=0, world=1, started=0.0, others_done=lambda: True, all_done_at=lambda: 0.0)
+    with DataBuffer.create(buffer_name, capacity_bytes=2**20, feature_size=net.config.feature_size) as buf:
+        follower = PoolFollower(engine, buf, None, str(tmp_path / "pool"), None, 0)
+        assert follower.work(window)["spot/drafter_version"] == 0  # nothing published yet: the warm drafter stays
+        trained = EagleModel(EagleConfig.for_target(target.config), target)  # another init: "what the pool trained"
+        publish(trained, tmp_path / "pool", micro_steps=10, keep=3)
+        assert follower.work(window)["spot/drafter_version"] == 1
+        served = dict(engine.drafter_nets()[0].named_parameters())
+        assert all(torch.equal(served[n], p) for n, p in trained.named_parameters())
+        assert engine.drafter.version == 1
+        loads = []
+        engine.load_drafter_weights = lambda *a, **k: loads.append(a)
+        follower.work(window)  # the same publication: not loaded again
+        assert loads == []
+
+
+def test_pool_mode_without_a_pool_folder_is_refused():
+    from launch.config import load_config
+    from launch.run_config import TrainConfig
+
+    with pytest.raises(ValueError, match="spot.pool_dir"):
+        load_config(TrainConfig, REPO / "configs" / "tiny.yaml", ["spot.mode=pool"])
