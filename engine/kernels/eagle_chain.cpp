@@ -15,9 +15,11 @@
 //            if d + 1 < D: x = fc([embed(token); pred]); one decoder layer (no input norm) at
 //            position lengths' + d + 1, its K / V written at cache slot lengths' + d; pred = x
 //            (eagle3: pred = [fc_out(x); x]).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "common.h"
@@ -44,10 +46,11 @@ struct Net {
 // and its K / V go to slot[m]; it attends to its row's slots <= slot[m] (the pass writes every
 // token's K / V first, so tokens of one row in the same pass see each other causally). Tokens
 // with active[m] == 0 are computed but neither written nor attended. out[m] (F floats) = the
-// predicted feature, for active tokens.
+// predicted feature, for active tokens. mask (null: all visible) restricts token m to the slots
+// j <= slot[m] with mask[m][j] (a tree's tentative slots: its ancestors' and its own).
 void step(Net& n, int64_t M, const int64_t* tok, const float* const* feat, const float* const* cos,
           const float* const* sin_signed, const int64_t* row, const int64_t* slot, const uint8_t* active,
-          float* const* out) {
+          float* const* out, const bool* const* mask = nullptr) {
   const int64_t H = n.H, F = n.F, hd = n.hd, nq = n.nq, nkv = n.nkv, Q = n.Q, I = n.I;
   const int64_t G = nq / nkv;
   const float scale = 1.f / std::sqrt((float)hd);
@@ -81,7 +84,7 @@ void step(Net& n, int64_t M, const int64_t* tok, const float* const* feat, const
     float* sc = scores.data();
     for (int64_t hq = 0; hq < nq; ++hq)
       tailspec::attend_one(r + hq * hd, n.ck + row[m] * n.skb + (hq / G) * n.skh, n.cv + row[m] * n.skb + (hq / G) * n.skh,
-                           nullptr, S, hd, scale, sc, out_m + hq * hd);
+                           mask ? mask[m] : nullptr, S, hd, scale, sc, out_m + hq * hd);
   }
   skinny_gemm(attn.data(), nq * hd, n.o, nullptr, x.data(), H, x.data(), H, M, nq * hd, H, n.nthreads);  // x += attn @ o
   rms_norm_rows(x.data(), H, n.post_norm, n.eps, h.data(), H, M, H);
@@ -98,6 +101,32 @@ void step(Net& n, int64_t M, const int64_t* tok, const float* const* feat, const
     std::memcpy(out[m] + (F - H), x.data() + m * H, H * sizeof(float));
     if (n.fc_out) std::memcpy(out[m], aux.data() + m * (F - H), (F - H) * sizeof(float));
   }
+}
+
+// Catch-up: every pending pair of every row in one pass; pred [b, F] = each root's prediction.
+void catch_up(Net& n, int64_t b, int64_t T, int64_t L, const int64_t* pend_tok, const float* pend_feat, int64_t ldp,
+              const int64_t* n_pend, const float* cos, const float* sin_signed, const int64_t* lengths, float* pred) {
+  const int64_t M = b * T, F = n.F, hd = n.hd;
+  std::vector<float> scratch(M * F);
+  std::vector<int64_t> tok(M), row(M), slot(M);
+  std::vector<uint8_t> active(M);
+  std::vector<const float*> feat(M), c(M), s(M);
+  std::vector<float*> out(M);
+  for (int64_t r = 0; r < b; ++r)
+    for (int64_t j = 0; j < T; ++j) {
+      const int64_t m = r * T + j;
+      active[m] = j < n_pend[r];
+      tok[m] = pend_tok[m];
+      feat[m] = pend_feat + r * ldp + j * F;
+      c[m] = cos + (r * L + j) * hd;
+      s[m] = sin_signed + (r * L + j) * hd;
+      row[m] = r;
+      slot[m] = lengths[r] + j;
+      out[m] = scratch.data() + m * F;
+    }
+  step(n, M, tok.data(), feat.data(), c.data(), s.data(), row.data(), slot.data(), active.data(), out.data());
+  for (int64_t r = 0; r < b; ++r)
+    std::memcpy(pred + r * F, scratch.data() + (r * T + n_pend[r] - 1) * F, F * sizeof(float));
 }
 
 }  // namespace
@@ -121,30 +150,8 @@ extern "C" void eagle_draft(
   Net n{H, F, nq, nkv, hd, I, Vd, (nq + 2 * nkv) * hd, embed, fc, qkv, o, gate_up, down, head, fc_out, post_norm, eps,
         ck, cv, skb, skh, nthreads};
   const int64_t L = T + D;  // RoPE rows per cache row
-  std::vector<float> pred(b * F), scratch(b * T * F), logits(b * Vd);
-  // Catch-up: every pending pair of every row in one pass.
-  {
-    const int64_t M = b * T;
-    std::vector<int64_t> tok(M), row(M), slot(M);
-    std::vector<uint8_t> active(M);
-    std::vector<const float*> feat(M), c(M), s(M);
-    std::vector<float*> out(M);
-    for (int64_t r = 0; r < b; ++r)
-      for (int64_t j = 0; j < T; ++j) {
-        const int64_t m = r * T + j;
-        active[m] = j < n_pend[r];
-        tok[m] = pend_tok[m];
-        feat[m] = pend_feat + r * ldp + j * F;
-        c[m] = cos + (r * L + j) * hd;
-        s[m] = sin_signed + (r * L + j) * hd;
-        row[m] = r;
-        slot[m] = lengths[r] + j;
-        out[m] = scratch.data() + m * F;
-      }
-    step(n, M, tok.data(), feat.data(), c.data(), s.data(), row.data(), slot.data(), active.data(), out.data());
-    for (int64_t r = 0; r < b; ++r)
-      std::memcpy(pred.data() + r * F, scratch.data() + (r * T + n_pend[r] - 1) * F, F * sizeof(float));
-  }
+  std::vector<float> pred(b * F), logits(b * Vd);
+  catch_up(n, b, T, L, pend_tok, pend_feat, ldp, n_pend, cos, sin_signed, lengths, pred.data());
   std::vector<int64_t> tok(b), row(b), slot(b);
   std::vector<uint8_t> active(b, 1);
   std::vector<const float*> feat(b), c(b), s(b);
@@ -174,5 +181,146 @@ extern "C" void eagle_draft(
       out[r] = pred.data() + r * F;
     }
     step(n, b, tok.data(), feat.data(), c.data(), s.data(), row.data(), slot.data(), active.data(), out.data());
+  }
+}
+
+// A whole EAGLE tree draft in one call (coupled children): the catch-up, then D levels. The
+// same function as EagleDrafter._catch_up + _expand + _select (up to float rounding). Level d
+// (1-based) has a frontier of M nodes (the root at d = 1, then K); each node's children are
+// its coupled sample argmax(logits / T + noise[:, d - 1]) (T = 0: argmax) and then the best of
+// logits in order, skipping the coupled one, K in all; a child's score is its parent's plus
+// log q(x) (q = softmax(logits / T)), for the coupled child max(log q(x), log_prior). Children
+// are numbered in creation order (pool index: level by level, frontier node by node). Unless
+// d == D, the K best children of the level (ties: the older) become the frontier: node i runs
+// through the network at position lengths' + d, cache slot lengths' + (d - 1) K + i, seeing
+// the committed slots and the tentative slots of its ancestors and itself. Finally the
+// `budget` best nodes (stable: ties to the older; ancestor-closed since scores never increase
+// down a path) are kept in creation order.
+extern "C" void eagle_tree_draft(
+    int64_t b, int64_t T, int64_t D, int64_t K, int64_t budget, int64_t H, int64_t F, int64_t nq, int64_t nkv,
+    int64_t hd, int64_t I, int64_t Vd,
+    const int64_t* pend_tok, const float* pend_feat, int64_t ldp, const int64_t* n_pend,  // as eagle_draft
+    const float* embed, const int64_t* vocab_ids,
+    const float* noise, float temperature, float log_prior,  // noise [b, D, Vd] (null: greedy)
+    const float* cos, const float* sin_signed,  // [b, T + D, hd]: catch-up positions, then level d at T + d - 1
+    const float* fc, const float* qkv, const float* o, const float* gate_up, const float* down,
+    const float* head, const float* fc_out, const float* post_norm, float eps,
+    float* ck, float* cv, int64_t skb, int64_t skh, const int64_t* lengths,
+    int64_t* out_tokens, int64_t* out_parents,  // [b, n] out: kept nodes (n = min(budget, pool)), parents (-1: root)
+    int nthreads) {
+  Net n{H, F, nq, nkv, hd, I, Vd, (nq + 2 * nkv) * hd, embed, fc, qkv, o, gate_up, down, head, fc_out, post_norm, eps,
+        ck, cv, skb, skh, nthreads};
+  const int64_t L = T + D;
+  const int64_t P = K + (D - 1) * K * K;  // pool size per row
+  const int64_t tent = (D - 1) * K;        // tentative slots per row
+  std::vector<float> front(b * K * F), next(b * K * F), logits(b * K * Vd), logq(Vd);
+  catch_up(n, b, T, L, pend_tok, pend_feat, ldp, n_pend, cos, sin_signed, lengths, front.data());
+  std::vector<int64_t> pool_tok(b * P), pool_par(b * P);
+  std::vector<float> pool_score(b * P);
+  std::vector<int64_t> front_idx(b * K, -1);  // pool index of each frontier node (-1: the root)
+  std::vector<float> front_score(b * K, 0.f);
+  std::vector<uint8_t> front_anc(b * K * tent, 0), next_anc(b * K * tent, 0);  // tentative slots each sees
+  std::vector<int64_t> order(K * K), idx(K), tok(b * K), row(b * K), slot(b * K), best(K);
+  std::vector<uint8_t> active(b * K, 1);
+  std::vector<const float*> feat(b * K), c(b * K), s(b * K);
+  std::vector<float*> out(b * K);
+  std::vector<const bool*> mask(b * K);
+  std::vector<std::unique_ptr<bool[]>> vis_store(b * K);
+  int64_t size = 0, M = 1;
+  for (int64_t d = 1; d <= D; ++d) {
+    skinny_gemm(front.data() + (F - H), F, head, nullptr, nullptr, 0, logits.data(), Vd, b * M, H, Vd, nthreads);
+    const int64_t made = M * K;  // children of this level per row
+    for (int64_t r = 0; r < b; ++r) {
+      const float* nr = noise ? noise + (r * D + d - 1) * Vd : nullptr;
+      for (int64_t i = 0; i < M; ++i) {
+        const float* lr = logits.data() + (r * M + i) * Vd;
+        // log q = scaled - max - log(sum(exp(scaled - max)))
+        float mx = -INFINITY;
+        int64_t coupled = 0;
+        float best_v = -INFINITY;
+        for (int64_t j = 0; j < Vd; ++j) {
+          const float v = temperature > 0 ? lr[j] / temperature : lr[j];
+          logq[j] = v;
+          mx = v > mx ? v : mx;
+          const float cv_ = nr ? v + nr[j] : v;
+          if (cv_ > best_v) { best_v = cv_; coupled = j; }
+        }
+        double total = 0.0;
+        for (int64_t j = 0; j < Vd; ++j) total += std::exp((double)(logq[j] - mx));
+        const float lse = (float)std::log(total);
+        for (int64_t j = 0; j < Vd; ++j) logq[j] = (logq[j] - mx) - lse;
+        // The K best tokens, descending (ties: the lower index), then the coupled one first.
+        int64_t have = 0;
+        for (int64_t j = 0; j < Vd; ++j) {
+          if (have == K && !(logq[j] > logq[idx[K - 1]])) continue;
+          int64_t at = have < K ? have++ : K - 1;
+          while (at > 0 && logq[j] > logq[idx[at - 1]]) { idx[at] = idx[at - 1]; --at; }
+          idx[at] = j;
+        }
+        const int64_t base = r * P + size + i * K;
+        const float ps = front_score[r * K + i];
+        pool_tok[base] = coupled;
+        pool_score[base] = ps + std::max(logq[coupled], log_prior);
+        for (int64_t j = 0, k = 1; k < K; ++j) {
+          if (idx[j] == coupled) continue;
+          pool_tok[base + k] = idx[j];
+          pool_score[base + k] = ps + logq[idx[j]];
+          ++k;
+        }
+        for (int64_t k = 0; k < K; ++k) pool_par[base + k] = front_idx[r * K + i];
+      }
+    }
+    if (d == D) { size += made; break; }
+    // The level's K best children become the frontier (made >= K: M = 1 gives K children).
+    for (int64_t r = 0; r < b; ++r) {
+      const float* sc = pool_score.data() + r * P + size;
+      for (int64_t j = 0; j < made; ++j) order[j] = j;
+      std::stable_sort(order.begin(), order.begin() + made, [&](int64_t a, int64_t c_) { return sc[a] > sc[c_]; });
+      for (int64_t i = 0; i < K; ++i) {
+        const int64_t j = order[i], parent = j / K, m = r * K + i;
+        const int64_t pick = pool_tok[r * P + size + j];  // a draft-vocabulary index
+        tok[m] = vocab_ids ? vocab_ids[pick] : pick;
+        feat[m] = front.data() + (r * M + parent) * F;
+        out[m] = next.data() + m * F;
+        c[m] = cos + (r * L + T + d - 1) * hd;
+        s[m] = sin_signed + (r * L + T + d - 1) * hd;
+        row[m] = r;
+        const int64_t base = lengths[r] + n_pend[r];  // committed pairs after the catch-up
+        slot[m] = base + (d - 1) * K + i;
+        uint8_t* anc = next_anc.data() + m * tent;
+        if (d == 1) std::memset(anc, 0, tent);  // the root's children see no tentative slot but their own
+        else std::memcpy(anc, front_anc.data() + (r * K + parent) * tent, tent);
+        anc[(d - 1) * K + i] = 1;
+        vis_store[m].reset(new bool[slot[m] + 1]);
+        bool* v = vis_store[m].get();
+        for (int64_t t = 0; t < base; ++t) v[t] = true;
+        for (int64_t t = base; t <= slot[m]; ++t) v[t] = anc[t - base] != 0;
+        mask[m] = v;
+        front_score[m] = sc[j];
+      }
+      for (int64_t i = 0; i < K; ++i) front_idx[r * K + i] = size + order[i];
+    }
+    step(n, b * K, tok.data(), feat.data(), c.data(), s.data(), row.data(), slot.data(), active.data(), out.data(),
+         mask.data());
+    std::swap(front, next);
+    std::swap(front_anc, next_anc);
+    size += made;
+    M = K;
+  }
+  // Keep the `budget` best nodes, in creation order, parents remapped.
+  const int64_t keep_n = std::min(budget, P);
+  std::vector<int64_t> all(P), pos(P);
+  for (int64_t r = 0; r < b; ++r) {
+    const float* sc = pool_score.data() + r * P;
+    for (int64_t j = 0; j < P; ++j) all[j] = j;
+    std::stable_sort(all.begin(), all.end(), [&](int64_t a, int64_t c_) { return sc[a] > sc[c_]; });
+    std::sort(all.begin(), all.begin() + keep_n);
+    std::fill(pos.begin(), pos.end(), -1);
+    for (int64_t i = 0; i < keep_n; ++i) pos[all[i]] = i;
+    for (int64_t i = 0; i < keep_n; ++i) {
+      const int64_t j = all[i], par = pool_par[r * P + j];
+      out_tokens[r * keep_n + i] = vocab_ids ? vocab_ids[pool_tok[r * P + j]] : pool_tok[r * P + j];
+      out_parents[r * keep_n + i] = par < 0 ? -1 : pos[par];
+    }
   }
 }

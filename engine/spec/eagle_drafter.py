@@ -29,6 +29,7 @@ import math
 import torch
 
 from engine.kernels import eagle_chain as chain_kernel
+from engine.kernels import eagle_tree as tree_kernel
 from engine.model import Transformer
 from engine.rope import signed_sin
 from engine.sampling import SamplingParams, derive_keys, gumbel, mask_logits
@@ -148,6 +149,8 @@ class EagleDrafter(DrafterBase):
     def propose(self, ctx: DraftContext) -> DraftTree:
         if self._compiled_chain(ctx):
             return self._chain_compiled(ctx)
+        if self._compiled_tree(ctx):
+            return self._tree_compiled(ctx)
         root_pred = self._catch_up(ctx.roots.shape[0])  # [b, F]
         if ctx.shape.topk == 1 and not ctx.shape.iid_children:
             return self._chain(root_pred, ctx)
@@ -159,8 +162,33 @@ class EagleDrafter(DrafterBase):
         plain = p.temperature == 0 or (p.top_k == 0 and p.top_p == 1.0)
         return chain and plain and chain_kernel.supported(self.rt)
 
+    def _compiled_tree(self, ctx: DraftContext) -> bool:
+        p = self.params
+        plain = p.temperature == 0 or (p.top_k == 0 and p.top_p == 1.0)
+        return not ctx.shape.iid_children and plain and tree_kernel.supported(self.rt, ctx.shape.topk)
+
+    def _tree_compiled(self, ctx: DraftContext) -> DraftTree:
+        """Catch-up, tree expansion and selection in one compiled call (engine.kernels.eagle_tree):
+        the same tree as `_catch_up` + `_expand`. Level d sits where a chain's level d does."""
+        b, shape = ctx.roots.shape[0], ctx.shape
+        D = shape.depth
+        n = self.pend_n[:b]
+        T = int(n.max())
+        lengths = self.cache.lengths[:b]
+        steps = torch.arange(T + D, device=ctx.roots.device)
+        pos = lengths.unsqueeze(1) + 1 + torch.where(steps < T, steps, n.unsqueeze(1) + steps - T)  # [b, T+D]
+        cos, sin = self.net.rope(pos, self.pend_feat.dtype)
+        tokens, parents = tree_kernel.draft(
+            self.rt, self.pend_tok[:b, :T], self.pend_feat[:b], n, D, shape.topk, shape.verify_tokens,
+            math.log(self.coupled_prior), self._chain_noise(ctx, b, D), self.params.temperature, cos, signed_sin(sin),
+            self.cache, lengths,
+        )
+        lengths += n
+        n.zero_()
+        return DraftTree.from_padded(tokens, parents, torch.ones_like(tokens, dtype=torch.bool))
+
     def _chain_noise(self, ctx: DraftContext, b: int, D: int) -> torch.Tensor | None:
-        """[b, D, Vd] the target's Gumbel noise at the chain's positions (None when greedy)."""
+        """[b, D, Vd] the target's Gumbel noise at the chain's (and a tree's levels') positions (None when greedy)."""
         if self.params.temperature == 0:
             return None
         ids = self.net.vocab_ids
