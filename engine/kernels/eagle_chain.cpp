@@ -1,6 +1,7 @@
 // A whole EAGLE chain draft in one call, for b rows at once: the catch-up (the pairs the last
 // verification committed go through the one-layer network, the root last) and then D levels of
-// (draft head -> coupled sample -> next feature through the network).
+// (draft head -> coupled sample -> next feature through the network). `eagle_tree_draft` (at the
+// end) does the same for top-k trees with coupled children.
 //
 // On a CPU a draft level of a small drafter is ~40 dispatched torch ops (~0.3 ms) around very
 // little arithmetic; here it is a few skinny products (skinny.cpp) and plain loops. It computes
@@ -245,9 +246,10 @@ extern "C" void eagle_tree_draft(
           const float cv_ = nr ? v + nr[j] : v;
           if (cv_ > best_v) { best_v = cv_; coupled = j; }
         }
-        double total = 0.0;
-        for (int64_t j = 0; j < Vd; ++j) total += std::exp((double)(logq[j] - mx));
-        const float lse = (float)std::log(total);
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < Vd; ++j) total += tailspec::fast_expf(logq[j] - mx);
+        const float lse = std::log(total);
         for (int64_t j = 0; j < Vd; ++j) logq[j] = (logq[j] - mx) - lse;
         // The K best tokens, descending (ties: the lower index), then the coupled one first.
         int64_t have = 0;

@@ -20,6 +20,10 @@ higher than q(x) (DESIGN.md). The `topk` best children of each level are expande
 `verify_tokens` best nodes overall form the tree (scores never increase down a path, so that
 set is closed under ancestors). For rejection verification, children are instead i.i.d. samples
 from q, with q's logits attached.
+
+With plain sampling (no top-k / top-p) and the CPU kernels, chains (engine.kernels.eagle_chain)
+and coupled trees (engine.kernels.eagle_tree) run catch-up and drafting in one compiled call
+that computes the same tokens as the Python levels below.
 """
 
 from __future__ import annotations
