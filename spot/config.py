@@ -25,7 +25,7 @@ class SpotConfig:
     window: int = 256  # pairs per packed window
     max_micro_steps: int | None = None  # per idle window; None: until the window ends
     # The drafter's optimiser (spot.drafter_training.DrafterOptim): warmup, then constant.
-    lr: float = 1.0e-3
+    lr: float = 3.0e-4
     warmup_steps: int = 0
     weight_decay: float = 0.01
     grad_clip: float = 1.0
