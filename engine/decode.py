@@ -60,8 +60,9 @@ def _sync(device: torch.device) -> None:
 
 
 class GenerateRun:
-    def __init__(self, engine, requests: list[Request], params: SamplingParams, progress) -> None:
+    def __init__(self, engine, requests: list[Request], params: SamplingParams, progress, should_stop=None) -> None:
         self.e, self.requests, self.params, self.progress = engine, requests, params, progress
+        self.should_stop = should_stop
         self.device = engine.device
         self.t0 = time.perf_counter()
         self.prefill_s = 0.0
@@ -79,13 +80,20 @@ class GenerateRun:
         self.hidden_layers = tuple(sorted(set(self.drafter_layers) | set(self.sink_layers)))
 
     def run(self) -> RolloutBatch:
+        preempted = False
         while self.pending or self.state.active:
             self.admit()
             self.retire()
             if self.state.active:
                 self.step()
+                if self.should_stop is not None and self.should_stop():
+                    preempted = True
+                    self.state.preempt()
                 self.retire()
-        return RolloutBatch(rollouts=self.rollouts, steps=self.steps, prefill_s=self.prefill_s,  # type: ignore[arg-type]
+            if preempted:
+                break
+        rollouts = [r for r in self.rollouts if r is not None] if preempted else self.rollouts
+        return RolloutBatch(rollouts=rollouts, steps=self.steps, prefill_s=self.prefill_s,  # type: ignore[arg-type]
                             wall_s=time.perf_counter() - self.t0, policy_version=self.e.version)
 
     # -- admission -------------------------------------------------------------------------
@@ -368,7 +376,8 @@ class GenerateRun:
             self.rollouts[idx] = Rollout(
                 prompt_id=req.prompt_id, sample=k, prompt_tokens=len(req.prompt), tokens=state.tokens[i, :n].tolist(),
                 logprobs=state.logprobs[i, :n].tolist(),
-                finish_reason=FinishReason.STOP if bool(state.stopped[i]) else FinishReason.LENGTH,
+                finish_reason=(FinishReason.STOP if bool(state.stopped[i]) else
+                               FinishReason.PREEMPTED if bool(state.preempted[i]) else FinishReason.LENGTH),
                 policy_version=e.version, timings={"admitted_s": admitted, "finished_s": now},
             )
             if e.drafter is not None:

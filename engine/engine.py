@@ -183,12 +183,16 @@ class RolloutEngine:
                 raise ValueError(f"prompt {r.prompt_id!r} has token ids outside the vocabulary: {bad[:5]}")
 
     @torch.inference_mode()
-    def generate(self, requests: list[Request], params: SamplingParams, progress=None) -> RolloutBatch:
+    def generate(self, requests: list[Request], params: SamplingParams, progress=None,
+                 should_stop=None) -> RolloutBatch:
         """Generates n samples per request: rollouts in request order, then sample order, with
         one step record per decode step. `progress`, if given, is called with the number of
-        rollouts finished so far."""
+        rollouts finished so far. `should_stop()`, if given, is checked after every decode step:
+        once true, the active rows end as FinishReason.PREEMPTED (each a prefix of the response it
+        would have become: the noise is keyed by position) and samples never admitted are left
+        out, so the batch may hold fewer rollouts than asked for (pre-generation, [F])."""
         self.check(requests)
         self._check_fresh()
         if self.drafter is not None:
             self.drafter.reset(self.cfg.max_batch, self.max_len, params, self.limits)
-        return GenerateRun(self, requests, params, progress).run()
+        return GenerateRun(self, requests, params, progress, should_stop).run()

@@ -20,6 +20,7 @@ class SlotState:
         self.sample = z()  # sample index within its request
         self.stopped = z(torch.bool)
         self.done = z(torch.bool)
+        self.preempted = z(torch.bool)  # ended by generate's should_stop (the run ends with this step)
         self.tokens = torch.zeros(max_batch, max_new, dtype=torch.long, device=device)
         self.logprobs = torch.zeros(max_batch, max_new, dtype=torch.float32, device=device)
         self.prompt_ids: list[str] = [""] * max_batch
@@ -28,14 +29,20 @@ class SlotState:
         self.active = 0
 
     def _tensors(self) -> list[torch.Tensor]:
-        return [self.keys, self.generated, self.limit, self.rollout, self.sample, self.stopped, self.done, self.tokens,
-                self.logprobs]
+        return [self.keys, self.generated, self.limit, self.rollout, self.sample, self.stopped, self.done, self.preempted,
+                self.tokens, self.logprobs]
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for t in self._tensors():
             t[dst] = t[src]
         for s, d in zip(src.tolist(), dst.tolist()):
             self.prompt_ids[d], self.prompts[d], self.drafts[d] = self.prompt_ids[s], self.prompts[s], self.drafts[s]
+
+    def preempt(self) -> None:
+        """Ends every active row that is not done yet, as preempted."""
+        b = self.active
+        self.preempted[:b] = ~self.done[:b]
+        self.done[:b] = True
 
     def roots(self, b: int) -> torch.Tensor:  # [b] last emitted token of each active row
         return self.tokens[:b].gather(1, (self.generated[:b] - 1).unsqueeze(1)).squeeze(1)

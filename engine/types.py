@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # a stop token was emitted (it is the rollout's last token)
     LENGTH = "length"  # max_new_tokens, or the context, ran out
+    PREEMPTED = "preempted"  # generate(..., should_stop) was told to stop: a prefix of the full response
 
 
 @dataclass(kw_only=True)

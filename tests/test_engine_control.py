@@ -368,3 +368,30 @@ def test_the_tail_policy_speculates_exactly_once_the_batch_has_thinned_to_its_th
     same_rollouts(out, reference)
     assert {r.batch_size > 4 for r in out.steps} == {True, False}  # the batch did thin past the threshold
     assert all((r.shape == "off") == (r.batch_size > 4) for r in out.steps)
+
+
+# -- preemption (pre-generation in idle windows, [F]) ---------------------------------------------
+@pytest.mark.parametrize("name", ["off", "eagle"])
+def test_a_preempted_generate_returns_prefixes_of_the_full_rollouts(target, name):
+    reqs = requests(n=3, count=3)  # 9 rows > max_batch 4: some are never admitted
+    full = {(r.prompt_id, r.sample): r.tokens for r in engine(target, DRAFTERS[name](target) if name != "off" else None,
+                                                             max_batch=4).generate(reqs, PARAMS["T1"])}
+    calls = []
+
+    def stop_after_three() -> bool:
+        calls.append(1)
+        return len(calls) >= 3
+
+    e = engine(target, DRAFTERS[name](target) if name != "off" else None, max_batch=4)
+    batch = e.generate(reqs, PARAMS["T1"], should_stop=stop_after_three)
+    assert len(batch.steps) == 3 and 0 < len(batch.rollouts) < len(full)
+    preempted = [r for r in batch if r.finish_reason.value == "preempted"]
+    assert preempted  # rows still running at the third step
+    for r in batch:
+        whole = full[(r.prompt_id, r.sample)]
+        assert whole[: len(r.tokens)] == r.tokens  # the same noise: a prefix of what it would have become
+        if r.finish_reason.value != "preempted":
+            assert r.tokens == whole
+    # The engine is reusable after a preemption: the next call is complete and identical.
+    again = e.generate(reqs, PARAMS["T1"])
+    assert {(r.prompt_id, r.sample): r.tokens for r in again} == full
