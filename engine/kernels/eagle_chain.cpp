@@ -221,7 +221,7 @@ extern "C" void eagle_tree_draft(
   std::vector<int64_t> front_idx(b * K, -1);  // pool index of each frontier node (-1: the root)
   std::vector<float> front_score(b * K, 0.f);
   std::vector<uint8_t> front_anc(b * K * tent, 0), next_anc(b * K * tent, 0);  // tentative slots each sees
-  std::vector<int64_t> order(K * K), idx(K), tok(b * K), row(b * K), slot(b * K), best(K);
+  std::vector<int64_t> order(K * K), idx(K), tok(b * K), row(b * K), slot(b * K);
   std::vector<uint8_t> active(b * K, 1);
   std::vector<const float*> feat(b * K), c(b * K), s(b * K);
   std::vector<float*> out(b * K);
