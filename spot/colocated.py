@@ -19,7 +19,8 @@ import torch.distributed as dist
 from engine.spec.eagle import EagleModel
 from spot.buffer import DataBuffer, reclaim_stale, segment_name
 from spot.config import SpotConfig
-from spot.coordinator import ControlPlane, SpotSettings, SpotWork
+from common.control import ControlPlane
+from spot.coordinator import SpotSettings, SpotWork
 from spot.drafter_training import DrafterOptim
 from spot.sink import DataBufferSink
 from spot.trainer import SpotTrainer

@@ -1,10 +1,9 @@
 """The rank coordinator: spot training in each rank's idle window, one drafter for all ranks.
 
-Per rank and step, a state machine kept in the job's TCPStore (torch.distributed's default
-store, the control plane: no Redis, ZMQ or Ray):
+Per rank and step, a state machine kept in the job's TCPStore (common.control, the control
+plane: no Redis, ZMQ or Ray):
 
     GENERATING --rollouts done--> IDLE --spot work--> TRAINING --last rank done--> BARRIER
-                                       (PREGENERATING: bubble drafts, [F])
 
 `SpotWork` is the loop's idle-window hook (pipeline.idle.IdleWork). While a rank generates,
 its engine's feature sink collects the target's features; when its rollouts are done they go
@@ -23,45 +22,15 @@ it is `spot/overrun_s`, time the step pays for spot training.
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from common.control import ControlPlane, RankState
 from spot.buffer import DataBuffer
 from spot.trainer import SpotTrainer
-
-
-class RankState(str, enum.Enum):
-    GENERATING = "generating"
-    IDLE = "idle"
-    TRAINING = "training"
-    PREGENERATING = "pregenerating"  # reserved for bubble drafts ([F])
-    BARRIER = "barrier"
-
-
-class ControlPlane:
-    """Every rank's (step, state) in a store (a torch.distributed Store: TCPStore in a job)."""
-
-    def __init__(self, store, rank: int, world: int, prefix: str = "tailspec/spot") -> None:
-        self.store, self.rank, self.world, self.prefix = store, rank, world, prefix
-
-    def set(self, step: int, state: RankState) -> None:
-        self.store.set(f"{self.prefix}/state/{self.rank}", f"{step} {state.value}")
-
-    def states(self) -> list[tuple[int, RankState] | None]:
-        """Each rank's last (step, state), None for a rank that never set one."""
-        out = []
-        for r in range(self.world):
-            key = f"{self.prefix}/state/{r}"
-            if not self.store.check([key]):
-                out.append(None)
-                continue
-            step, state = self.store.get(key).decode().split()
-            out.append((int(step), RankState(state)))
-        return out
 
 
 def weighted_average(named: list[tuple[str, torch.Tensor]], weight: float) -> list[tuple[str, torch.Tensor]] | None:

@@ -23,7 +23,7 @@ from engine.spec.eagle import EagleConfig, EagleModel
 from engine.spec.eagle_drafter import EagleDrafter
 from engine.types import Request
 from spot.buffer import DataBuffer
-from spot.coordinator import RankState
+from common.control import RankState
 from spot.features import TokenSequence, capture_features
 from spot.sink import DataBufferSink
 from tests.conftest import REPO

@@ -5,14 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-DRAFTERS = ("eagle", "eagle3", "ngram", "ngram+eagle", "ngram+eagle3")
+DRAFTERS = ("eagle", "eagle3", "ngram", "ngram+eagle", "ngram+eagle3", "pregenerated+eagle", "pregenerated+eagle3",
+            "pregenerated+ngram+eagle", "pregenerated+ngram+eagle3")
 
 
 @dataclass(kw_only=True)
 class SpecConfig:
     enabled: bool = False
     # eagle | eagle3 (a trained one-layer drafter at `drafter_path`), ngram (model-free), or a
-    # fallback composition "ngram+eagle": n-gram drafts where a match exists, eagle elsewhere.
+    # fallback composition "ngram+eagle": n-gram drafts where a match exists, eagle elsewhere;
+    # "pregenerated+...": a row's pre-generated response first (bubble drafts, pipeline.bubble).
     drafter: str = "eagle"
     drafter_path: str | None = None
     depth: int = 6  # draft levels below the root

@@ -17,6 +17,10 @@ def build_drafter(cfg: SpecConfig, target: Transformer) -> Drafter | None:
             from engine.spec.ngram import NgramDrafter
 
             parts.append(NgramDrafter())
+        elif name == "pregenerated":
+            from engine.spec.pregenerated import PregeneratedDrafter
+
+            parts.append(PregeneratedDrafter())
         else:
             from engine.spec.eagle_drafter import EagleDrafter
 

@@ -31,7 +31,8 @@ def worker(rank: int, world: int, port: int, out: str, model_dir: str, buffer_na
         from pipeline.idle import idle_window
         from spot.buffer import DataBuffer
         from spot.colocated import drafter_copy
-        from spot.coordinator import ControlPlane, SpotSettings, SpotWork
+        from common.control import ControlPlane
+        from spot.coordinator import SpotSettings, SpotWork
         from spot.drafter_training import DrafterOptim
         from spot.trainer import SpotTrainer
 
