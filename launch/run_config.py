@@ -8,6 +8,7 @@ from typing import Literal
 from engine.config import EngineConfig
 from pipeline.actors.base import ActorConfig
 from pipeline.algorithms.config import AlgorithmConfig
+from pipeline.bubble import BubbleConfig
 from pipeline.metrics.config import MetricsConfig
 from spot.config import SpotConfig
 
@@ -112,3 +113,13 @@ class TrainConfig:
     trainer: TrainerSection = field(default_factory=TrainerSection)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     spot: SpotConfig = field(default_factory=SpotConfig)
+    bubble: BubbleConfig = field(default_factory=BubbleConfig)
+
+    def validate(self) -> None:
+        if self.bubble.enabled:
+            if not (self.engine.spec.enabled and self.engine.spec.drafter.startswith("pregenerated+")):
+                raise ValueError("bubble.enabled needs engine.spec.enabled: true and a drafter that proposes pre-generated "
+                                 f"responses first (engine.spec.drafter: pregenerated+eagle), got {self.engine.spec.drafter!r}")
+            if self.trainer.async_steps:
+                raise ValueError("bubble.enabled pre-generates step t+1 with policy t in step t's idle window; with "
+                                 "trainer.async_steps=1 step t+1 is rolled out before that window: use one or the other")

@@ -125,8 +125,11 @@ def run(cfg: TrainConfig, r: Ranks) -> dict:
 def _train(cfg, r, run_dir, log, engine, actor, tokenizer, task, loader, held_out, start, reference, idle_work) -> dict:
     logger = MetricsLogger.from_config(run_dir, cfg.metrics, rank=r.rank, run_name=run_dir.name,
                                        resolved_config=to_dict(cfg), resume_after_step=start if cfg.trainer.resume else None)
+    bubbles = None
+    if cfg.bubble.enabled:
+        idle_work, bubbles = _with_bubbles(cfg, r, engine, tokenizer, loader, idle_work, lambda step: trainer.sampling(step))
     trainer = Trainer(cfg, r, engine, actor, tokenizer, task, loader, held_out, run_dir, start_step=start,
-                      reference=reference, idle_work=idle_work)
+                      reference=reference, idle_work=idle_work, bubbles=bubbles)
     tc = cfg.trainer
     accuracy = {}
     with logger:
@@ -157,6 +160,25 @@ def _train(cfg, r, run_dir, log, engine, actor, tokenizer, task, loader, held_ou
             if (run_dir / name).exists():
                 log(f"wrote {run_dir / name}")
     return summary
+
+
+def _with_bubbles(cfg: TrainConfig, r: Ranks, engine, tokenizer, loader, spot_work, sampling_for):
+    """Bubble pre-generation first in every idle window, then spot training if it is on."""
+    from common.control import ControlPlane
+    from engine.types import Request
+    from pipeline.bubble import BubbleStore, BubbleWork
+    from pipeline.idle import IdleSequence
+    from pipeline.rollouts import encode_problem
+
+    store = BubbleStore(cfg.bubble.max_tokens)
+
+    def requests_for() -> list[Request]:  # this rank's shard of the next step
+        return [Request(prompt_id=p.id, prompt=encode_problem(tokenizer, p, cfg.task.chat), n=cfg.rollout.n)
+                for p in loader.peek()]
+
+    control = ControlPlane(dist.distributed_c10d._get_default_store(), r.rank, r.world) if r.world > 1 else None
+    bubble = BubbleWork(engine, requests_for, sampling_for, store, cfg.bubble, control)
+    return (IdleSequence([bubble, spot_work]) if spot_work is not None else bubble), store
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,3 +62,37 @@ def idle_window(r: Ranks, step: int, work: IdleWork | None) -> tuple[float, dict
     metrics = work.work(window)
     timed_barrier(r)
     return time.perf_counter() - t, metrics
+
+
+class IdleSequence:
+    """Several kinds of idle work in one window, in order (bubble pre-generation, then spot
+    training): each runs until the window ends or it stops by itself; the next one starts then,
+    with its own start time (so each reports its own share of the window)."""
+
+    def __init__(self, works: list[IdleWork]) -> None:
+        self.works = works
+
+    def begin(self, step: int) -> None:
+        for w in self.works:
+            w.begin(step)
+
+    def rollouts_done(self, step: int, batch: RolloutBatch) -> None:
+        for w in self.works:
+            w.rollouts_done(step, batch)
+
+    def work(self, window: IdleWindow) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for i, w in enumerate(self.works):
+            part = window if i == 0 else IdleWindow(window.step, window.rank, window.world, time.time(),
+                                                    window.others_done, window.all_done_at)
+            metrics.update(w.work(part))
+        return metrics
+
+    # Checkpoints: the parts that have state (spot training) save it.
+    def _stateful(self):
+        return next((w for w in self.works if hasattr(w, "save")), None)
+
+    def __getattr__(self, name: str):
+        if name in ("save", "state_dict", "load_state_dict") and (w := self._stateful()) is not None:
+            return getattr(w, name)
+        raise AttributeError(name)

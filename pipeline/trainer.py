@@ -48,10 +48,12 @@ class StepResult:
 class Trainer:
     def __init__(self, cfg, ranks: Ranks, engine: RolloutEngine, actor, tokenizer, task: Task, loader: PromptLoader,
                  eval_problems: list[Problem], run_dir, idle_work: IdleWork | None = None, start_step: int = 0,
-                 reference=None) -> None:
+                 reference=None, bubbles=None) -> None:
         self.cfg, self.r, self.engine, self.actor, self.tok, self.task = cfg, ranks, engine, actor, tokenizer, task
         self.loader, self.eval_problems, self.run_dir, self.idle_work = loader, eval_problems, run_dir, idle_work
         self.reference = reference  # a ReferencePolicy when algorithm.kl_coef > 0
+        self.bubbles = bubbles  # a pipeline.bubble.BubbleStore: drafts pre-generated for the coming steps
+        self.bubble_metrics: dict[str, float] = {}
         if cfg.algorithm.kl_coef > 0 and reference is None:
             raise ValueError("algorithm.kl_coef > 0 needs a reference policy (pipeline.reference.ReferencePolicy)")
         self.algo = build_algorithm(cfg.algorithm, cfg.rollout.max_new_tokens)
@@ -75,8 +77,13 @@ class Trainer:
                               seed=self.cfg.run.seed, step=step, stop_token_ids=self.stops)
 
     def _roll_out(self, step: int) -> ScoredRollouts:
+        drafts = self.bubbles.take(step) if self.bubbles is not None else None
         scored = roll_out(self.engine, self.tok, self.task, self.loader.next_step(), self.sampling(step), self.cfg.rollout.n,
-                          self.cfg.task.chat, self.reward)
+                          self.cfg.task.chat, self.reward, drafts=drafts)
+        if drafts is not None:
+            from pipeline.bubble import coverage_metrics
+
+            self.bubble_metrics = coverage_metrics(drafts, scored.batch.rollouts)
         if self.idle_work is not None:
             self.idle_work.rollouts_done(step, scored.batch)
         return scored
@@ -118,6 +125,7 @@ class Trainer:
         self.step_index = step + 1
         metrics.update(self._step_metrics(scored, rollout_s, idle_s, logprob_s, update_s, sync_s, time.perf_counter() - t_step))
         metrics.update(idle_metrics)
+        metrics.update(self._mean_over_ranks(self.bubble_metrics))
         if hasattr(self.engine.policy, "metrics"):
             metrics.update(self.engine.policy.metrics())
         lengths = [int(x) for row in gather_floats(self.r, [float(x) for x in scored.lengths.tolist()]) for x in row]
@@ -173,6 +181,19 @@ class Trainer:
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
         return {k: v / count for k, v in sums.items()} | first
+
+    def _mean_over_ranks(self, m: dict[str, float]) -> dict[str, float]:
+        """Means over ranks of per-rank metrics (every rank has the same keys, or none)."""
+        if self.bubbles is None:
+            return {}
+        keys = ["bubble/coverage", "bubble/token_coverage", "bubble/prefix_match"]
+        rows = gather_floats(self.r, [m.get(k, float("nan")) for k in keys])
+        out = {}
+        for i, k in enumerate(keys):
+            vals = [row[i] for row in rows if row[i] == row[i]]
+            if vals:
+                out[k] = sum(vals) / len(vals)
+        return out
 
     def _global_weights(self, mask: torch.Tensor) -> torch.Tensor:
         """The algorithm's aggregation weights for this rank's rows, rescaled so that they are

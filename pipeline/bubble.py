@@ -1,0 +1,152 @@
+"""Bubble drafts ([F]): idle ranks pre-generate the next step's rollouts, which become its drafts.
+
+A token is argmax(logits / T + g) with Gumbel noise g keyed by (seed, RL step, prompt, sample,
+position). In its idle window a rank rolls out *its own shard of step t+1* (the data loader's
+`peek`) with policy t and step t+1's sampling params, so with step t+1's noise keys. At step t+1
+the engine's `pregenerated` drafter proposes each row's pre-generated continuation; the draft
+and the target's own sample differ only where one policy update flipped an argmax, so with RL's
+small learning rates most of a response is accepted. The target still decides every token: the
+rollouts are those of autoregressive decoding, always.
+
+Pre-generation is preempted when the last rank's rollouts are done (`engine.generate(...,
+should_stop)`, checked after every decode step); a row cut there keeps its prefix, which is
+still a draft. The `BubbleStore` holds the drafts of one future step, keyed by (prompt id,
+sample), bounded by `bubble.max_tokens`; it lives in the rank's process, because a rank
+pre-generates only the prompts it will roll out itself (the loader's shards are fixed), so no
+draft has to cross ranks or nodes. (Stealing another rank's shard would need the drafts in the
+node's shared memory, as spot training's DataBuffer does, and across nodes a broadcast.)
+
+With spot training on too, a window is split: pre-generation first, for at most `bubble.share`
+of the window this rank had at the last step, then spot training for the rest.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from common.control import ControlPlane, RankState
+from engine.types import FinishReason, Request, Rollout
+
+
+@dataclass(kw_only=True)
+class BubbleConfig:
+    enabled: bool = False  # pre-generate the next step's rollouts in idle windows (needs engine.spec.drafter pregenerated+...)
+    share: float = 1.0  # of the last idle window given to pre-generation (the rest: spot training)
+    max_tokens: int = 1_000_000  # the store's bound (tokens over all drafts)
+    order: Literal["longest_prompt", "loader"] = "longest_prompt"  # which prompts are pre-generated first
+
+    def validate(self) -> None:
+        if not 0 < self.share <= 1:
+            raise ValueError(f"bubble.share must be in (0, 1], got {self.share}")
+        if self.max_tokens < 1:
+            raise ValueError(f"bubble.max_tokens must be >= 1, got {self.max_tokens}")
+
+
+class BubbleStore:
+    """The pre-generated responses of one future RL step, by (prompt id, sample); bounded in tokens."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.step: int | None = None
+        self.drafts: dict[tuple[str, int], list[int]] = {}
+        self.tokens = 0
+
+    def put(self, step: int, rollouts: Sequence[Rollout]) -> int:
+        """Keeps whole responses (or preempted prefixes) for `step` while they fit; returns how many."""
+        if step != self.step:
+            self.step, self.drafts, self.tokens = step, {}, 0
+        kept = 0
+        for ro in rollouts:
+            key, n = (ro.prompt_id, ro.sample), len(ro.tokens)
+            if n == 0 or key in self.drafts or self.tokens + n > self.max_tokens:
+                continue
+            self.drafts[key] = list(ro.tokens)
+            self.tokens += n
+            kept += 1
+        return kept
+
+    def take(self, step: int) -> dict[str, dict[int, list[int]]]:
+        """The drafts for `step` by prompt id, then sample; the store is empty afterwards."""
+        out: dict[str, dict[int, list[int]]] = {}
+        if step == self.step:
+            for (pid, sample), tokens in self.drafts.items():
+                out.setdefault(pid, {})[sample] = tokens
+        self.step, self.drafts, self.tokens = None, {}, 0
+        return out
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    diff = (torch.tensor(a[:n]) != torch.tensor(b[:n])).nonzero()
+    return int(diff[0]) if diff.numel() else n
+
+
+def coverage_metrics(drafts: dict[str, dict[int, list[int]]], rollouts: Sequence[Rollout]) -> dict[str, float]:
+    """How much of a step the bubble drafts covered, and how far they held: the share of rollouts
+    with a draft, of response tokens under a draft, and the mean share of a covered response
+    that equals its draft from the start (the first flipped argmax ends it)."""
+    covered = [(ro, drafts[ro.prompt_id][ro.sample]) for ro in rollouts
+               if ro.prompt_id in drafts and ro.sample in drafts[ro.prompt_id]]
+    total = sum(len(ro.tokens) for ro in rollouts)
+    out = {"bubble/coverage": len(covered) / max(len(rollouts), 1),
+           "bubble/token_coverage": sum(min(len(d), len(ro.tokens)) for ro, d in covered) / max(total, 1)}
+    if covered:
+        out["bubble/prefix_match"] = sum(common_prefix(ro.tokens, d) / max(len(ro.tokens), 1) for ro, d in covered) / len(covered)
+    return out
+
+
+class BubbleWork:
+    """pipeline.idle.IdleWork: pre-generates this rank's shard of the next step in the idle window."""
+
+    def __init__(self, engine, requests_for: Callable[[], list[Request]], sampling_for: Callable[[int], object],
+                 store: BubbleStore, cfg: BubbleConfig, control: ControlPlane | None = None) -> None:
+        self.engine, self.requests_for, self.sampling_for = engine, requests_for, sampling_for
+        self.store, self.cfg, self.control = store, cfg, control
+        self.last_window: float | None = None  # this rank's idle seconds at the last step
+
+    def begin(self, step: int) -> None:
+        pass
+
+    def rollouts_done(self, step: int, batch) -> None:
+        pass
+
+    def order(self, requests: list[Request]) -> list[Request]:
+        if self.cfg.order == "longest_prompt":  # longer problems, longer answers: the tail's rows first
+            return sorted(requests, key=lambda r: -len(r.prompt))
+        return requests
+
+    def work(self, window) -> dict[str, float]:
+        if self.control is not None:
+            self.control.set(window.step, RankState.PREGENERATING)
+        t0 = time.time()
+        budget = self.cfg.share * self.last_window if self.last_window is not None and self.cfg.share < 1 else None
+
+        def stop() -> bool:
+            return window.others_done() or (budget is not None and time.time() - t0 >= budget)
+
+        rollouts: list[Rollout] = []
+        if not stop():
+            sink, self.engine.sink = self.engine.sink, None  # pre-generated rows are not training data
+            try:
+                batch = self.engine.generate(self.order(self.requests_for()), self.sampling_for(window.step + 1),
+                                             should_stop=stop)
+            finally:
+                self.engine.sink = sink
+            rollouts = batch.rollouts
+        kept = self.store.put(window.step + 1, rollouts)
+        spent = time.time() - t0
+        self.last_window = max(0.0, window.all_done_at() - window.started)
+        sums = torch.tensor([spent, float(len(rollouts)), float(kept), float(sum(len(r.tokens) for r in rollouts)),
+                             float(sum(r.finish_reason == FinishReason.PREEMPTED for r in rollouts)), self.last_window],
+                            dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sums)
+        return {"bubble/pregen_s": float(sums[0]), "bubble/pregenerated": float(sums[1]), "bubble/kept": float(sums[2]),
+                "bubble/pregen_tokens": float(sums[3]), "bubble/preempted": float(sums[4]),
+                "bubble/idle_s": float(sums[5]), "bubble/store_tokens": float(self.store.tokens)}
