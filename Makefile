@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # OpenMP workers spin briefly between ops, then sleep (engine/__init__.py sets the same default).
 export GOMP_SPINCOUNT ?= 10000
 
-.PHONY: setup test test-fast train models pretrain-tiny bench bench-spec bench-e2e bench-spot drafters sim clean help
+.PHONY: setup test test-fast train models pretrain-tiny bench bench-spec bench-e2e bench-spot bench-bubble bench-longtail drafters sim clean help
 
 help:
 	@echo "make setup          create .venv (CPU torch 2.13.0, project editable with test extras)"
@@ -21,6 +21,8 @@ help:
 	@echo "make bench-spec     speculative vs autoregressive on the tiny model and SmolLM2"
 	@echo "make bench-e2e      RL steps with speculation on vs off on the tiny config (identical runs, step-time ratio)"
 	@echo "make bench-spot     RL steps with spot training vs a frozen drafter on 2 ranks (free? does it follow the policy?)"
+	@echo "make bench-bubble   bubble drafts at step t+1 (pre-generated with policy t) vs autoregressive and EAGLE, over learning rates"
+	@echo "make bench-longtail one long-tailed rollout: autoregressive, each tuner arm, TLT's threshold, the tuner"
 	@echo "make sim            project the cluster scenarios (sim/scenarios) into docs/SIMULATOR.md's figures"
 
 # Setup is stamped on the files that define it: seconds when nothing changed.
@@ -78,6 +80,13 @@ bench-spec: drafters
 
 bench-e2e: setup checkpoints/tiny/config.json checkpoints/tiny-drafter/config.json
 	$(PY) -m bench.e2e --config configs/tiny.yaml --steps 6
+
+bench-bubble: setup checkpoints/tiny/config.json checkpoints/tiny-drafter/config.json
+	$(PY) -m bench.bubble --config configs/tiny.yaml --lrs 3e-5,1e-4,3e-4,1e-3 --plot docs/figures/bubble_lr.png
+
+bench-longtail: setup checkpoints/tiny/config.json checkpoints/tiny-drafter/config.json
+	$(PY) -m bench.longtail --model checkpoints/tiny --drafter checkpoints/tiny-drafter --requests 64 --n 4 \
+		--plot docs/figures/longtail_tiny.png
 
 # Spot training is free and keeps the drafter on the policy: 20 steps at a learning rate that moves it.
 bench-spot: setup checkpoints/tiny/config.json checkpoints/tiny-drafter/config.json
