@@ -66,9 +66,11 @@ def one_lr(cfg: TrainConfig, lr: float, out: Path) -> dict:
     engine.load_weights(actor.named_weights(), version=0)
     trainer = Trainer(cfg, Ranks(), engine, actor, tok, task, loader, [], out)
 
-    def requests(drafts=None):  # step t+1's shard
+    upcoming = loader.peek(2)  # step t+1's shard (step t is the next one the loader hands out)
+
+    def requests(drafts=None):
         return [Request(prompt_id=p.id, prompt=encode_problem(tok, p, cfg.task.chat), n=cfg.rollout.n,
-                        drafts=(drafts or {}).get(p.id)) for p in loader.peek(2)]
+                        drafts=(drafts or {}).get(p.id)) for p in upcoming]
 
     t = 0
     pre = by_key(engine.generate(requests(), trainer.sampling(t + 1)))  # policy t, step t+1's noise

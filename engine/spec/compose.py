@@ -2,7 +2,8 @@
 
 Typical use: `ngram+eagle` drafts from sibling responses where a suffix matches (free, and
 often long), and from the EAGLE network elsewhere. Every drafter sees every hook, so each keeps
-its state current even on steps where another one's draft was used.
+its state current even on steps where another one's draft was used; when an earlier drafter
+drafts every row, the later ones are not asked at all on that step.
 """
 
 from __future__ import annotations
@@ -54,8 +55,14 @@ class FallbackDrafter(DrafterBase):
         return next((s for s in (d.stale() for d in self.drafters) if s), None)
 
     def propose(self, ctx: DraftContext) -> DraftTree:
-        # Every drafter proposes (model drafters must run their catch-up every step anyway).
-        trees = [d.propose(ctx) for d in self.drafters]
+        # In order, until every row has a draft: the later drafters' turn is then skipped, which
+        # is an off step for them (a model drafter keeps taking in the pass's pairs through
+        # update() and catches up on its next propose).
+        trees = []
+        for d in self.drafters:
+            trees.append(d.propose(ctx))
+            if d is not self.drafters[-1] and bool((trees[-1].num_nodes > 0).all()):
+                return trees[-1]
         b = ctx.roots.shape[0]
         choice = torch.full((b,), len(trees) - 1, dtype=torch.long)
         for i in reversed(range(len(trees) - 1)):
