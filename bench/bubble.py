@@ -10,7 +10,8 @@ requests are generated three ways with policy t+1, all asserted to give identica
 - the config's drafter (EAGLE, no bubble drafts);
 - bubble drafts first (`pregenerated+<drafter>`), falling back to the drafter where a draft runs out.
 
-Every row is covered (the bench pre-generates the whole shard; how much of a step the idle
+Speculating ways follow the config's speculation policy (`engine.spec.max_active_batch`: only in
+the tail; `engine.spec.max_active_batch=null`: every step). Every row is covered (the bench pre-generates the whole shard; how much of a step the idle
 windows cover in a real run is `bubble/coverage` in the run's metrics). Prints, per learning
 rate, target forward passes (decode steps), wall time and accept length of each way, and the
 ratios bubble / autoregressive. `--plot` draws accept length against the learning rate. The
@@ -53,14 +54,13 @@ def timed_generate(engine, requests, params):
     return batch, time.perf_counter() - t
 
 
-def one_lr(cfg: TrainConfig, lr: float, out: Path) -> dict:
+def one_lr(cfg: TrainConfig, lr: float, out: Path, batch1: int = 0) -> dict:
     cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, lr=lr))
     tok = load_tokenizer(cfg.model.path)
     task, train_problems, _ = problems_for(cfg)
     loader = PromptLoader(train_problems, cfg.trainer.prompts_per_step, cfg.run.seed)
     base = cfg.engine.spec.drafter
-    bubble_cfg = dataclasses.replace(cfg.engine, spec=dataclasses.replace(cfg.engine.spec, drafter=f"pregenerated+{base}",
-                                                                          max_active_batch=None))
+    bubble_cfg = dataclasses.replace(cfg.engine, spec=dataclasses.replace(cfg.engine.spec, drafter=f"pregenerated+{base}"))
     engine = RolloutEngine.from_pretrained(cfg.model.path, bubble_cfg)
     actor = build_actor(cfg.actor, cfg.model.path)
     engine.load_weights(actor.named_weights(), version=0)
@@ -88,12 +88,32 @@ def one_lr(cfg: TrainConfig, lr: float, out: Path) -> dict:
     ways["bubble"] = timed_generate(engine, requests(drafts), params)
     ref = by_key(ways["autoregressive"][0])
     identical = all(by_key(b) == ref for b, _ in ways.values())
+    if batch1:  # the same rows one at a time (sample 0 of the first prompts): where a CPU decode step is cheapest
+        solo = {}
+        for name, eng in (("autoregressive", ar), ("drafter", None), ("bubble", engine)):
+            if eng is None:
+                engine.drafter = bubble.drafters[-1]
+            steps = wall = accepted = drafted = 0
+            for req in requests(drafts)[:batch1]:
+                one = Request(prompt_id=req.prompt_id, prompt=req.prompt, n=1,
+                              drafts={0: drafts[req.prompt_id][0]} if name == "bubble" else None)
+                b, w = timed_generate(engine if eng is None else eng, [one], params)
+                identical &= b.rollouts[0].tokens == ref[(req.prompt_id, 0)]
+                steps, wall = steps + len(b.steps), wall + w
+                accepted, drafted = accepted + b.stats.accepted, drafted + b.stats.speculative_steps
+            engine.drafter = bubble
+            solo[name] = {"decode_steps": steps, "wall_s": round(wall, 3),
+                          "accept_len": round(1 + accepted / drafted, 3) if drafted else 1.0}
     row = {"lr": lr, "identical": identical, "policy_changed_tokens": sum(ref[k] != pre[k] for k in ref) / len(ref)}
     for name, (batch, wall) in ways.items():
         row[name] = {"decode_steps": len(batch.steps), "wall_s": round(wall, 3), "accept_len": round(batch.stats.accept_len, 3)}
     row["decode_steps_ratio"] = round(row["bubble"]["decode_steps"] / row["autoregressive"]["decode_steps"], 3)
     row["rollout_ratio"] = round(row["autoregressive"]["wall_s"] / row["bubble"]["wall_s"], 3)
     row["vs_drafter"] = round(row["drafter"]["wall_s"] / row["bubble"]["wall_s"], 3)
+    if batch1:
+        row["batch1"] = solo | {"rows": batch1,
+                                "rollout_ratio": round(solo["autoregressive"]["wall_s"] / solo["bubble"]["wall_s"], 3),
+                                "vs_drafter": round(solo["drafter"]["wall_s"] / solo["bubble"]["wall_s"], 3)}
     return row
 
 
@@ -123,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="configs/tiny.yaml")
     p.add_argument("--lrs", default=None, help="actor learning rates, comma-separated (default: the config's)")
     p.add_argument("--plot", default=None)
+    p.add_argument("--batch1", type=int, default=0, help="also time the first K prompts' sample 0 one at a time (batch 1)")
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*", help="section.key=value")
     args = p.parse_args(argv)
@@ -138,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     torch.set_num_threads(torch.get_num_threads())
     out = Path(tempfile.mkdtemp(prefix="tailspec-bubble-"))
-    sweep = [one_lr(cfg, lr, out / f"lr{lr:g}") for lr in lrs]
+    sweep = [one_lr(cfg, lr, out / f"lr{lr:g}", args.batch1) for lr in lrs]
     head = sweep[0]
     print(f"cpu: {cpu_model()}", file=sys.stderr)
     print(f"{'lr':>8} {'way':>15} {'decode steps':>13} {'wall s':>8} {'accept':>7}", file=sys.stderr)
@@ -149,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'':>8} bubble / AR decode steps {r['decode_steps_ratio']:.2f}, rollout speed-up {r['rollout_ratio']:.2f}x "
               f"(vs the drafter alone {r['vs_drafter']:.2f}x); {r['policy_changed_tokens']:.0%} of responses changed by the "
               f"update; identical: {r['identical']}", file=sys.stderr)
+        if "batch1" in r:
+            b1 = r["batch1"]
+            print(f"{'':>8} batch 1 ({b1['rows']} rows one at a time): decode steps AR {b1['autoregressive']['decode_steps']}, "
+                  f"drafter {b1['drafter']['decode_steps']}, bubble {b1['bubble']['decode_steps']}; bubble {b1['rollout_ratio']:.2f}x "
+                  f"autoregressive, {b1['vs_drafter']:.2f}x the drafter; accept {b1['bubble']['accept_len']:.2f}", file=sys.stderr)
     result = {"decode_steps_ratio": head["decode_steps_ratio"], "rollout_ratio": head["rollout_ratio"], "coverage": 1.0,
               "accept_len_covered": head["bubble"]["accept_len"], "identical": all(r["identical"] for r in sweep),
               "sweep": sweep, "config": args.config, "overrides": args.overrides, "cpu": cpu_model()}

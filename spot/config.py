@@ -20,12 +20,12 @@ class SpotConfig:
     buffer_entries: int = 4096  # header slots (entries held at most)
     feature_dtype: Literal["float32", "bfloat16"] = "float32"
     # Sampling: entries per micro-step, and the share of the previous step's long responses.
-    rows_per_step: int = 8
+    rows_per_step: int = 16
     offset_ratio: float = 0.25
     window: int = 256  # pairs per packed window
     max_micro_steps: int | None = None  # per idle window; None: until the window ends
     # The drafter's optimiser (spot.drafter_training.DrafterOptim): warmup, then constant.
-    lr: float = 3.0e-4
+    lr: float = 1.0e-4
     warmup_steps: int = 0
     weight_decay: float = 0.01
     grad_clip: float = 1.0
