@@ -82,7 +82,8 @@ bench-e2e: setup checkpoints/tiny/config.json checkpoints/tiny-drafter/config.js
 	$(PY) -m bench.e2e --config configs/tiny.yaml --steps 6
 
 bench-bubble: setup checkpoints/tiny/config.json checkpoints/tiny-drafter/config.json
-	$(PY) -m bench.bubble --config configs/tiny.yaml --lrs 3e-5,1e-4,3e-4,1e-3 --plot docs/figures/bubble_lr.png
+	$(PY) -m bench.bubble --config configs/tiny.yaml --lrs 3e-5,1e-4,3e-4,1e-3 --batch1 16 --plot docs/figures/bubble_lr.png \
+		engine.spec.max_active_batch=null
 
 bench-longtail: setup checkpoints/tiny/config.json checkpoints/tiny-drafter/config.json
 	$(PY) -m bench.longtail --model checkpoints/tiny --drafter checkpoints/tiny-drafter --requests 64 --n 4 \

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 DRAFTERS = ("eagle", "eagle3", "ngram", "ngram+eagle", "ngram+eagle3", "pregenerated+eagle", "pregenerated+eagle3",
-            "pregenerated+ngram+eagle", "pregenerated+ngram+eagle3")
+            "pregenerated+ngram", "pregenerated+ngram+eagle", "pregenerated+ngram+eagle3")
 
 
 @dataclass(kw_only=True)
