@@ -33,6 +33,7 @@ import torch
 from bench.common import cpu_model, emit_json
 from common.text import load_tokenizer
 from engine.engine import RolloutEngine
+from engine.spec.factory import build_drafter
 from engine.types import Request
 from launch.config import load_config
 from launch.run_config import TrainConfig
@@ -82,26 +83,27 @@ def one_lr(cfg: TrainConfig, lr: float, out: Path, batch1: int = 0) -> dict:
     ar = RolloutEngine(engine.model, dataclasses.replace(cfg.engine, spec=dataclasses.replace(cfg.engine.spec, enabled=False)))
     ways = {}
     ways["autoregressive"] = timed_generate(ar, requests(), params)
-    engine.drafter, bubble = engine.drafter.drafters[-1], engine.drafter  # the config's drafter alone
+    # Fresh drafters for every way: an n-gram drafter remembers a step's finished responses across
+    # calls, and those are the very rollouts measured here.
+    engine.attach_drafter(build_drafter(bubble_cfg.spec, engine.model).drafters[-1])  # the config's drafter alone
     ways["drafter"] = timed_generate(engine, requests(), params)
-    engine.drafter = bubble
+    engine.attach_drafter(build_drafter(bubble_cfg.spec, engine.model))
     ways["bubble"] = timed_generate(engine, requests(drafts), params)
     ref = by_key(ways["autoregressive"][0])
     identical = all(by_key(b) == ref for b, _ in ways.values())
     if batch1:  # the same rows one at a time (sample 0 of the first prompts): where a CPU decode step is cheapest
         solo = {}
         for name, eng in (("autoregressive", ar), ("drafter", None), ("bubble", engine)):
-            if eng is None:
-                engine.drafter = bubble.drafters[-1]
+            fresh = build_drafter(bubble_cfg.spec, engine.model)
+            engine.attach_drafter(fresh.drafters[-1] if eng is None else fresh)
             steps = wall = accepted = drafted = 0
             for req in requests(drafts)[:batch1]:
                 one = Request(prompt_id=req.prompt_id, prompt=req.prompt, n=1,
                               drafts={0: drafts[req.prompt_id][0]} if name == "bubble" else None)
-                b, w = timed_generate(engine if eng is None else eng, [one], params)
+                b, w = timed_generate(ar if name == "autoregressive" else engine, [one], params)
                 identical &= b.rollouts[0].tokens == ref[(req.prompt_id, 0)]
                 steps, wall = steps + len(b.steps), wall + w
                 accepted, drafted = accepted + b.stats.accepted, drafted + b.stats.speculative_steps
-            engine.drafter = bubble
             solo[name] = {"decode_steps": steps, "wall_s": round(wall, 3),
                           "accept_len": round(1 + accepted / drafted, 3) if drafted else 1.0}
     row = {"lr": lr, "identical": identical, "policy_changed_tokens": sum(ref[k] != pre[k] for k in ref) / len(ref)}
