@@ -237,6 +237,7 @@ class GenerateRun:
             index=len(self.steps), batch_size=b, shape=shape.label if shape is not None else "off",
             drafted=drafted.tolist(), accepted=verdict.num_accepted.tolist(), emitted=emitted.tolist(),
             context_mean=context, draft_s=draft_s, forward_s=forward_s, other_s=other_s,
+            source=tree.source.tolist() if tree is not None and tree.source is not None else None,
         ))
 
     def _forward(self, entries, pos, slots, mask):

@@ -61,6 +61,7 @@ class StepRecord:
     draft_s: float  # proposing drafts
     forward_s: float  # the target forward (device-synchronised)
     other_s: float  # sampling, verification, KV commit, emission, drafter and sink updates
+    source: list[int] | None = None  # per row, which drafter of a composition drafted it (None: one drafter, or off)
 
     @property
     def seconds(self) -> float:

@@ -101,6 +101,22 @@ def coverage_metrics(drafts: dict[str, dict[int, list[int]]], rollouts: Sequence
     return out
 
 
+def draft_metrics(steps, source: int = 0) -> dict[str, float]:
+    """From a generate call's step records: the rows the bubble drafter (part `source` of the
+    composition, `pregenerated` first) drafted: their accept length (tokens per verify) and the
+    target passes it saved them (every accepted draft token is one decode step less for its row)."""
+    rows = emitted = accepted = 0
+    for s in steps:
+        if s.source is None:
+            continue
+        for src, e, a in zip(s.source, s.emitted, s.accepted):
+            if src == source:
+                rows, emitted, accepted = rows + 1, emitted + e, accepted + a
+    if rows == 0:
+        return {}
+    return {"bubble/accept_len": emitted / rows, "bubble/passes_saved": float(accepted)}
+
+
 class BubbleWork:
     """pipeline.idle.IdleWork: pre-generates this rank's shard of the next step in the idle window."""
 

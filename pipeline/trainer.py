@@ -81,9 +81,9 @@ class Trainer:
         scored = roll_out(self.engine, self.tok, self.task, self.loader.next_step(), self.sampling(step), self.cfg.rollout.n,
                           self.cfg.task.chat, self.reward, drafts=drafts)
         if drafts is not None:
-            from pipeline.bubble import coverage_metrics
+            from pipeline.bubble import coverage_metrics, draft_metrics
 
-            self.bubble_metrics = coverage_metrics(drafts, scored.batch.rollouts)
+            self.bubble_metrics = coverage_metrics(drafts, scored.batch.rollouts) | draft_metrics(scored.batch.steps)
         if self.idle_work is not None:
             self.idle_work.rollouts_done(step, scored.batch)
         return scored
@@ -186,13 +186,13 @@ class Trainer:
         """Means over ranks of per-rank metrics (every rank has the same keys, or none)."""
         if self.bubbles is None:
             return {}
-        keys = ["bubble/coverage", "bubble/token_coverage", "bubble/prefix_match"]
+        keys = ["bubble/coverage", "bubble/token_coverage", "bubble/prefix_match", "bubble/accept_len", "bubble/passes_saved"]
         rows = gather_floats(self.r, [m.get(k, float("nan")) for k in keys])
         out = {}
         for i, k in enumerate(keys):
             vals = [row[i] for row in rows if row[i] == row[i]]
             if vals:
-                out[k] = sum(vals) / len(vals)
+                out[k] = sum(vals) if k == "bubble/passes_saved" else sum(vals) / len(vals)  # saved: over all ranks
         return out
 
     def _global_weights(self, mask: torch.Tensor) -> torch.Tensor:

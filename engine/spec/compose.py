@@ -62,12 +62,15 @@ class FallbackDrafter(DrafterBase):
         for d in self.drafters:
             trees.append(d.propose(ctx))
             if d is not self.drafters[-1] and bool((trees[-1].num_nodes > 0).all()):
+                trees[-1].source = torch.full((ctx.roots.shape[0],), len(trees) - 1, dtype=torch.long)
                 return trees[-1]
         b = ctx.roots.shape[0]
         choice = torch.full((b,), len(trees) - 1, dtype=torch.long)
         for i in reversed(range(len(trees) - 1)):
             choice = torch.where(trees[i].num_nodes.cpu() > 0, i, choice)
-        return merge_rows(trees, choice)
+        merged = merge_rows(trees, choice)
+        merged.source = choice
+        return merged
 
 
 def merge_rows(trees: list[DraftTree], choice: torch.Tensor) -> DraftTree:

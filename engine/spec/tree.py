@@ -39,6 +39,7 @@ class DraftTree:
     # distribution each node was drawn from, i.e. the drafter at the node's parent. [T, V]
     q_logits: torch.Tensor | None = None
     chain: bool = False  # built by `chains`: node i's parent is i - 1 in every row
+    source: torch.Tensor | None = None  # [B] which drafter of a composition drafted each row (compose)
 
     @property
     def batch_size(self) -> int:
