@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "scratch_vs_ar": round(t_ar / seconds["adaptive_scratch"], 3),
         "scratch_vs_best_fixed": round(seconds[best] / seconds["adaptive_scratch"], 3),
         "tail_vs_ar": round(t_ar / seconds["tail"], 3),
-        "best_fixed": best, "identical": identical, "seconds": {k: round(v, 3) for k, v in seconds.items()},
+        "best_fixed": best, "identical": identical, "seconds": {k: round(v, 6) for k, v in seconds.items()},
         "accept_len": {k: round(v.stats.accept_len, 3) for k, v in runs.items() if k != "off"},
         "decode_steps": {k: len(v.steps) for k, v in runs.items()},
         "rollouts": len(ref), "tokens": tokens,
