@@ -93,9 +93,9 @@ def one_lr(cfg: TrainConfig, lr: float, out: Path, batch1: int = 0) -> dict:
     identical = all(by_key(b) == ref for b, _ in ways.values())
     if batch1:  # the same rows one at a time (sample 0 of the first prompts): where a CPU decode step is cheapest
         solo = {}
-        for name, eng in (("autoregressive", ar), ("drafter", None), ("bubble", engine)):
+        for name in ("autoregressive", "drafter", "bubble"):
             fresh = build_drafter(bubble_cfg.spec, engine.model)
-            engine.attach_drafter(fresh.drafters[-1] if eng is None else fresh)
+            engine.attach_drafter(fresh.drafters[-1] if name == "drafter" else fresh)
             steps = wall = accepted = drafted = 0
             for req in requests(drafts)[:batch1]:
                 one = Request(prompt_id=req.prompt_id, prompt=req.prompt, n=1,

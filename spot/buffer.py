@@ -34,7 +34,7 @@ releases a dead process's flock, so the next writer does not wait for it.
 
 Lifetime: `create` writes a fresh segment under a temporary name and links it into place (a segment
 appears initialised or not at all), registers an atexit `unlink`, and reclaims a segment of the same
-name whose owner is dead (a crashed run); `reclaim_stale` does so for every tailspec segment.
+name whose owner is dead (a crashed run); `spot.segment.reclaim_stale` does so for every tailspec segment.
 Payload memory is reserved at create (posix_fallocate), so a full /dev/shm fails there, not later.
 
 Sampling (`sample`) mixes step s's finished entries with step s-1's longest ones (TLT's one-step
@@ -52,7 +52,6 @@ import mmap
 import os
 import platform
 import re
-import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,9 +61,8 @@ import numpy as np
 import torch
 
 from spot.records import HiddenStateRows
+from spot.segment import _HEADER, _MAGIC, SHM, _reclaim_if_dead, _start_time
 
-SHM = Path("/dev/shm")
-_MAGIC = int.from_bytes(b"TSPOTBUF", "little")
 _VERSION = 1
 _PAGE = 4096
 _ALIGN = 64
@@ -78,11 +76,6 @@ _ORDERED = platform.machine() in ("x86_64", "AMD64", "i386", "i686")
 # (tests SIGKILL a producer there to check that a half-written entry stays invisible).
 _MID_WRITE_HOOK = None
 
-_HEADER = np.dtype([
-    ("magic", "<u8"), ("version", "<u8"), ("owner_pid", "<i8"), ("owner_start", "<i8"),
-    ("capacity", "<i8"), ("feature_size", "<i8"), ("dtype", "<i8"), ("max_entries", "<i8"),
-    ("data_offset", "<i8"), ("head", "<i8"), ("tail", "<i8"), ("wp", "<i8"),
-])
 _SLOT = np.dtype({
     "names": ["lock", "valid", "seq", "offset", "nbytes", "length", "step", "policy_version",
               "finished", "prompt_len", "key_len", "key"],
@@ -135,23 +128,6 @@ class EntryInfo:
     @property
     def response_len(self) -> int:
         return self.length - self.prompt_len
-
-
-def segment_name(run: str, node: str | None = None) -> str:
-    """-> "tailspec-<run>-<node or hostname>", other characters than [A-Za-z0-9_.-] replaced by '_'."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"tailspec-{run}-{node or socket.gethostname()}")
-
-
-def reclaim_stale(prefix: str = "tailspec-") -> list[str]:
-    """Unlinks the segments (and leftover temporary ones) whose owner process is dead; -> their names."""
-    out = []
-    for path in sorted(SHM.glob(f"{prefix}*")) + sorted(SHM.glob(f".{prefix}*")):
-        head = _read_header(path)
-        if head is not None and not _alive(int(head["owner_pid"]), int(head["owner_start"])):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-            out.append(path.name)
-    return out
 
 
 class DataBuffer:
@@ -426,45 +402,3 @@ def _make_odd(s: np.void) -> None:
 
 def _round_up(x: int, k: int) -> int:
     return (x + k - 1) // k * k
-
-
-def _start_time(pid: int) -> int:
-    """The process's start time in clock ticks since boot (tells a reused pid apart); -1 if it is gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return -1
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 3, starttime field 22
-    return -1 if fields[0] in ("Z", "X") else int(fields[19])
-
-
-def _alive(pid: int, start: int) -> bool:
-    return _start_time(pid) == start != -1
-
-
-def _read_header(path: Path) -> np.ndarray | None:
-    """The header of a tailspec segment at path, or None if it is absent or not one."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_HEADER.itemsize)
-    except FileNotFoundError:
-        return None
-    if len(raw) < _HEADER.itemsize:
-        return None
-    head = np.frombuffer(raw, _HEADER)[0]
-    return head if int(head["magic"]) == _MAGIC else None
-
-
-def _reclaim_if_dead(path: Path) -> None:
-    """Unlinks a segment left by a dead owner; a live owner or a foreign file -> ValueError."""
-    if not path.exists():
-        return
-    head = _read_header(path)
-    if head is None:
-        raise ValueError(f"{path} exists and is not a tailspec DataBuffer segment; remove it or use another run name")
-    pid = int(head["owner_pid"])
-    if _alive(pid, int(head["owner_start"])):
-        raise ValueError(f"DataBuffer segment {path} is owned by the live process {pid} (another run with the same "
-                         f"name on this node?): stop it, or give this run another name (segment_name(run))")
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from engine.spec.eagle import EagleModel
-from spot.buffer import DataBuffer, reclaim_stale, segment_name
+from spot.buffer import DataBuffer
+from spot.segment import reclaim_stale, segment_name
 from spot.config import SpotConfig
 from common.control import ControlPlane
 from spot.coordinator import SpotSettings, SpotWork

@@ -39,7 +39,7 @@ import torch
 from safetensors.torch import load, save
 
 from engine.atomic import atomic_folder
-from engine.spec.eagle import EagleModel
+from engine.spec.eagle import EagleModel, copy_named_weights
 from spot.drafter_training import DrafterOptim, DrafterTrainer
 from spot.pairs import PackedPairs
 from spot.records import HiddenStateRows
@@ -118,17 +118,7 @@ class SpotTrainer:
     @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replaces every trainable weight in place (e.g. after an average across ranks); the optimiser state stays."""
-        params = dict(self.model.named_parameters())
-        seen = set()
-        for name, t in named:
-            if name not in params:
-                raise ValueError(f"drafter weight {name!r} does not exist; expected names like {sorted(params)[:3]}")
-            if params[name].shape != t.shape:
-                raise ValueError(f"drafter weight {name!r} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}")
-            params[name].copy_(t)
-            seen.add(name)
-        if seen != set(params):
-            raise ValueError(f"drafter weights missing: {sorted(set(params) - seen)[:5]}")
+        copy_named_weights(self.model, named)
 
     # -- checkpoints -----------------------------------------------------------------------
     def model_signature(self) -> dict:

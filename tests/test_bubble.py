@@ -146,30 +146,14 @@ def test_bubble_needs_a_pregenerated_drafter_and_synchronous_steps():
 @pytest.mark.slow
 def test_a_two_rank_run_with_bubble_drafts_is_the_run_without_them(char_model_dir, tmp_path):
     import json
-    import os
-    import subprocess
-    import sys
 
-    from tests.conftest import REPO
+    from tests.test_spot_loop import two_rank_run
     from tests.test_trainer import step_rows
 
-    target = load_checkpoint(char_model_dir)
-    torch.manual_seed(0)
-    drafter = tmp_path / "drafter"
-    EagleModel(EagleConfig.for_target(target.config), target).save(drafter)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "launch.train",
-            "--config", str(REPO / "configs" / "tiny.yaml"), f"model.path={char_model_dir}", "task.train_problems=64",
-            "task.eval_problems=2", "rollout.n=4", "rollout.max_new_tokens=24", "engine.max_batch=16", "engine.max_len=96",
-            f"engine.spec.drafter_path={drafter}", "engine.spec.depth=4", "engine.spec.verify_tokens=4", "trainer.steps=3",
-            "trainer.prompts_per_step=4", "trainer.eval_every=0", "actor.micro_batch_tokens=256", "metrics.wandb=false",
-            "metrics.dashboard=false", "spot.enabled=false"]
     runs = {}
     for name, extra in (("bubble", ["bubble.enabled=true", "engine.spec.drafter=pregenerated+eagle"]), ("plain", [])):
-        proc = subprocess.run([*base, f"run.out_dir={tmp_path / name}", *extra], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        (runs[name],) = list((tmp_path / name).iterdir())
+        (tmp_path / name).mkdir()
+        runs[name] = two_rank_run(char_model_dir, tmp_path / name, "spot.enabled=false", *extra)
     with_bubble, plain = step_rows(runs["bubble"]), step_rows(runs["plain"])
     for a, b in zip(with_bubble, plain):
         assert a["reward/mean"] == b["reward/mean"] and a["train/pg_loss"] == b["train/pg_loss"]

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from spot import buffer as sb
-from spot.buffer import BufferEntry, DataBuffer, reclaim_stale, segment_name
+from spot.buffer import BufferEntry, DataBuffer
+from spot.segment import reclaim_stale, segment_name
 
 F = 32
 TIMEOUT = 30.0

@@ -111,24 +111,30 @@ def test_early_ranks_train_until_the_last_is_done_and_every_rank_serves_the_weig
     assert m["spot/utilisation"] > 0.5, m
 
 
-@pytest.mark.slow
-def test_a_two_rank_run_with_spot_training_trains_its_drafter_online(char_model_dir, tmp_path):
+def two_rank_run(char_model_dir, out, *overrides: str):
+    """A 3-step run of configs/tiny.yaml on the char model under torchrun (2 ranks, a random
+    drafter saved next to it); returns the run folder."""
     target = load_checkpoint(char_model_dir)
     torch.manual_seed(0)
-    drafter = tmp_path / "drafter"
+    drafter = out / "drafter"
     EagleModel(EagleConfig.for_target(target.config), target).save(drafter)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "launch.train",
-           "--config", str(REPO / "configs" / "tiny.yaml"), f"model.path={char_model_dir}", f"run.out_dir={tmp_path / 'runs'}",
+           "--config", str(REPO / "configs" / "tiny.yaml"), f"model.path={char_model_dir}", f"run.out_dir={out / 'runs'}",
            "task.train_problems=64", "task.eval_problems=2", "rollout.n=4", "rollout.max_new_tokens=24",
            "engine.max_batch=16", "engine.max_len=96", f"engine.spec.drafter_path={drafter}", "engine.spec.depth=4",
            "engine.spec.verify_tokens=4", "trainer.steps=3", "trainer.prompts_per_step=4", "trainer.eval_every=0",
-           "actor.micro_batch_tokens=256", "metrics.wandb=false", "metrics.dashboard=false", "spot.rows_per_step=4",
-           "spot.window=64"]
+           "actor.micro_batch_tokens=256", "metrics.wandb=false", "metrics.dashboard=false", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = list((out / "runs").iterdir())
+    return run_dir
 
-    (run_dir,) = list((tmp_path / "runs").iterdir())
+
+@pytest.mark.slow
+def test_a_two_rank_run_with_spot_training_trains_its_drafter_online(char_model_dir, tmp_path):
+    run_dir = two_rank_run(char_model_dir, tmp_path, "spot.rows_per_step=4", "spot.window=64")
+    drafter = tmp_path / "drafter"
     rows = step_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all({"spot/micro_steps", "spot/idle_s", "buffer/entries", "buffer/bytes", "buffer/fill"} <= r.keys() for r in rows)

@@ -21,7 +21,8 @@ import torch
 from engine.checkpoint import load_checkpoint
 from engine.spec.eagle import EagleConfig, EagleModel
 from pipeline.dist import Ranks
-from spot.buffer import BufferEntry, DataBuffer, segment_name
+from spot.buffer import BufferEntry, DataBuffer
+from spot.segment import segment_name
 from spot.features import TokenSequence, capture_features
 from spot.pool import LATEST, PUBLISHED, STOP, PoolConfig, latest_published, published_weights, run_pool
 from spot.trainer import latest_checkpoint

@@ -25,6 +25,38 @@ def supported(rt) -> bool:
     )
 
 
+def prepare(pend_tok, pend_feat, n_pend, noise, cos, sin_signed, lengths):
+    """The draft kernels' tensor inputs, contiguous (pending features: contiguous pairs, or ValueError)."""
+    if pend_feat.stride(-1) != 1 or pend_feat.stride(1) != pend_feat.shape[-1]:
+        raise ValueError("draft: pending features must have contiguous pairs")
+    noise = noise.contiguous() if noise is not None else None
+    return pend_tok.contiguous(), n_pend.contiguous(), noise, cos.contiguous(), sin_signed.contiguous(), lengths.contiguous()
+
+
+def sizes(rt, F: int) -> list[int]:
+    """hidden, feature, q heads, kv heads, head dim, MLP width, draft vocabulary: the network's shape arguments."""
+    p = rt.layer
+    return [rt.net.config.hidden_size, F, p.n_q, p.n_kv, p.d, p.inter, rt.head.skinny.N]
+
+
+def pending(rt, pend_tok, pend_feat, n_pend, noise) -> list:
+    """Pointers to the pending pairs, the embedding, the draft vocabulary and the noise."""
+    ids = rt.net.vocab_ids
+    return [pend_tok.data_ptr(), pend_feat.data_ptr(), pend_feat.stride(0), n_pend.data_ptr(),
+            rt.net.target.model.embed_tokens.weight.data_ptr(), ids.data_ptr() if ids is not None else None,
+            noise.data_ptr() if noise is not None else None]
+
+
+def weights(rt, cache, lengths) -> list:
+    """Pointers to the packed weights, the final norm, the drafter's KV cache (layer 0) and its lengths."""
+    p, ck, cv = rt.layer, cache.k[0], cache.v[0]
+    fc_out = rt.fc_out.skinny.panels.data_ptr() if rt.net.fc_out is not None else None
+    return [rt.fc.skinny.panels.data_ptr(), p.qkv.skinny.panels.data_ptr(), p.o.skinny.panels.data_ptr(),
+            p.gate_up.skinny.panels.data_ptr(), p.down.skinny.panels.data_ptr(), rt.head.skinny.panels.data_ptr(), fc_out,
+            p.post_norm.data_ptr(), float(p.eps), ck.data_ptr(), cv.data_ptr(), ck.stride(0), ck.stride(1),
+            lengths.data_ptr()]
+
+
 def draft(rt, pend_tok: torch.Tensor, pend_feat: torch.Tensor, n_pend: torch.Tensor, depth: int,
           noise: torch.Tensor | None, temperature: float, cos: torch.Tensor, sin_signed: torch.Tensor, cache,
           lengths: torch.Tensor) -> torch.Tensor:
@@ -33,28 +65,11 @@ def draft(rt, pend_tok: torch.Tensor, pend_feat: torch.Tensor, n_pend: torch.Ten
     (greedy); cos / sin_signed [b, T + D, hd] at the catch-up positions lengths + 1 + j, then the
     chain positions lengths + n_pend + 1 + d; cache: the drafter's KVCache (layer 0), whose
     `lengths` the caller advances by n_pend -> tokens [b, D]."""
-    net, p, c = rt.net, rt.layer, rt.net.config
+    pend_tok, n_pend, noise, cos, sin_signed, lengths = prepare(pend_tok, pend_feat, n_pend, noise, cos, sin_signed, lengths)
     b, T = pend_tok.shape
-    F = pend_feat.shape[-1]
-    ids = net.vocab_ids
-    vd = rt.head.skinny.N
-    if pend_feat.stride(-1) != 1 or pend_feat.stride(1) != F:
-        raise ValueError("draft: pending features must have contiguous pairs")
-    pend_tok, n_pend, lengths = pend_tok.contiguous(), n_pend.contiguous(), lengths.contiguous()
-    cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
-    noise = noise.contiguous() if noise is not None else None
     tokens = torch.empty(b, depth, dtype=torch.long)
-    ck, cv = cache.k[0], cache.v[0]
-    fc_out = rt.fc_out.skinny.panels.data_ptr() if net.fc_out is not None else None
     library().eagle_draft(
-        b, T, depth, c.hidden_size, F, p.n_q, p.n_kv, p.d, p.inter, vd,
-        pend_tok.data_ptr(), pend_feat.data_ptr(), pend_feat.stride(0), n_pend.data_ptr(),
-        net.target.model.embed_tokens.weight.data_ptr(), ids.data_ptr() if ids is not None else None,
-        noise.data_ptr() if noise is not None else None, float(temperature),
-        cos.data_ptr(), sin_signed.data_ptr(),
-        rt.fc.skinny.panels.data_ptr(), p.qkv.skinny.panels.data_ptr(), p.o.skinny.panels.data_ptr(),
-        p.gate_up.skinny.panels.data_ptr(), p.down.skinny.panels.data_ptr(), rt.head.skinny.panels.data_ptr(), fc_out,
-        p.post_norm.data_ptr(), float(p.eps), ck.data_ptr(), cv.data_ptr(), ck.stride(0), ck.stride(1),
-        lengths.data_ptr(), tokens.data_ptr(), torch.get_num_threads(),
+        b, T, depth, *sizes(rt, pend_feat.shape[-1]), *pending(rt, pend_tok, pend_feat, n_pend, noise), float(temperature),
+        cos.data_ptr(), sin_signed.data_ptr(), *weights(rt, cache, lengths), tokens.data_ptr(), torch.get_num_threads(),
     )
     return tokens

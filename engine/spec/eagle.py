@@ -76,6 +76,23 @@ class EagleConfig:
         )
 
 
+@torch.no_grad()
+def copy_named_weights(module: nn.Module, named) -> None:
+    """Copies (name, tensor) pairs into every parameter of `module` in place; an unknown name, a
+    wrong shape or a missing parameter is a ValueError naming it."""
+    params = dict(module.named_parameters())
+    seen = set()
+    for name, t in named:
+        if name not in params:
+            raise ValueError(f"drafter weight {name!r} does not exist; expected names like {sorted(params)[:3]}")
+        if params[name].shape != t.shape:
+            raise ValueError(f"drafter weight {name!r} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}")
+        params[name].copy_(t)
+        seen.add(name)
+    if seen != set(params):
+        raise ValueError(f"drafter weights missing: {sorted(set(params) - seen)[:5]}")
+
+
 class EagleModel(RopeSource, nn.Module):
     def __init__(self, cfg: EagleConfig, target: Transformer, draft_vocab: torch.Tensor | None = None) -> None:
         super().__init__()

@@ -38,7 +38,7 @@ from engine.model import Transformer
 from engine.rope import signed_sin
 from engine.sampling import SamplingParams, derive_keys, gumbel, mask_logits
 from engine.spec.drafter import Admission, DraftContext, DrafterBase, DraftShape
-from engine.spec.eagle import EagleModel
+from engine.spec.eagle import EagleModel, copy_named_weights
 from engine.spec.eagle_runtime import EagleRuntime
 from engine.spec.tree import DraftTree
 from engine.spec.verify import Verdict
@@ -69,17 +69,7 @@ class EagleDrafter(DrafterBase):
     @torch.no_grad()
     def load_weights(self, named_tensors, version: int) -> None:
         """Replaces the drafter's weights (names as in its state dict: `fc.weight`, `layers.0.*`)."""
-        params = dict(self.net.named_parameters())
-        seen = set()
-        for name, t in named_tensors:
-            if name not in params:
-                raise ValueError(f"drafter weight {name!r} does not exist; expected names like {sorted(params)[:3]}")
-            if params[name].shape != t.shape:
-                raise ValueError(f"drafter weight {name!r} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}")
-            params[name].copy_(t)
-            seen.add(name)
-        if seen != set(params):
-            raise ValueError(f"drafter weights missing: {sorted(set(params) - seen)[:5]}")
+        copy_named_weights(self.net, named_tensors)
         self.rt.repack()
         self.version = version
 
