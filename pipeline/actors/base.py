@@ -3,7 +3,8 @@
 An actor is a transformers `AutoModelForCausalLM` loaded from the Hugging Face folder the engine
 serves, so every model the engine runs trains with the ecosystem's tools (gradient
 checkpointing, bf16, DDP, DeepSpeed ZeRO). Backends: `torch` (one process, or DDP when
-torch.distributed is initialised with world size > 1) and `deepspeed` (ZeRO stage 1 / 2 / 3).
+torch.distributed is initialised with world size > 1), `deepspeed` (ZeRO stage 1 / 2 / 3) and
+`megatron` (megatron-core's GPTModel with tensor / pipeline parallelism; its forward needs CUDA).
 
 Vocabulary (see pipeline.records for the alignment rule): a *mini-batch* is one optimizer step's
 `TrainBatch` on this rank; it is cut into *micro-batches* of at most `micro_batch_tokens` padded
@@ -35,7 +36,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass(kw_only=True)
 class ActorConfig:
-    backend: Literal["torch", "deepspeed"] = "torch"
+    backend: Literal["torch", "deepspeed", "megatron"] = "torch"
     lr: float = 1e-6
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
@@ -47,6 +48,8 @@ class ActorConfig:
     zero_stage: Literal[1, 2, 3] = 2  # deepspeed only
     offload_optimizer: bool = False  # deepspeed only: optimizer states in CPU memory
     offload_params: bool = False  # deepspeed only, ZeRO-3: parameters in CPU memory
+    tensor_parallel: int = 1  # megatron only: ranks that split each layer's matrices
+    pipeline_parallel: int = 1  # megatron only: ranks that split the layers into stages
 
     def validate(self) -> None:
         if not self.lr > 0:
@@ -62,6 +65,15 @@ class ActorConfig:
             raise ValueError(f"actor.device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.backend == "torch" and (self.offload_optimizer or self.offload_params):
             raise ValueError("actor.offload_optimizer / actor.offload_params need actor.backend=deepspeed")
+        if (self.tensor_parallel, self.pipeline_parallel) != (1, 1) and self.backend != "megatron":
+            raise ValueError("actor.tensor_parallel / actor.pipeline_parallel need actor.backend=megatron; DeepSpeed "
+                             "ZeRO shards the model over data-parallel ranks instead (actor.zero_stage=3)")
+        for key in ("tensor_parallel", "pipeline_parallel"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"actor.{key} must be >= 1, got {getattr(self, key)}")
+        if self.backend == "megatron" and not self.device.startswith("cuda"):
+            raise ValueError("actor.backend=megatron needs actor.device=cuda (megatron-core's forward runs on CUDA "
+                             "only); on CPU use actor.backend=torch or deepspeed")
         if self.offload_params and self.zero_stage != 3:
             raise ValueError(f"actor.offload_params needs actor.zero_stage=3, got {self.zero_stage}")
 
