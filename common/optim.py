@@ -17,11 +17,16 @@ import torch
 
 
 def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict]:
-    """Two AdamW groups: matrices (dim >= 2) decay, vectors (norms, biases) do not."""
+    """Two AdamW groups: matrices (dim >= 2) decay, vectors (norms, biases) do not. A parameter
+    partitioned by DeepSpeed ZeRO-3 (zero.Init) is an empty stub judged by its full shape, `ds_shape`."""
     params = [p for p in params if p.requires_grad]
+
+    def matrix(p: torch.nn.Parameter) -> bool:
+        return len(getattr(p, "ds_shape", p.shape)) >= 2
+
     return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if matrix(p)], "weight_decay": weight_decay},
+        {"params": [p for p in params if not matrix(p)], "weight_decay": 0.0},
     ]
 
 

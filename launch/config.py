@@ -15,6 +15,10 @@ converted between types (the string "16" is not an int); an override's value is 
 so `16`, `0.9`, `false`, `null` and `[1, 2]` arrive typed, and `key="16"` forces a string.
 Unlike plain YAML 1.1, `1e-4` reads as a float, as learning rates are usually written.
 
+A string value of `???` marks a setting the file cannot know and the user must give (a model
+folder on a cluster): the config loads, and `missing_keys` lists those keys for the commands
+that need them set (`launch.train` and the Slurm preflight refuse to start without them).
+
 This module knows nothing about the sections themselves: their fields, defaults and range
 checks live with the component that owns them.
 """
@@ -218,6 +222,30 @@ def load_config(
     """Load `path` (or only defaults when None), apply dotted overrides, build `cls`."""
     data = read_yaml(path) if path is not None else {}
     return from_dict(cls, apply_overrides(data, overrides))
+
+
+MISSING = "???"
+
+
+def missing_keys(obj: Any, path: str = "") -> list[str]:
+    """Dotted keys of the config tree still set to `???` (required, not yet given)."""
+    out: list[str] = []
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), _join(path, f.name)
+        if dataclasses.is_dataclass(value):
+            out += missing_keys(value, key)
+        elif value == MISSING:
+            out.append(key)
+    return out
+
+
+def require_keys(obj: Any, source: str) -> None:
+    """Raise ValueError naming every `???` key of `obj` and how to set it."""
+    keys = missing_keys(obj)
+    if keys:
+        sets = " ".join(f"{k}=..." for k in keys)
+        raise ValueError(f"{source} leaves {', '.join(keys)} to be set (???): add {sets} to the command line "
+                         f"(or set them in a config file that extends {source} with `base:`)")
 
 
 def to_dict(obj: Any) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.config import EngineConfig
+from launch.cluster_config import ClusterSection
 from pipeline.actors.base import ActorConfig
 from pipeline.algorithms.config import AlgorithmConfig
 from pipeline.bubble import BubbleConfig
@@ -17,6 +18,9 @@ from spot.config import SpotConfig
 class RunSection:
     name: str = "tiny"
     out_dir: str = "runs"  # each run writes runs/<name>-<timestamp>/
+    # A fixed run folder instead (a Slurm job's is runs/<name>-<job id>, so a requeued job finds its
+    # checkpoints); None: out_dir/<name>-<timestamp>.
+    dir: str | None = None
     seed: int = 0  # keys the sampling noise, the data order and the actor's initialisation
 
 
@@ -79,7 +83,9 @@ class TrainerSection:
     mini_batches: int = 1  # optimizer steps per PPO epoch
     eval_every: int = 5  # held-out accuracy every N steps (and before the first, after the last); 0 = only those
     save_every: int = 0  # checkpoint every N steps (and after the last); 0 = only after the last
-    resume: str | None = None  # a checkpoint folder (runs/<run>/checkpoints/step-N) to continue from
+    # A checkpoint folder (runs/<run>/checkpoints/step-N) to continue from, or "auto": the run folder's
+    # (run.dir's) latest complete checkpoint if it has one, else a fresh start (requeued Slurm jobs).
+    resume: str | None = None
     # Old log-probs of the PPO ratio: the actor's recomputed ones, or the engine's own (the
     # behaviour policy's, free: exactly the old policy in synchronous mode, when the sampling
     # distribution is the policy's: temperature 1, no top-k / top-p). auto: engine where it holds.
@@ -97,6 +103,8 @@ class TrainerSection:
         if self.old_logprobs == "engine" and self.async_steps:
             raise ValueError("trainer.old_logprobs=engine is wrong with trainer.async_steps=1 (the behaviour policy is "
                              "one update behind the old one); use actor or auto")
+        if self.resume == "":
+            raise ValueError("trainer.resume is empty: name a checkpoint folder, 'auto', or leave it null")
         if not self.is_cap >= 1:
             raise ValueError(f"trainer.is_cap must be >= 1, got {self.is_cap}")
 
@@ -114,8 +122,11 @@ class TrainConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     spot: SpotConfig = field(default_factory=SpotConfig)
     bubble: BubbleConfig = field(default_factory=BubbleConfig)
+    cluster: ClusterSection = field(default_factory=ClusterSection)  # Slurm jobs only (launch.slurm)
 
     def validate(self) -> None:
+        if self.trainer.resume == "auto" and not self.run.dir:
+            raise ValueError("trainer.resume=auto resumes the latest checkpoint of a fixed run folder: set run.dir too")
         if self.bubble.enabled:
             if not (self.engine.spec.enabled and self.engine.spec.drafter.startswith("pregenerated+")):
                 raise ValueError("bubble.enabled needs engine.spec.enabled: true and a drafter that proposes pre-generated "

@@ -5,7 +5,9 @@ each rank holds its own engine and a data-parallel replica of the actor, rolls o
 every step's prompts, then trains (pipeline.trainer). Rank 0 prints; every rank writes its own
 log (`runs/<run>/rank{r}.log`). The run folder holds the resolved config, metrics.jsonl,
 lengths.jsonl, the W&B offline run, checkpoints, dashboard.png, summary.txt and summary.json.
-`trainer.resume=runs/<run>/checkpoints/step-N` continues a run exactly where it stopped.
+`trainer.resume=runs/<run>/checkpoints/step-N` continues a run exactly where it stopped;
+`run.dir=runs/<run> trainer.resume=auto` continues from that folder's latest checkpoint, or starts
+fresh there if it has none (what a requeued Slurm job does: launch.sbatch).
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ import torch
 import torch.distributed as dist
 
 from engine.engine import RolloutEngine
-from launch.config import load_config, override_args, save_config, to_dict
+from launch.config import load_config, override_args, require_keys, save_config, to_dict
 from launch.run_config import TrainConfig
 from pipeline.actors import build_actor
 from pipeline.data import PromptLoader
 from pipeline.dist import Ranks, init_ranks, shutdown
 from pipeline.metrics import MetricsLogger
 from pipeline.records_log import log_step, truncate_after
-from pipeline.run_state import load_run
+from pipeline.run_state import latest_checkpoint, load_run
 from pipeline.tasks import get_task
 from pipeline.tasks.eval import EVAL_SEED
 from common.text import load_tokenizer
@@ -48,10 +50,23 @@ class RankLog:
             print(line, flush=True)
 
 
+def resolve_resume(cfg: TrainConfig, r: Ranks) -> None:
+    """trainer.resume=auto becomes run.dir's latest complete checkpoint (rank 0 looks), or None."""
+    if cfg.trainer.resume != "auto":
+        return
+    found = [latest_checkpoint(cfg.run.dir)]
+    if r.world > 1:
+        dist.broadcast_object_list(found, src=0)
+    cfg.trainer.resume = str(found[0]) if found[0] is not None else None
+
+
 def run_dir_for(cfg: TrainConfig, r: Ranks) -> Path:
-    """The run folder: chosen by rank 0 (its timestamp), told to the others; a resumed run keeps its folder."""
+    """The run folder: run.dir, or chosen by rank 0 (its timestamp) and told to the others; a resumed
+    run keeps its folder."""
     if cfg.trainer.resume:
         return Path(cfg.trainer.resume).resolve().parent.parent
+    if cfg.run.dir:
+        return Path(cfg.run.dir)
     name = [f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"]
     if r.world > 1:
         dist.broadcast_object_list(name, src=0)
@@ -74,10 +89,14 @@ def problems_for(cfg: TrainConfig):
 
 
 def run(cfg: TrainConfig, r: Ranks) -> dict:
+    resolve_resume(cfg, r)
     run_dir = run_dir_for(cfg, r)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if r.world > 1:
+        dist.barrier()  # rank 0's look at run.dir (resolve_resume) happens before anyone logs into it
     log = RankLog(run_dir, r)
     if r.main and not cfg.trainer.resume:
+        truncate_after(run_dir, -1)  # a fresh start in a fixed run.dir: an earlier attempt's lines go
         save_config(cfg, run_dir / "config.yaml")
     log(f"run {run_dir} on {r.world} rank(s)")
     torch.manual_seed(cfg.run.seed)
@@ -124,7 +143,7 @@ def run(cfg: TrainConfig, r: Ranks) -> dict:
 
 def _train(cfg, r, run_dir, log, engine, actor, tokenizer, task, loader, held_out, start, reference, idle_work) -> dict:
     logger = MetricsLogger.from_config(run_dir, cfg.metrics, rank=r.rank, run_name=run_dir.name,
-                                       resolved_config=to_dict(cfg), resume_after_step=start if cfg.trainer.resume else None)
+                                       resolved_config=to_dict(cfg), resume_after_step=start if cfg.trainer.resume else -1)  # -1: a fresh start drops an earlier attempt's lines
     bubbles = None
     if cfg.bubble.enabled:
         idle_work, bubbles = _with_bubbles(cfg, r, engine, tokenizer, loader, idle_work, lambda step: trainer.sampling(step))
@@ -189,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(rest)
     try:
         cfg = load_config(TrainConfig, args.config, overrides)
+        require_keys(cfg, args.config)
         r = init_ranks(cfg.actor.device)
         try:
             run(cfg, r)

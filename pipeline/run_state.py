@@ -30,6 +30,16 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step-{step}"
 
 
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The run folder's complete checkpoint (with state.json) of the highest step, or None."""
+    found = []
+    for folder in (Path(run_dir) / "checkpoints").glob("step-*"):
+        step = folder.name.removeprefix("step-")
+        if step.isdigit() and (folder / STATE).is_file():
+            found.append((int(step), folder))
+    return max(found)[1] if found else None
+
+
 def save_run(folder: Path, state: RunState, actor, drafter_net=None, *, main: bool, extras=None) -> None:
     """Collective: every rank calls it (the actor's save is collective). `extras`: name -> a
     function writing that subfolder atomically (rank 0, before state.json; e.g. the spot trainer's)."""

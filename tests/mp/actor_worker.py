@@ -1,9 +1,12 @@
-"""torchrun worker for tests/test_actors.py: the torch (DDP) and DeepSpeed ZeRO-2 actors at world size 2.
+"""torchrun worker for tests/test_actors.py: the torch (DDP), DeepSpeed ZeRO-2 and ZeRO-3 actors at world size 2.
 
 Each rank trains on its rows of one global batch (5 rows and 1: a long tail) with the loss weights
-normalised over the whole batch; the summed loss of every step goes to --out (rank 0), with the
-loss after a save -> load into a fresh actor, and the error a malformed folder gives; then
-ZeRO-3's layer-by-layer gathered weights and first loss.
+normalised over the whole batch. Per backend, rank 0 writes to --out the summed loss of every step
+(--steps steps, a save, then RESUMED more), the losses of a fresh actor that loads the save and
+takes the same RESUMED steps, and the error a malformed folder gives. At the save point every rank
+writes its named_weights to weights-{backend}-rank{r}.pt beside --out. ZeRO-3 also reports whether
+a fresh actor's parameters are partitioned and gather back to the folder's, and, at each
+named_weights yield after training, which layers have a non-persistent parameter materialised.
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ import torch
 from pipeline.records import TrainBatch
 
 VOCAB = 101
+LINEAR = torch.nn.functional.linear  # before any DeepSpeed import: ZeRO-3 must leave it in place
+TRAIN = {"lr": 1e-3, "grad_clip": 0.5, "weight_decay": 0.1}  # weight decay: a wrong decay group changes the losses
+BACKENDS = {"torch": {"backend": "torch"}, "zero2": {"backend": "deepspeed", "zero_stage": 2},
+            "zero3": {"backend": "deepspeed", "zero_stage": 3}}
+RESUMED = 2  # steps after the save: the second one also sees the restored optimizer state
 
 
 def make_batch(rows: int = 6, width: int = 14, seed: int = 0) -> TrainBatch:
@@ -42,15 +50,35 @@ def pg_loss(logprobs, entropy, micro: TrainBatch):
     return loss, {"train/ratio_mean": float(ratio.detach()[resp].mean()) if resp.any() else 0.0}
 
 
-def run(backend: str, model: str, ckpt: Path, steps: int, budget: int) -> dict:
+def gathered_weights(actor) -> tuple[dict[str, torch.Tensor], list]:
+    """named_weights as copies, and [name, its layer, layers with a non-persistent parameter materialised] per yield.
+
+    Only DeepSpeed ZeRO-3 parameters have `ds_persist` (kept whole on every rank by design); for
+    the other backends the trace is empty.
+    """
+    from pipeline.actors.deepspeed_actor import layer_key
+
+    engine = getattr(actor, "engine", None)
+    params = [(n, p) for n, p in engine.module.named_parameters() if hasattr(p, "ds_persist")] if engine else []
+    weights, trace = {}, []
+    for name, w in actor.named_weights():
+        weights[name] = w.detach().clone()
+        if params:
+            live = sorted({layer_key(n) for n, p in params if p.numel() > 0 and not p.ds_persist})
+            trace.append([name, layer_key(name), live])
+    return weights, trace
+
+
+def run(backend: str, model: str, out: Path, steps: int, budget: int) -> dict:
     import torch.distributed as dist
 
     from pipeline.actors import ActorConfig, build_actor
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = ActorConfig(backend=backend, lr=1e-3, grad_clip=0.5, micro_batch_tokens=budget, zero_stage=2)
+    rank = dist.get_rank()
+    cfg = ActorConfig(**TRAIN, **BACKENDS[backend], micro_batch_tokens=budget)
     # Unequal shards (5 rows and 1): rank 1 runs zero-weight micro-batches to match rank 0's count.
     local = make_batch().select(slice(0, 5) if rank == 0 else slice(5, 6))
+    ckpt = out.parent / f"ckpt-{backend}"
 
     def step(actor) -> float:
         loss = torch.tensor(actor.update(local, pg_loss)["train/loss"], dtype=torch.float64)
@@ -58,42 +86,39 @@ def run(backend: str, model: str, ckpt: Path, steps: int, budget: int) -> dict:
         return float(loss)
 
     actor = build_actor(cfg, model)
+    result = fresh_zero3(actor, model) if backend == "zero3" else {}
     losses = [step(actor) for _ in range(steps)]
     actor.save(ckpt)
-    losses.append(step(actor))
+    weights, result["trace"] = gathered_weights(actor)
+    torch.save(weights, out.parent / f"weights-{backend}-rank{rank}.pt")
+    losses += [step(actor) for _ in range(RESUMED)]
     resumed = build_actor(cfg, model)
     resumed.load(ckpt)
-    resumed_loss = step(resumed)
-    malformed_dir = ckpt.parent / f"{backend}-malformed"
+    result["resumed"] = [step(resumed) for _ in range(RESUMED)]
+    malformed_dir = out.parent / f"{backend}-malformed"
     if rank == 0:
         malformed_dir.mkdir()
     dist.barrier()
     try:
         resumed.load(malformed_dir)
-        malformed = ""
+        result["malformed"] = ""
     except FileNotFoundError as e:
-        malformed = str(e)
-    return {"losses": losses, "resumed": resumed_loss, "malformed": malformed}
+        result["malformed"] = str(e)
+    return {"losses": losses, **result}
 
 
-def zero3(model: str) -> dict:
-    """ZeRO-3: named_weights gathers the partitioned parameters back to the folder's; one step's loss."""
-    import torch.distributed as dist
+def fresh_zero3(actor, model: str) -> dict:
+    """Before any step: every parameter is partitioned (empty here), named_weights gathers the folder's, and
+    torch.nn.functional.linear is still torch's (other models in the process use it)."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.actors import ActorConfig, build_actor
-
-    rank = dist.get_rank()
-    actor = build_actor(ActorConfig(backend="deepspeed", zero_stage=3, lr=1e-3, grad_clip=0.5, micro_batch_tokens=28),
-                        model)
+    partitioned = all(p.numel() == 0 for p in actor.engine.module.parameters())  # outside a gather
     reference = dict(AutoModelForCausalLM.from_pretrained(model).named_parameters())
     named = dict(actor.named_weights())
-    partitioned = all(p.numel() == 0 for p in actor.engine.module.parameters())  # outside a gather
-    loss = torch.tensor(actor.update(make_batch().select(slice(0, 5) if rank == 0 else slice(5, 6)), pg_loss)["train/loss"],
-                        dtype=torch.float64)
-    dist.all_reduce(loss)
-    return {"weights_match": named.keys() == reference.keys() and all(torch.equal(named[k], reference[k]) for k in named),
-            "partitioned": partitioned, "first_loss": float(loss)}
+    match = named.keys() == reference.keys() and all(torch.equal(named[k], reference[k]) for k in named)
+    persistent = sorted(n for n, p in actor.engine.module.named_parameters() if p.ds_persist)
+    return {"partitioned": partitioned, "weights_match": match, "persistent": persistent,
+            "linear_kept": torch.nn.functional.linear is LINEAR}
 
 
 def main() -> None:
@@ -107,8 +132,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    results = {b: run(b, args.model, args.out.parent / f"ckpt-{b}", args.steps, args.budget) for b in ("torch", "deepspeed")}
-    results["zero3"] = zero3(args.model)
+    results = {b: run(b, args.model, args.out, args.steps, args.budget) for b in BACKENDS}
     if dist.get_rank() == 0:
         args.out.write_text(json.dumps(results))
     dist.destroy_process_group()

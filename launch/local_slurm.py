@@ -1,0 +1,195 @@
+"""A real one-node Slurm cluster on this machine, for `make test-slurm` (and for trying a job locally).
+
+    with LocalSlurm(tmp_dir) as slurm:        # installs slurm-wlm + munge if missing (root, apt)
+        subprocess.run(["sbatch", ...], env=slurm.env)
+
+It starts `munged`, `slurmctld` and `slurmd` in the foreground as child processes (so their pids
+are ours to stop), from a generated `slurm.conf` whose state, spool, pid and log files all lie
+under `root`, on free loopback ports, with one node (this host, all its cores) in one partition. A requeued
+job waits cred_expire seconds before it is eligible again (Slurm's default 120; 10 here).
+On exit it cancels every job, stops the daemons by pid and removes `root`. Nothing is written
+outside `root` except what apt installs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "mungekey")
+PACKAGES = ("slurm-wlm", "munge")
+
+
+class SlurmUnavailable(RuntimeError):
+    """Slurm is not installed and cannot be (not root, or apt failed): the message says which."""
+
+
+def install(timeout_s: float = 600) -> None:
+    """apt-get install slurm-wlm and munge if any of their programs is missing (needs root)."""
+    if all(shutil.which(d) or Path(f"/usr/sbin/{d}").exists() for d in DAEMONS):
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise SlurmUnavailable(f"Slurm is not installed and this is not a root Debian machine: install {' '.join(PACKAGES)} "
+                               "(apt-get install -y slurm-wlm munge)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
+    for attempt in range(2):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode == 0:
+            return
+        if attempt == 0:  # a fresh machine may have no package lists yet
+            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=timeout_s)
+    raise SlurmUnavailable(f"apt-get install {' '.join(PACKAGES)} failed: {proc.stderr.strip()[-800:]}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slurm_conf(root: Path, host: str, cpus: int, ctld_port: int, slurmd_port: int) -> str:
+    return f"""\
+ClusterName=tailspec-local
+SlurmctldHost={host}(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={root}/munge.socket,cred_expire=10
+CredType=cred/munge
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SlurmdParameters=config_overrides
+SchedulerType=sched/backfill
+ReturnToService=2
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MinJobAge=3600
+KillWait=5
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+PartitionName=local Nodes={host} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+class LocalSlurm:
+    def __init__(self, root: str | Path, *, cpus: int | None = None, start_timeout_s: float = 60) -> None:
+        self.root = Path(root).resolve()
+        self.host = socket.gethostname().split(".")[0]
+        self.cpus = cpus or os.cpu_count() or 1
+        self.start_timeout_s = start_timeout_s
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.conf = self.root / "slurm.conf"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment in which sbatch / squeue / scontrol talk to this cluster."""
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def __enter__(self) -> LocalSlurm:
+        install()
+        for sub in ("state", "spool", "log"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _spawn(self, name: str, cmd: list[str]) -> None:
+        log = open(self.root / "log" / f"{name}.stdout", "w")
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                            start_new_session=True)
+        log.close()
+
+    def _start(self) -> None:
+        key = self.root / "munge.key"
+        subprocess.run(["mungekey", "--create", f"--keyfile={key}", "--bits=1024"], check=True, capture_output=True)
+        key.chmod(0o600)
+        r = self.root
+        self._spawn("munged", ["munged", "--foreground", "--force", f"--socket={r}/munge.socket", f"--key-file={key}",
+                               f"--pid-file={r}/munged.pid", f"--log-file={r}/log/munged.log", f"--seed-file={r}/munged.seed"])
+        self._wait(lambda: (r / "munge.socket").exists(), "munged's socket")
+        self.conf.write_text(slurm_conf(r, self.host, self.cpus, free_port(), free_port()))
+        self._spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
+        self._wait(lambda: self._run(["scontrol", "ping"]).returncode == 0, "slurmctld to answer `scontrol ping`")
+        self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf)])
+        self._wait(self._node_idle, f"node {self.host} to be idle")
+
+    def _run(self, cmd: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=30)
+
+    def _node_idle(self) -> bool:
+        out = self._run(["sinfo", "-h", "-n", self.host, "-o", "%T"]).stdout.strip()
+        return out.startswith("idle")
+
+    def _wait(self, ready, what: str) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            dead = [n for n, p in self.procs.items() if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"{dead[0]} exited with status {self.procs[dead[0]].returncode} while waiting for "
+                                   f"{what}: {self.log_tail(dead[0])}")
+            if ready():
+                return
+            time.sleep(0.3)
+        raise RuntimeError(f"timed out after {self.start_timeout_s:.0f} s waiting for {what}: "
+                           + " | ".join(self.log_tail(n) for n in self.procs))
+
+    def log_tail(self, name: str, chars: int = 600) -> str:
+        parts = [p.read_text(errors="replace")[-chars:] for p in (self.root / "log").glob(f"{name}*") if p.is_file()]
+        return " ".join(parts).strip() or "(no log)"
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """`scontrol show job` as a dict (JobState, ExitCode, Restarts, ...)."""
+        out = self._run(["scontrol", "show", "job", "-o", job_id]).stdout
+        return dict(f.split("=", 1) for f in out.split() if "=" in f)
+
+    def wait_job(self, job_id: str, timeout_s: float) -> dict[str, str]:
+        """Polls until the job has ended (COMPLETED, FAILED, CANCELLED, TIMEOUT, ...)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            info = self.job(job_id)
+            if info.get("JobState") not in (None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"):
+                return info
+            time.sleep(1)
+        self._run(["scancel", job_id])
+        raise TimeoutError(f"job {job_id} did not end within {timeout_s:.0f} s (cancelled): {self.job(job_id)}")
+
+    def close(self) -> None:
+        """Cancels the jobs, stops the daemons by pid (slurmd first) and removes the folder."""
+        if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
+            self._run(["scancel", "--full", "--user=root"])
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and self._run(["squeue", "-h"]).stdout.strip():
+                time.sleep(0.5)
+        for name in ("slurmd", "slurmctld", "munged"):
+            proc = self.procs.pop(name, None)
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        shutil.rmtree(self.root, ignore_errors=True)

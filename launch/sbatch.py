@@ -1,0 +1,118 @@
+"""The sbatch script of an RL run on Slurm: a pure function of the config (`render_sbatch`).
+
+The job, as rendered:
+
+    #SBATCH --nodes=N --ntasks-per-node=1 [--gpus-per-node=G] ...   one Slurm task per node
+    preflight: srun ... python -m launch.preflight --in-job          CUDA / NCCL on every node
+    srun --kill-on-bad-exit=1 python -m torch.distributed.run        one torchrun agent per node,
+        --nnodes=N --nproc-per-node=P                                P ranks each,
+        --rdzv-backend=c10d --rdzv-endpoint=HEAD:PORT                meeting on the first node
+        -m launch.train --config C run.dir=RUN_DIR trainer.resume=auto [overrides]
+
+The ranks' process group is the control plane (pipeline.dist, common.control): its store is the
+rendezvous's, at HEAD:PORT. RUN_DIR is `run.out_dir/<run.name>-<job id>`, stable across requeues,
+so a requeued job resumes the latest checkpoint there (`trainer.resume=auto`). Requeue policy:
+`--requeue` lets Slurm requeue a preempted job or one whose node failed; `--signal=B:USR1@S`
+wakes the script S seconds before the time limit and it requeues itself; after
+`cluster.max_restarts` restarts the job is let fail. Only local rank 0 of each node prints to the
+job's output (labelled by node); every rank's full log is in RUN_DIR (rank{r}.log, torchrun/).
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from launch.run_config import TrainConfig
+
+ARGS_SEPARATOR = "# --- the run ---"
+
+
+def directives(cfg: TrainConfig, job_name: str, log_dir: Path) -> list[str]:
+    """The #SBATCH options, in the order sbatch documents them."""
+    c = cfg.cluster
+    opts = [f"--job-name={job_name}", f"--nodes={c.nodes}", "--ntasks-per-node=1"]
+    if c.gpus_per_node:
+        opts.append(f"--gpus-per-node={c.gpus_per_node}")
+    if c.cpus_per_task:
+        opts.append(f"--cpus-per-task={c.cpus_per_task}")
+    if c.mem is not None:
+        opts.append(f"--mem={c.mem}")
+    opts.append(f"--time={c.time}")
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(c, key):
+            opts.append(f"--{key}={getattr(c, key)}")
+    if c.exclusive:
+        opts.append("--exclusive")
+    opts += [f"--output={log_dir}/%x-%j.out", "--open-mode=append"]
+    if c.requeue:
+        opts += ["--requeue", f"--signal=B:USR1@{c.signal_grace_s}"]
+    else:
+        opts.append("--no-requeue")
+    return opts + list(c.sbatch_args)
+
+
+def render_sbatch(cfg: TrainConfig, config_path: str, overrides: list[str], repo: Path, *, job_name: str) -> str:
+    """The batch script for `python -m launch.train --config config_path overrides` under cfg.cluster.
+
+    `repo`: the checkout's absolute path on the shared file system (the job runs there); relative
+    paths in the config (run.out_dir, cluster.log_dir, cluster.python) are relative to it.
+    """
+    c = cfg.cluster
+    repo = Path(repo).resolve()
+    log_dir = (repo / c.log_dir).resolve()
+    q = shlex.quote
+    run_dir = q(cfg.run.dir) if cfg.run.dir else f'{q(cfg.run.out_dir)}/{q(cfg.run.name)}-"$SLURM_JOB_ID"'
+    train_args = " ".join(q(a) for a in ["--config", config_path, *overrides])
+    exports = ["HF_HUB_OFFLINE=1", "TOKENIZERS_PARALLELISM=false", *c.env]
+    if not c.gpus_per_node and c.cpus_per_task:
+        exports.append(f"OMP_NUM_THREADS={max(1, c.cpus_per_task // c.ranks_per_node)}")
+    lines = ["#!/bin/bash",
+             f"# Rendered by `python -m launch.slurm --config {config_path}`; re-render rather than edit.",
+             *(f"#SBATCH {d}" for d in directives(cfg, job_name, log_dir)),
+             "set -euo pipefail",
+             f"cd {q(str(repo))}",
+             *c.setup,
+             *(f"export {k}={q(v)}" for k, _, v in (e.partition("=") for e in exports)),
+             f"PY={q(c.python)}",
+             f"RUN_DIR={run_dir}",
+             'RESTARTS="${SLURM_RESTART_COUNT:-0}"',
+             f"if [ \"$RESTARTS\" -gt {c.max_restarts} ]; then",
+             f'  echo "job $SLURM_JOB_ID was restarted $RESTARTS times (cluster.max_restarts={c.max_restarts}): giving up"'
+             "; exit 1",
+             "fi",
+             'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+             f"PORT=$(( {c.rdzv_port} + SLURM_JOB_ID % 1000 ))  # two jobs sharing a node do not collide",
+             'echo "job $SLURM_JOB_ID restart $RESTARTS on $SLURM_JOB_NODELIST: run folder $RUN_DIR; '
+             'rendezvous and control-plane store at $HEAD_NODE:$PORT"',
+             ]
+    if c.requeue:
+        lines += [
+            "requeue() {",
+            f"  if [ \"$RESTARTS\" -lt {c.max_restarts} ]; then",
+            '    echo "time limit near: requeueing job $SLURM_JOB_ID; it resumes from the latest checkpoint in $RUN_DIR"',
+            '    scontrol requeue "$SLURM_JOB_ID"',
+            "  else",
+            f'    echo "time limit near and {c.max_restarts} restarts used (cluster.max_restarts): not requeueing"',
+            "  fi",
+            "}",
+            "trap requeue USR1",
+        ]
+    srun = "srun --kill-on-bad-exit=1 --ntasks-per-node=1 --label"
+    lines += [
+        f"{srun} \"$PY\" -m launch.preflight --in-job {train_args}",
+        ARGS_SEPARATOR,
+        f"{srun} \"$PY\" -m torch.distributed.run --nnodes=\"$SLURM_JOB_NUM_NODES\" --nproc-per-node={c.ranks_per_node} \\",
+        '    --rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:$PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0 \\',
+        '    --log-dir="$RUN_DIR/torchrun" --tee=3 --local-ranks-filter=0 \\',
+        f'    -m launch.train {train_args} run.dir="$RUN_DIR" trainer.resume=auto &',
+        "STEP=$!",
+        "while true; do  # a USR1 interrupts wait; the step goes on until it ends or Slurm stops it",
+        '  set +e; wait "$STEP"; rc=$?; set -e',
+        '  if [ "$rc" -gt 128 ] && kill -0 "$STEP" 2>/dev/null; then continue; fi',
+        "  break",
+        "done",
+        'echo "job $SLURM_JOB_ID: the run exited with status $rc"',
+        'exit "$rc"',
+    ]
+    return "\n".join(lines) + "\n"

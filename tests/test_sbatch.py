@@ -1,0 +1,176 @@
+"""Slurm jobs without a Slurm: `DRY_RUN=1 make train-7b / train-32b` print valid sbatch scripts whose
+torchrun and launch.train command lines parse to the config; the preflight names what is missing;
+`???` settings and trainer.resume=auto behave as documented. (`make test-slurm` runs a real job.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launch.config import load_config, missing_keys, override_args, to_dict
+from launch.preflight import Check, checkpoint_bytes, report, submit_checks
+from launch.run_config import TrainConfig
+from launch.sbatch import ARGS_SEPARATOR
+from launch.slurm import render
+from pipeline.run_state import latest_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+# sbatch's long options the renderer may write (sbatch(1), Slurm 22.05+), with whether they take a value.
+SBATCH_OPTIONS = {"job-name": True, "nodes": True, "ntasks-per-node": True, "gpus-per-node": True, "cpus-per-task": True,
+                  "mem": True, "time": True, "partition": True, "account": True, "qos": True, "constraint": True,
+                  "exclusive": False, "output": True, "open-mode": True, "requeue": False, "no-requeue": False,
+                  "signal": True}
+ENV = {"SLURM_JOB_ID": "1234", "SLURM_JOB_NUM_NODES": "4", "HEAD_NODE": "node001", "PORT": "29734",
+       "RUN_DIR": "runs/x-1234", "PY": "python"}
+
+
+def dry_run(target: str, *args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MAKE", "MFLAGS"))}
+    proc = subprocess.run(["make", "-s", target, f"ARGS={' '.join(args)}"], cwd=REPO, env={**env, "DRY_RUN": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def directives(script: str) -> dict[str, str | None]:
+    out = {}
+    for line in script.splitlines():
+        if line.startswith("#SBATCH "):
+            m = re.fullmatch(r"#SBATCH --([a-z-]+)(?:=(.+))?", line)
+            assert m, f"not a long sbatch option: {line!r}"
+            name, value = m.groups()
+            assert name in SBATCH_OPTIONS, f"unknown sbatch option --{name}"
+            assert (value is not None) == SBATCH_OPTIONS[name], f"--{name}: value {value!r}"
+            out[name] = value
+    return out
+
+
+def run_command(script: str) -> list[str]:
+    """The torchrun srun line after the separator, continuations joined, variables substituted."""
+    body = script.split(ARGS_SEPARATOR, 1)[1].replace("\\\n", " ").splitlines()[1]
+    body = re.sub(r"\$\{?(\w+)\}?", lambda m: ENV[m.group(1)], body).rstrip(" &")
+    return shlex.split(body)
+
+
+@pytest.mark.parametrize("target,config,nodes", [("train-7b", "configs/7b.yaml", 4), ("train-32b", "configs/32b.yaml", 16)])
+def test_dry_run_prints_a_valid_sbatch_script_whose_commands_parse_to_the_config(target, config, nodes, tmp_path):
+    out = dry_run(target, "actor.lr=2e-6")
+    script = out.split("# --- the resolved config")[0]
+    syntax = subprocess.run(["bash", "-n"], input=out, text=True, capture_output=True)
+    assert syntax.returncode == 0, syntax.stderr  # the whole output, config and preflight included, is one bash file
+    assert script.startswith("#!/bin/bash\n")
+    d = directives(script)
+    assert d["nodes"] == str(nodes) and d["ntasks-per-node"] == "1" and d["gpus-per-node"] == "8"
+    assert re.fullmatch(r"(\d+-)?\d+:\d\d:\d\d", d["time"]) and "requeue" in d and d["signal"] == "B:USR1@600"
+    assert d["output"].endswith("runs/slurm/%x-%j.out")
+
+    cmd = run_command(script)
+    srun_end = cmd.index("-m")  # srun [options] python -m torch.distributed.run ...
+    assert cmd[0] == "srun" and "--kill-on-bad-exit=1" in cmd[:srun_end] and cmd[srun_end - 1] == "python"
+    from torch.distributed.run import get_args_parser
+
+    torchrun = get_args_parser().parse_args(cmd[srun_end + 2:])
+    assert (torchrun.nnodes, torchrun.nproc_per_node, torchrun.rdzv_backend) == ("4", "8", "c10d")
+    assert torchrun.rdzv_endpoint == "node001:29734" and torchrun.rdzv_id == "1234" and torchrun.max_restarts == 0
+    assert torchrun.module and torchrun.training_script == "launch.train"
+
+    overrides, rest = override_args(torchrun.training_script_args)
+    assert rest == ["--config", config]
+    assert overrides[-2:] == ["run.dir=runs/x-1234", "trainer.resume=auto"]
+    job_cfg = load_config(TrainConfig, REPO / config, overrides)
+    assert job_cfg.actor.lr == 2e-6 and job_cfg.cluster.nodes == nodes and job_cfg.actor.zero_stage == 3
+    assert job_cfg.cluster.world_size == nodes * 8 and job_cfg.trainer.prompts_per_step % job_cfg.cluster.world_size == 0
+
+    printed = yaml.safe_load("\n".join(line[2:] for line in out.split("(DRY_RUN: nothing was submitted) ---\n")[1]
+                                       .split("# preflight")[0].splitlines()))
+    assert printed == to_dict(load_config(TrainConfig, REPO / config, ["actor.lr=2e-6"]))
+    assert "# preflight (before submission):" in out and "model.path" in out.split("# preflight")[1]
+
+
+def test_the_cluster_configs_leave_exactly_the_model_drafter_and_dataset_to_the_user():
+    for config in ("configs/7b.yaml", "configs/32b.yaml"):
+        cfg = load_config(TrainConfig, REPO / config)
+        assert sorted(missing_keys(cfg)) == ["engine.spec.drafter_path", "model.path", "task.file"], config
+
+
+def test_launch_train_refuses_a_config_with_unset_keys_and_names_them(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "launch.train", "--config", "configs/7b.yaml"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "model.path" in proc.stderr and "task.file" in proc.stderr and "=..." in proc.stderr
+
+
+def test_a_slurm_job_refuses_an_explicit_resume_checkpoint_and_says_to_use_run_dir():
+    cfg = load_config(TrainConfig, REPO / "configs/tiny.yaml", ["trainer.resume=runs/x/checkpoints/step-3"])
+    with pytest.raises(ValueError, match="run.dir"):
+        render(cfg, "configs/tiny.yaml", [])
+
+
+def test_a_cpu_job_has_no_gpu_option_and_pins_threads_per_rank():
+    cfg = load_config(TrainConfig, REPO / "configs/tiny.yaml", ["cluster.procs_per_node=2", "cluster.cpus_per_task=8"])
+    script = render(cfg, "configs/tiny.yaml", [])
+    assert "gpus-per-node" not in directives(script) and "export OMP_NUM_THREADS=4" in script
+    assert "--nproc-per-node=2" in script
+
+
+@pytest.mark.parametrize("override,key", [("cluster.time=tomorrow", "cluster.time"), ("cluster.nodes=0", "cluster.nodes"),
+                                          ("cluster.env=[NCCL]", "cluster.env"), ("cluster.sbatch_args=[-p]", "cluster.sbatch_args"),
+                                          ("cluster.rdzv_port=80", "cluster.rdzv_port")])
+def test_cluster_settings_errors_name_the_key(override, key):
+    with pytest.raises(ValueError, match=re.escape(key)):
+        load_config(TrainConfig, REPO / "configs/tiny.yaml", [override])
+
+
+def by_name(checks: list[Check]) -> dict[str, Check]:
+    return {c.name: c for c in checks}
+
+
+def test_preflight_names_missing_folders_credentials_and_device_mismatches(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    cfg = load_config(TrainConfig, REPO / "configs/7b.yaml", [f"model.path={tmp_path / 'nope'}", f"task.file={tmp_path / 'x.jsonl'}",
+                                                              f"engine.spec.drafter_path={tmp_path}", "engine.device=cpu"])
+    checks = by_name(submit_checks(cfg, REPO))
+    assert checks["settings"].ok
+    assert checks["model"].failed and "no config.json" in checks["model"].detail and "never downloads" in checks["model"].fix
+    assert checks["dataset"].failed and checks["drafter"].failed
+    assert checks["wandb"].failed and "wandb login" in checks["wandb"].fix
+    assert checks["devices"].failed and "engine.device=cuda" in checks["devices"].fix
+    assert "FAIL" in report(list(checks.values()), "t")
+
+    monkeypatch.setenv("WANDB_API_KEY", "k")
+    assert by_name(submit_checks(cfg, REPO))["wandb"].ok
+    offline = load_config(TrainConfig, REPO / "configs/7b.yaml", ["metrics.wandb_mode=offline"])
+    assert by_name(submit_checks(offline, REPO))["settings"].failed  # the ??? keys, named
+    monkeypatch.delenv("WANDB_API_KEY")
+    assert by_name(submit_checks(offline, REPO))["wandb"].ok
+
+
+def test_preflight_sizes_the_checkpoint_disk_from_the_model(char_model_dir, tmp_path):
+    cfg = load_config(TrainConfig, REPO / "configs/tiny.yaml", [f"model.path={char_model_dir}", f"run.out_dir={tmp_path}"])
+    weights = sum(f.stat().st_size for f in Path(char_model_dir).glob("*.safetensors"))
+    assert checkpoint_bytes(cfg) == weights // 4 * 12  # fp32 weights + two fp32 AdamW moments
+    assert by_name(submit_checks(cfg, REPO))["disk"].ok
+    huge = load_config(TrainConfig, REPO / "configs/tiny.yaml", [f"model.path={char_model_dir}", f"run.out_dir={tmp_path}",
+                                                                  "cluster.min_free_disk_gb=1e9"])
+    assert by_name(submit_checks(huge, REPO))["disk"].failed
+
+
+def test_resume_auto_takes_the_latest_complete_checkpoint(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    for step, complete in ((2, True), (10, True), (12, False)):
+        folder = tmp_path / "checkpoints" / f"step-{step}"
+        folder.mkdir(parents=True)
+        if complete:
+            (folder / "state.json").write_text("{}")
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-10"  # step-12 has no state.json: incomplete
+    with pytest.raises(ValueError, match="run.dir"):
+        load_config(TrainConfig, REPO / "configs/tiny.yaml", ["trainer.resume=auto"])
