@@ -28,8 +28,8 @@ def run_ours(engine: RolloutEngine, prompts: list[list[int]], new_tokens: int) -
 
 def run_hf(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> list[list[int]]:
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     with torch.inference_mode():
         out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (both engines on it)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     batches = args.batch
@@ -52,12 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        engine = RolloutEngine.from_pretrained(args.model, EngineConfig(max_batch=max(batches), max_len=1024))
+        engine = RolloutEngine.from_pretrained(args.model, EngineConfig(max_batch=max(batches), max_len=1024,
+                                                                           device=args.device))
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval().to(args.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     result = {"ratio": {}, "tok_s": {}, "baseline_tok_s": {}, "same_tokens": {}}
     print(f"{'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'same tokens':>12}", file=sys.stderr)

@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tail", type=float, default=0.5, help="arith prompts: P(digits d) ~ d^-tail")
     p.add_argument("--seed", type=int, default=0, help="prompts and sampling noise")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--plot", default=None, help="PNG for the per-step trace of the adaptive runs")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -150,12 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         depth, topk, verify = limits_of(arms)
         if args.requests < 1 or args.n < 1:
             raise ValueError("--requests and --n must be >= 1")
-        target = load_checkpoint(args.model)
+        target = load_checkpoint(args.model, device=args.device)
         rows = args.requests * args.n
         max_len = min(2048, target.config.max_position_embeddings)
         spec = SpecConfig(enabled=True, drafter=args.spec, drafter_path=args.drafter, depth=depth, topk=topk, verify_tokens=verify)
-        ar = RolloutEngine(copy.deepcopy(target), EngineConfig(max_batch=rows, max_len=max_len))  # each runtime packs its own model
-        sp = RolloutEngine(target, EngineConfig(max_batch=rows, max_len=max_len, spec=spec), build_drafter(spec, target))
+        ar = RolloutEngine(copy.deepcopy(target), EngineConfig(max_batch=rows, max_len=max_len, device=args.device))  # each runtime packs its own model
+        sp = RolloutEngine(target, EngineConfig(max_batch=rows, max_len=max_len, device=args.device, spec=spec), build_drafter(spec, target))
         TunerPolicy(arms, args.buckets, epsilon=args.epsilon)  # validates buckets and epsilon before any run
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

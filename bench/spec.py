@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4, help="distinct request sets per batch size (totals summed)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cost-model", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     batches = args.batch
@@ -86,12 +87,13 @@ def main(argv: list[str] | None = None) -> int:
 
     name = args.spec or ("eagle" if args.drafter else "ngram")
     try:
-        target = load_checkpoint(args.model)
+        target = load_checkpoint(args.model, device=args.device)
         spec = SpecConfig(enabled=True, drafter=name, drafter_path=args.drafter, depth=args.depth, topk=args.topk,
                           verify_tokens=args.verify_tokens)
-        base = EngineConfig(max_batch=max(batches), max_len=2048)
+        base = EngineConfig(max_batch=max(batches), max_len=2048, device=args.device)
         ar = RolloutEngine(copy.deepcopy(target), base)  # one runtime per model: each packs its own
-        sp = RolloutEngine(target, EngineConfig(max_batch=max(batches), max_len=2048, spec=spec), build_drafter(spec, target))
+        sp = RolloutEngine(target, EngineConfig(max_batch=max(batches), max_len=2048, device=args.device, spec=spec),
+                           build_drafter(spec, target))
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

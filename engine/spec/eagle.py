@@ -194,4 +194,4 @@ class EagleModel(RopeSource, nn.Module):
         missing = [k for k in missing if k != "draft_vocab"]
         if missing or unexpected:
             raise ValueError(f"drafter {path}: missing weights {missing[:5]}, unexpected {unexpected[:5]}")
-        return model.to(target.dtype).eval()
+        return model.to(device=target.device, dtype=target.dtype).eval()  # beside the target (cuda on GPUs)
