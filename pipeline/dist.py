@@ -2,7 +2,7 @@
 loop needs on small values (barriers that are timed, per-rank floats, sums).
 
 `python -m launch.train` runs as one process (world size 1, no process group) or under
-`torchrun --nproc-per-node=R`: gloo on CPU (127.0.0.1 on one machine), NCCL on GPUs. The
+`torchrun --nproc-per-node=R`: gloo on CPU (127.0.0.1 on one machine); on GPUs NCCL for CUDA tensors and gloo for CPU ones. The
 process group is the control plane; bulk tensors go through the actor's backend (DDP / ZeRO)
 and pipeline.weight_sync.
 """
@@ -36,8 +36,10 @@ def init_ranks(device: str = "cpu", timeout_s: float = 1800.0) -> Ranks:
         return Ranks()
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        if backend == "nccl":
+        # On GPUs NCCL carries CUDA tensors (DDP, ZeRO, weight sync) and gloo the loop's small CPU
+        # values (timed barriers, per-rank floats, loss sums): NCCL alone rejects CPU tensors.
+        backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
+        if device.startswith("cuda"):
             torch.cuda.set_device(local)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return Ranks(rank=rank, world=world, local_rank=local)

@@ -12,6 +12,15 @@ __all__ = ["Actor", "ActorConfig", "LogProbs", "LossFn", "build_actor"]
 def build_actor(cfg: ActorConfig, model_path: str | Path) -> Actor:
     """The actor of cfg.backend over the Hugging Face folder model_path (collective under torch.distributed)."""
     cfg.validate()
+    if cfg.backend == "megatron":
+        try:
+            import megatron.core  # noqa: F401
+        except ImportError as e:
+            raise ImportError("actor.backend=megatron needs megatron-core: pip install megatron-core "
+                              "(or pip install -e .[megatron])") from e
+        from pipeline.actors.megatron_actor import MegatronActor
+
+        return MegatronActor(cfg, model_path)
     if cfg.backend == "deepspeed":
         from pipeline.actors.deepspeed_actor import DeepSpeedActor
 
