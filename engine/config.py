@@ -5,17 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.backends.vllm_config import VllmConfig
 from engine.spec.config import SpecConfig
 
 
 @dataclass(kw_only=True)
 class EngineConfig:
+    # native: this project's engine (the CPU default, exact: speculation changes no token); vllm: vLLM
+    # (engine.backends.vllm_engine; GPU clusters), exact in distribution only (its rejection sampler).
+    backend: Literal["native", "vllm"] = "native"
     max_batch: int = 64  # decode slots: rows generated together
     max_len: int = 2048  # KV cache length per row (prompt + response), capped by the model's context
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     device: str = "cpu"
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     spec: SpecConfig = field(default_factory=SpecConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
 
     def validate(self) -> None:
         if self.max_batch < 1:
@@ -25,3 +30,7 @@ class EngineConfig:
         if self.threads < 0:
             raise ValueError(f"engine.threads must be >= 0, got {self.threads}")
         self.spec.validate()
+        self.vllm.validate()
+        if self.backend == "vllm" and self.spec.enabled and self.spec.drafter not in ("eagle", "ngram"):
+            raise ValueError(f"engine.backend=vllm serves engine.spec.drafter eagle or ngram, got {self.spec.drafter!r} "
+                             "(compositions and pre-generated drafts are the native engine's)")

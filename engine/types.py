@@ -111,10 +111,20 @@ class GenerateStats:
                 s.accept_hist.extend(r.emitted)
         return s
 
+    @classmethod
+    def from_counters(cls, counters: dict[str, int], wall_s: float, new_tokens: int) -> GenerateStats:
+        """From a backend's counters (vLLM's): no per-step times or histogram, the totals only."""
+        return cls(wall_s=wall_s, new_tokens=new_tokens, drafted=counters["draft_tokens"],
+                   accepted=counters["accepted_tokens"], speculative_steps=counters["drafts"])
+
     @property
     def accept_len(self) -> float:
         """Mean tokens emitted per row per speculative step (accepted drafts + 1); 1 without any."""
-        return sum(self.accept_hist) / len(self.accept_hist) if self.accept_hist else 1.0
+        if self.accept_hist:
+            return sum(self.accept_hist) / len(self.accept_hist)
+        if self.speculative_steps:  # counters only: each speculative row-step emits its accepted drafts + 1
+            return (self.accepted + self.speculative_steps) / self.speculative_steps
+        return 1.0
 
     @property
     def accept_rate(self) -> float:
@@ -145,10 +155,16 @@ class RolloutBatch:
     prefill_s: float
     wall_s: float
     policy_version: int
+    # A backend without step records (vLLM) reports its speculation counters instead:
+    # drafts (row-steps that speculated), draft_tokens (verified), accepted_tokens.
+    counters: dict[str, int] | None = None
 
     @property
     def stats(self) -> GenerateStats:
-        return GenerateStats.from_records(self.steps, self.prefill_s, self.wall_s, sum(len(r.tokens) for r in self.rollouts))
+        new_tokens = sum(len(r.tokens) for r in self.rollouts)
+        if self.counters is not None and not self.steps:
+            return GenerateStats.from_counters(self.counters, self.wall_s, new_tokens)
+        return GenerateStats.from_records(self.steps, self.prefill_s, self.wall_s, new_tokens)
 
     def __len__(self) -> int:
         return len(self.rollouts)

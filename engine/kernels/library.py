@@ -7,6 +7,11 @@ torch already loaded (same soname). Where they cannot be built (no compiler, not
 `available()` says why and the engine uses torch's ops: the same results up to float summation
 order, only slower. `TAILSPEC_CPU_KERNELS=0` turns them off (for side-by-side measurements);
 `TAILSPEC_CPU_MARCH` overrides `-march=native`.
+
+After loading, the skinny kernel's loop parameters are tuned for the host once and cached beside
+the build (engine/kernels/tuning_cache.py). If, tuned, the kernels are still slower than torch's
+products here, `available()` says so and the engine uses torch's ops for the whole model (never
+a mix: see engine/kernels/tune.py). `python -m engine.kernels --report` prints all of it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import warnings
 from functools import lru_cache
 from pathlib import Path
 
+from engine.kernels import tuning_cache
+
 HERE = Path(__file__).parent
 SOURCES = ("skinny.cpp", "decode_ops.cpp", "eagle_chain.cpp", "noise.cpp")
 BUILD_DIR = HERE / "build"  # or, where the package is read-only, ~/.cache/tailspec/kernels
@@ -34,8 +41,23 @@ class KernelUnavailable(RuntimeError):
     pass
 
 
-@lru_cache(maxsize=1)
 def library() -> ctypes.CDLL:
+    """The built, loaded and tuned kernel library (KernelUnavailable where it cannot be built)."""
+    return _loaded()[0]
+
+
+def tuning() -> tuning_cache.Tuning:
+    """This host's kernel parameters, how they were found, and the guard's kernel-vs-torch table."""
+    return _loaded()[1]
+
+
+def loaded() -> bool:
+    """Whether this process has built / loaded (and tuned) the kernels already (a bench on a GPU never does)."""
+    return _loaded.cache_info().currsize > 0
+
+
+@lru_cache(maxsize=1)
+def _loaded() -> tuple[ctypes.CDLL, tuning_cache.Tuning]:
     if os.environ.get("TAILSPEC_CPU_KERNELS", "1") == "0":
         raise KernelUnavailable("turned off by TAILSPEC_CPU_KERNELS=0")
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
@@ -75,7 +97,9 @@ def library() -> ctypes.CDLL:
     for name, args in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
-    return lib
+    lib.skinny_set_params.argtypes, lib.skinny_set_params.restype = [INT, INT, I, I], INT
+    lib.skinny_max_rows.argtypes, lib.skinny_max_rows.restype = [INT], INT
+    return lib, tuning_cache.settle(lib, build_dir, digest.hexdigest()[:16], [cxx, *FLAGS])
 
 
 def _build_dir() -> Path:
@@ -94,8 +118,14 @@ def available() -> tuple[bool, str]:
     """(usable, reason): whether the kernels build and load here, and if not, why (asked once per
     process: a failed build is not retried on every call)."""
     try:
-        library()
-        return True, "ok"
+        t = tuning()
     except (KernelUnavailable, OSError) as e:
         warnings.warn(f"TailSpec CPU kernels unavailable, using torch ops (slower): {e}", stacklevel=2)
         return False, str(e)
+    if not t.serves:
+        why = (f"slower than torch's products on this CPU ({t.cpu}) even tuned (at rows {t.slower_rows}): the engine "
+               "uses torch's ops for the whole model, so a verify pass equals sequential decoding up to float rounding "
+               "only, not bit for bit (python -m engine.kernels --report)")
+        warnings.warn(f"TailSpec CPU kernels not used: {why}", stacklevel=2)
+        return False, why
+    return True, "ok"

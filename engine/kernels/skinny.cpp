@@ -1,102 +1,159 @@
 // Skinny matrix products for CPU decoding: y[M, N] = x[M, K] @ W[K, N] (+ bias[N]) (+ c[M, N])
-// for few rows M (a decode step, a verify pass of a few tokens per row).
+// for few rows M (a decode step, a verify pass of a few tokens per row) up to a few thousand.
 //
-// Such products stream W from memory once and do little arithmetic per weight, so they are
-// memory-bound; MKL's general GEMM loses 20-45% of the bandwidth at 4-16 rows (ENVIRONMENT.md,
-// docs/BENCHMARKS.md). Here W is pre-packed into column panels [P][K][TN] (TN = two vector
+// Such products stream W from memory once and do little arithmetic per weight, so at few rows
+// they are memory-bound. W is pre-packed into column panels [P][K][TN] (TN = NV vector
 // registers), so each thread streams whole panels sequentially with software prefetch ahead,
-// keeping up to RMAX rows x TN columns of accumulators in registers; more rows re-read the
-// panel from L2. Vector width follows the compiler's target (-march=native: AVX-512 or AVX2).
+// keeping R rows x TN columns of accumulators in registers; more rows re-read the panel from
+// cache. Vector width follows the compiler's target (-march=native: AVX-512 or AVX2).
+//
+// The shape of the loops is set at run time by `skinny_set_params` (engine/kernels/tune.py
+// measures them per host): NV (panel width, fixed when W is packed), R (rows per register
+// block), the prefetch distance, and MC (rows per chunk: threads split (chunk, panel) pairs, so
+// MC >= M splits columns and a small MC splits rows too). None of them changes a result: every
+// output element is one float accumulator fed x[m, k] * W[k, n] for k = 0..K-1 in order, so a
+// row's result does not depend on M, on the parameters, or on the threads.
 // Called through ctypes (engine/kernels/skinny.py); threads from the OpenMP runtime torch loaded.
+#include <immintrin.h>
+
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #if defined(__AVX512F__)
-constexpr int VW = 16;
+constexpr int VW = 16, NREG = 32;
 #else
-constexpr int VW = 8;
+constexpr int VW = 8, NREG = 16;
 #endif
-typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
-constexpr int TN = 2 * VW;
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4), may_alias));  // unaligned access
+constexpr int NV_MAX = 4;
+constexpr int R_CAP = 12;
+// Rows per register block that fit: R * NV accumulators + NV weights + one broadcast.
+constexpr int r_max(int nv) { return (NREG - 1 - nv) / nv < R_CAP ? (NREG - 1 - nv) / nv : R_CAP; }
+
+static inline vf ld(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+static inline void st(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
+// a + s * w, fused, always: left to the compiler, `a += s * w` became an FMA in some tile shapes
+// and a multiply then an add in others (GCC's -mtune=znver* splits lone FMA chains for latency),
+// and then a row's result depended on how many rows shared its register block.
+static inline vf fmadd(vf a, float s, vf w) {
 #if defined(__AVX512F__)
-constexpr int RMAX = 8;
+  return (vf)_mm512_fmadd_ps(_mm512_set1_ps(s), (__m512)w, (__m512)a);
+#elif defined(__FMA__)
+  return (vf)_mm256_fmadd_ps(_mm256_set1_ps(s), (__m256)w, (__m256)a);
 #else
-constexpr int RMAX = 6;
+  vf p = s * w;  // no FMA on this target: a rounded product, then the sum, in every shape
+  return a + p;
 #endif
+}
 
-constexpr int64_t PREFETCH = 32;  // rows of the panel ahead (4 KB with AVX-512): measured best of 8-64
+namespace {
+struct Params {
+  int nv = 2;          // vectors per panel row (TN = nv * VW)
+  int r = NREG == 32 ? 8 : 6;  // rows per register block
+  int64_t pf = 32;     // panel rows prefetched ahead (0: none)
+  int64_t mc = 1 << 30;  // rows per chunk
+};
+Params g;
 
-static inline vf ld(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-static inline void st(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-
-template <int R>
-static void panel(const float* x, int64_t ldx, const float* w, int64_t K, vf b0, vf b1,
-                  const float* c, int64_t ldc, float* y, int64_t ldy, int ncols) {
-  vf a0[R], a1[R];
-  for (int r = 0; r < R; ++r) { a0[r] = b0; a1[r] = b1; }
+template <int NV, int R>
+void panel(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, const float* c, int64_t ldc,
+           float* y, int64_t ldy, int ncols, int64_t pf) {
+  constexpr int TN = NV * VW;
+  vf a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) a[r][v] = ld(bias + v * VW);
   for (int64_t k = 0; k < K; ++k) {
-    __builtin_prefetch(w + (k + PREFETCH) * TN);  // past the panel's end: harmless hints
-    __builtin_prefetch(w + (k + PREFETCH) * TN + VW);
-    vf w0 = ld(w + k * TN), w1 = ld(w + k * TN + VW);
-#pragma GCC unroll 8
+    if (pf) {  // past the panel's end: harmless hints
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; v += 64 / (VW * 4)) __builtin_prefetch(w + (k + pf) * TN + v * VW);
+    }
+    vf wv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) wv[v] = ld(w + k * TN + v * VW);
+#pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      float s = x[r * ldx + k];
-      a0[r] += s * w0;
-      a1[r] += s * w1;
+      const float s = x[r * ldx + k];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) a[r][v] = fmadd(a[r][v], s, wv[v]);
     }
   }
   for (int r = 0; r < R; ++r) {
     float* yr = y + r * ldy;
     if (ncols == TN) {
-      if (c) { a0[r] += ld(c + r * ldc); a1[r] += ld(c + r * ldc + VW); }
-      st(yr, a0[r]); st(yr + VW, a1[r]);
+      for (int v = 0; v < NV; ++v) st(yr + v * VW, c ? a[r][v] + ld(c + r * ldc + v * VW) : a[r][v]);
     } else {
       float tmp[TN];
-      st(tmp, a0[r]); st(tmp + VW, a1[r]);
-      for (int j = 0; j < ncols; ++j) yr[j] = tmp[j] + (c ? c[r * ldc + j] : 0.f);
+      for (int v = 0; v < NV; ++v) st(tmp + v * VW, a[r][v]);
+      for (int j = 0; j < ncols; ++j) yr[j] = c ? tmp[j] + c[r * ldc + j] : tmp[j];
     }
   }
 }
 
-typedef void (*panel_fn)(const float*, int64_t, const float*, int64_t, vf, vf, const float*, int64_t, float*, int64_t, int);
-static const panel_fn PANELS[9] = {nullptr, panel<1>, panel<2>, panel<3>, panel<4>, panel<5>, panel<6>,
-#if defined(__AVX512F__)
-                                   panel<7>, panel<8>
-#else
-                                   nullptr, nullptr
-#endif
+typedef void (*panel_fn)(const float*, int64_t, const float*, int64_t, const float*, const float*, int64_t, float*,
+                         int64_t, int, int64_t);
+
+template <int NV, int... Rs>
+constexpr void fill_row(panel_fn* row, std::integer_sequence<int, Rs...>) {
+  ((row[Rs + 1] = (Rs + 1 <= r_max(NV) ? &panel<NV, (Rs + 1 <= r_max(NV) ? Rs + 1 : 1)> : nullptr)), ...);
+}
+
+struct Table {
+  panel_fn fn[NV_MAX + 1][R_CAP + 1] = {};
+  Table() {
+    fill_row<1>(fn[1], std::make_integer_sequence<int, R_CAP>{});
+    fill_row<2>(fn[2], std::make_integer_sequence<int, R_CAP>{});
+    fill_row<3>(fn[3], std::make_integer_sequence<int, R_CAP>{});
+    fill_row<4>(fn[4], std::make_integer_sequence<int, R_CAP>{});
+  }
 };
+const Table TABLE;
+}  // namespace
 
 extern "C" {
-int skinny_tile_n() { return TN; }
-int skinny_max_rows() { return RMAX; }
+int skinny_vector_width() { return VW; }
+int skinny_max_rows(int nv) { return nv >= 1 && nv <= NV_MAX ? r_max(nv) : 0; }
+int skinny_tile_n() { return g.nv * VW; }
+
+// Returns 0, or -1 (nothing changed) when nv / r are out of range.
+int skinny_set_params(int nv, int r, int64_t pf, int64_t mc) {
+  if (nv < 1 || nv > NV_MAX || r < 1 || r > r_max(nv) || pf < 0 || mc < 1) return -1;
+  g.nv = nv, g.r = r, g.pf = pf, g.mc = mc;
+  return 0;
+}
 
 void skinny_gemm(const float* x, int64_t ldx, const float* wp, const float* bias, const float* c, int64_t ldc,
                  float* y, int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads) {
+  const Params p = g;
+  const int64_t TN = p.nv * VW;
   const int64_t P = (N + TN - 1) / TN;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t p = 0; p < P; ++p) {
-    const float* w = wp + p * K * TN;
-    const int ncols = (int)((N - p * TN) < TN ? (N - p * TN) : TN);
-    vf b0 = {}, b1 = {};
-    if (bias) {
-      float tb[TN] = {};
-      for (int j = 0; j < ncols; ++j) tb[j] = bias[p * TN + j];
-      b0 = ld(tb); b1 = ld(tb + VW);
+  const int64_t mc = ((p.mc < M ? p.mc : M) + p.r - 1) / p.r * p.r;  // whole register blocks per chunk
+  const int64_t C = (M + mc - 1) / mc;
+  const panel_fn* fns = TABLE.fn[p.nv];
+#pragma omp parallel for collapse(2) num_threads(nthreads) schedule(static)
+  for (int64_t ci = 0; ci < C; ++ci)
+    for (int64_t pi = 0; pi < P; ++pi) {
+      const float* w = wp + pi * K * TN;
+      const int ncols = (int)((N - pi * TN) < TN ? (N - pi * TN) : TN);
+      float tb[NV_MAX * VW] = {};
+      if (bias)
+        for (int j = 0; j < ncols; ++j) tb[j] = bias[pi * TN + j];
+      const int64_t end = (ci + 1) * mc < M ? (ci + 1) * mc : M;
+      for (int64_t r0 = ci * mc; r0 < end; r0 += p.r) {
+        const int rn = (int)(end - r0 < p.r ? end - r0 : p.r);
+        fns[rn](x + r0 * ldx, ldx, w, K, tb, c ? c + r0 * ldc + pi * TN : nullptr, ldc, y + r0 * ldy + pi * TN, ldy,
+                ncols, p.pf);
+      }
     }
-    for (int64_t r0 = 0; r0 < M; r0 += RMAX) {
-      const int rn = (int)(M - r0 < RMAX ? M - r0 : RMAX);
-      PANELS[rn](x + r0 * ldx, ldx, w, K, b0, b1, c ? c + r0 * ldc + p * TN : nullptr, ldc,
-                 y + r0 * ldy + p * TN, ldy, ncols);
-    }
-  }
 }
 
-// W [K, N] (row stride ldw) -> panels [P][K][TN], zero padded.
+// W [K, N] (row stride ldw) -> panels [P][K][TN] (TN = skinny_tile_n() now), zero padded.
 void skinny_pack(const float* w, int64_t ldw, float* out, int64_t K, int64_t N) {
+  const int64_t TN = g.nv * VW;
   const int64_t P = (N + TN - 1) / TN;
   for (int64_t p = 0; p < P; ++p)
     for (int64_t k = 0; k < K; ++k)
-      for (int j = 0; j < TN; ++j) {
+      for (int64_t j = 0; j < TN; ++j) {
         int64_t n = p * TN + j;
         out[(p * K + k) * TN + j] = n < N ? w[k * ldw + n] : 0.f;
       }

@@ -3,7 +3,8 @@
 `SkinnyMatrix(w)` packs a [K, N] float32 matrix into the kernel's column panels once;
 `sm.matmul(x, bias, residual)` computes `x @ w (+ bias) (+ residual)` for x [M, K] with few rows
 (decode and verify passes). Each output row is accumulated on its own in a fixed order, so a
-row's result does not depend on M.
+row's result does not depend on M nor on the host's tuned loop parameters (engine/kernels/params.py);
+the panel width those fix is read once, when the library loads, and never changes after.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import torch
 from engine.kernels.library import library
 
 # The kernel serves every decode and verify pass: a row's result then never depends on how many
-# rows share the pass, so a verify pass reproduces sequential decoding bit for bit. It is as fast
-# as torch's GEMM up to ~1000 rows (docs/BENCHMARKS.md); beyond this only long prefills go to torch.
+# rows share the pass, so a verify pass reproduces sequential decoding bit for bit. A verify pass
+# is batch x (1 + draft) rows (128 x 17 = 2176), so the bound is far above decode sizes; beyond it
+# only long prefills go to torch. Where the kernel is slower than torch's GEMM on a host even
+# tuned, the engine drops it for every row count at once (engine/kernels/tune.py, guard).
 MAX_ROWS = 4096
 
 

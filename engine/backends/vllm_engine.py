@@ -1,0 +1,222 @@
+"""The vLLM rollout backend: the native engine's interface (requests in, a RolloutBatch out; weight
+pushes by Hugging Face name) over `vllm.LLM`, so the RL loop does not know which one runs.
+
+    engine = VllmEngine.from_pretrained("checkpoints/tiny", EngineConfig(backend="vllm", spec=...))
+    batch = engine.generate(requests, SamplingParams(...))
+    engine.load_weights(actor.named_weights(), version=step)        # after every update
+    engine.load_drafter_weights(trainer.named_weights(), version=v) # after every spot window
+
+What differs from the native engine, and how it shows:
+- exactness is in distribution, not token for token: vLLM samples with its own per-request seeds
+  and verifies drafts with its rejection sampler, so speculation on or off gives the same
+  distribution but other tokens; `train/mismatch_kl` (engine vs actor log-probs) shows what the
+  backend's numerics cost. The native engine stays the reference for exactness;
+- no per-step records: the batch's speculation figures come from vLLM's counters (drafts, draft
+  tokens, accepted tokens), read before and after the call (`RolloutBatch.counters`);
+- no hidden states while it speculates: spot training's DataBuffer is filled from the actor's
+  log-prob forward instead (spot.actor_features), and `sink` must stay None;
+- no preemption mid-call (`should_stop`), so bubble pre-generation needs the native engine;
+- the drafter is exported to vLLM's EAGLE format (engine.backends.vllm_export); the tuner's
+  choices become vLLM's per-batch-size schedule (engine.backends.vllm_schedule);
+- after a level-2 sleep vLLM has dropped the drafter's weights with the target's: wake_up
+  re-sends the last drafter weights (a known pitfall that silently zeroes acceptance).
+Pushes go through `collective_rpc` into engine.backends.vllm_worker, in buckets of
+`engine.vllm.weight_bucket_mb`, each a safetensors file in /dev/shm (same node).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from engine.backends.vllm_export import export_eagle
+from engine.backends.vllm_schedule import arm_tokens, vllm_schedule
+from engine.checkpoint import read_config
+from engine.config import EngineConfig
+from engine.sampling import SamplingParams
+from engine.types import FinishReason, Request, Rollout, RolloutBatch
+
+WORKER = "engine.backends.vllm_worker.TailSpecWorkerExtension"
+SHM = "/dev/shm"  # pushes travel as safetensors files here (engine.backends.vllm_worker says why)
+COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+
+
+class _ModelInfo:
+    """What the loop reads from `engine.model`: its config (stop tokens, sizes)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.config = read_config(path)
+
+
+def speculative_config(cfg: EngineConfig, export_dir: Path) -> dict | None:
+    """vLLM's speculative_config for engine.spec (None when speculation is off)."""
+    spec = cfg.spec
+    if not spec.enabled:
+        return None
+    if spec.tuner_arms:
+        k = max(arm_tokens(a) for a in spec.tuner_arms)
+        schedule = vllm_schedule(spec.tuner_arms, spec.tuner_buckets, [None] * len(spec.tuner_buckets), cfg.max_batch, k)
+    else:
+        k, schedule = spec.depth, None
+    if k < 1:
+        raise ValueError("engine.spec.tuner_arms are all 'off': set engine.spec.enabled=false instead")
+    if spec.drafter == "ngram":
+        out = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": cfg.vllm.ngram_max}
+    elif spec.drafter == "eagle":
+        out = {"method": "eagle", "model": str(export_eagle(spec.drafter_path, export_dir / "eagle")),
+               "num_speculative_tokens": k}
+    else:
+        raise ValueError(f"engine.backend=vllm serves engine.spec.drafter eagle or ngram, got {spec.drafter!r}")
+    if schedule is not None:
+        out["num_speculative_tokens_per_batch_size"] = schedule
+    return out
+
+
+def sample_seed(seed: int, step: int, prompt_id: str, sample: int) -> int:
+    """vLLM's per-request seed: a function of (run seed, RL step, prompt, sample), like the native noise key."""
+    return zlib.crc32(f"{seed}:{step}:{prompt_id}:{sample}".encode()) & 0x7FFFFFFF
+
+
+def buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterable[list[tuple[str, torch.Tensor]]]:
+    """(name, CPU tensor) lists of at most max_bytes each (a larger tensor is a bucket alone)."""
+    bucket, size = [], 0
+    for name, t in named:
+        t = t.detach().to("cpu").contiguous()
+        n = t.numel() * t.element_size()
+        if bucket and size + n > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket
+
+
+class VllmEngine:
+    def __init__(self, model_path: str | Path, cfg: EngineConfig, *, seed: int = 0) -> None:
+        from vllm import LLM
+
+        cfg.validate()
+        if cfg.backend != "vllm":
+            raise ValueError(f"VllmEngine needs engine.backend=vllm, got {cfg.backend!r}")
+        self.cfg, self.path = cfg, Path(model_path)
+        self.model = _ModelInfo(model_path)
+        self.version = 0
+        self.drafter_version = 0
+        self.policy = None  # vLLM applies the schedule itself; no per-step policy object
+        self.sink = None
+        self._export = Path(tempfile.mkdtemp(prefix="tailspec-vllm-"))
+        self._drafter_named: list | None = None  # the last drafter push, re-sent after a level-2 sleep
+        self._slept = 0
+        v = cfg.vllm
+        kwargs = dict(model=str(model_path), dtype=cfg.dtype, max_model_len=cfg.max_len, max_num_seqs=cfg.max_batch,
+                      tensor_parallel_size=v.tensor_parallel_size, enforce_eager=v.enforce_eager,
+                      gpu_memory_utilization=v.gpu_memory_utilization, seed=seed, disable_log_stats=False,
+                      worker_extension_cls=WORKER, logprobs_mode="processed_logprobs",
+                      speculative_config=speculative_config(cfg, self._export), enable_sleep_mode=v.sleep_level > 0)
+        if v.kv_cache_gb is not None:
+            kwargs["kv_cache_memory_bytes"] = int(v.kv_cache_gb * 2**30)
+        self.llm = LLM(**kwargs)
+
+    @classmethod
+    def from_pretrained(cls, path, cfg: EngineConfig, **kw) -> VllmEngine:
+        return cls(path, cfg, **kw)
+
+    # -- rollouts ---------------------------------------------------------------------------
+    def counters(self) -> dict[str, int]:
+        """vLLM's cumulative speculation counters (drafts, draft_tokens, accepted_tokens)."""
+        out = dict.fromkeys(COUNTERS.values(), 0)
+        for m in self.llm.get_metrics():
+            if m.name in COUNTERS:
+                out[COUNTERS[m.name]] = int(m.value)
+        return out
+
+    def generate(self, requests: list[Request], params: SamplingParams, progress=None, should_stop=None) -> RolloutBatch:
+        from vllm import SamplingParams as VllmParams
+        from vllm.inputs import TokensPrompt
+
+        if should_stop is not None:
+            raise NotImplementedError("engine.backend=vllm cannot preempt a generate call (should_stop): bubble "
+                                      "pre-generation needs engine.backend=native")
+        if any(r.drafts for r in requests):
+            raise NotImplementedError("engine.backend=vllm does not take pre-generated drafts (Request.drafts)")
+        order = [(r, k) for r in requests for k in range(r.n)]
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt)) for r, _ in order]
+        sampling = [VllmParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1,
+                               max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
+                               seed=sample_seed(params.seed, params.step, r.prompt_id, k), logprobs=0)
+                    for r, k in order]
+        before, t0 = self.counters(), time.perf_counter()
+        outs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        after = self.counters()
+        rollouts = []
+        for (r, k), out in zip(order, outs):
+            o = out.outputs[0]
+            tokens = list(o.token_ids)
+            logprobs = [float(lp[t].logprob) for t, lp in zip(tokens, o.logprobs or [])]
+            reason = FinishReason.STOP if o.finish_reason == "stop" else FinishReason.LENGTH
+            rollouts.append(Rollout(prompt_id=r.prompt_id, sample=k, prompt_tokens=len(r.prompt), tokens=tokens,
+                                    logprobs=logprobs, finish_reason=reason, policy_version=self.version))
+        if progress is not None:
+            progress(len(rollouts))
+        counters = {k: after[k] - before[k] for k in after}
+        return RolloutBatch(rollouts=rollouts, steps=[], prefill_s=0.0, wall_s=wall, policy_version=self.version,
+                            counters=counters)
+
+    # -- weights ----------------------------------------------------------------------------
+    def _push(self, method: str, named, version_attr: str, version: int) -> None:
+        if version < getattr(self, version_attr):
+            raise ValueError(f"{method}: version {version} is older than the served version {getattr(self, version_attr)}")
+        from safetensors.torch import save_file
+
+        folder = Path(tempfile.mkdtemp(prefix="tailspec-push-", dir=SHM if Path(SHM).is_dir() else None))
+        try:
+            paths = []
+            for i, bucket in enumerate(buckets(named, self.cfg.vllm.weight_bucket_mb * 2**20)):
+                paths.append(str(folder / f"bucket-{i:05d}.safetensors"))
+                save_file(dict(bucket), paths[-1])
+            self.llm.collective_rpc(method, args=(paths,))  # one reload over every bucket, streamed from the files
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        setattr(self, version_attr, version)
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        """The policy's weights by Hugging Face name, served as `version` from now on."""
+        items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
+        self._push("tailspec_load_weights", items, "version", version)
+
+    def load_drafter_weights(self, named_tensors, version: int) -> None:
+        """The EAGLE drafter's weights by this project's names (`fc.weight`, `layers.0.*`)."""
+        if not (self.cfg.spec.enabled and self.cfg.spec.drafter == "eagle"):
+            raise ValueError("load_drafter_weights: this vLLM engine serves no eagle drafter (engine.spec.drafter=eagle)")
+        items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
+        named = [(n, t.detach().to("cpu").clone()) for n, t in items if n != "draft_vocab"]
+        self._drafter_named = named
+        self._push("tailspec_load_drafter_weights", named, "drafter_version", version)
+
+    def drafter_nets(self) -> list:
+        return []  # the drafter lives in vLLM's worker processes; checkpoints take the spot trainer's copy
+
+    # -- memory (colocated actor) -----------------------------------------------------------
+    def sleep(self) -> None:
+        """Frees vLLM's memory at engine.vllm.sleep_level while the actor trains."""
+        if self.cfg.vllm.sleep_level:
+            self.llm.sleep(level=self.cfg.vllm.sleep_level)
+            self._slept = self.cfg.vllm.sleep_level
+
+    def wake_up(self) -> None:
+        """Back to serving; after a level-2 sleep the drafter's last weights are sent again."""
+        if not self._slept:
+            return
+        self.llm.wake_up()
+        if self._slept == 2 and self._drafter_named is not None:
+            self._push("tailspec_load_drafter_weights", self._drafter_named, "drafter_version", self.drafter_version)
+        self._slept = 0

@@ -1,0 +1,169 @@
+"""The kernels' per-host tuning: a deterministic choice from measurements, the guard, the cache
+and its keys, the fallback, and that every candidate keeps the bit-for-bit row independence."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from engine.kernels import params as kparams
+from engine.kernels import tune, tuning_cache
+from engine.kernels.library import available, library, tuning
+from engine.kernels.params import CHUNK_ALL, KernelParams
+from engine.kernels.skinny import SkinnyMatrix
+
+OK, WHY = available()
+needs_kernels = pytest.mark.skipif(not OK, reason=f"CPU kernels unavailable or not serving here: {WHY}")
+
+
+def P(nv, r, pf=32, mc=CHUNK_ALL):
+    return KernelParams(panel_vectors=nv, block_rows=r, prefetch=pf, chunk_rows=mc)
+
+
+def test_choose_takes_the_least_total_log_slowdown_not_the_least_total_time():
+    # b loses 2x at 1 row (2 ms) but wins 1.5x at 64 rows (100 ms): by total time a would win (102 < 153)
+    costs = {P(1, 4): {1: 1.0, 64: 150.0}, P(2, 6): {1: 2.0, 64: 100.0}}
+    assert tune.choose(costs) == P(1, 4)  # log 1 + log 1.5 < log 2 + log 1
+    costs[P(2, 6)] = {1: 1.2, 64: 100.0}
+    assert tune.choose(costs) == P(2, 6)
+
+
+def test_choose_breaks_ties_by_candidate_order_whatever_the_dict_order():
+    a, b = {1: 1.0, 4: 2.0}, {1: 1.0, 4: 2.0}
+    assert tune.choose({P(2, 6): a, P(1, 8): b}) == tune.choose({P(1, 8): b, P(2, 6): a}) == P(1, 8)
+
+
+def test_choose_ignores_candidates_missing_a_row_count_and_refuses_an_empty_table():
+    assert tune.choose({P(1, 4): {1: 0.1}, P(2, 6): {1: 1.0, 4: 1.0}}) == P(2, 6)
+    with pytest.raises(ValueError, match="every row count"):
+        tune.choose({P(1, 4): {1: 0.1}, P(2, 6): {4: 1.0}})
+
+
+def synthetic(p: KernelParams, m: int) -> float:
+    """A cost model with one best point: nv=2 r=4, prefetch 64, chunks of 128 rows."""
+    tile = abs(p.panel_vectors - 2) + abs(p.block_rows - 4) / 4
+    return (1 + tile) * m + abs(p.prefetch - 64) / 64 + (0 if p.chunk_rows == 128 else 0.5) * m / 256
+
+
+def test_search_is_deterministic_and_finds_the_synthetic_optimum():
+    tiles = tune.tiles(8, lambda nv: (15 - nv) // nv)
+    runs = [tune.search(synthetic, P(2, 6), tiles) for _ in range(2)]
+    assert runs[0] == runs[1]
+    chosen, log = runs[0]
+    assert chosen == P(2, 4, 64, 128)
+    assert set(log) == {"tile", "prefetch", "chunk"}
+
+
+def test_search_out_of_time_keeps_the_starting_point_measured():
+    chosen, log = tune.search(synthetic, P(2, 6), tune.tiles(8, lambda nv: (15 - nv) // nv), out_of_time=lambda: True)
+    assert chosen == P(2, 6)  # only the start was measured in each stage
+    assert all(len(stage) == 1 for stage in log.values())
+
+
+def test_tiles_fit_the_register_file():
+    for vw, nreg in ((8, 16), (16, 32)):
+        for t in tune.tiles(vw, lambda nv: min(12, (nreg - 1 - nv) // nv)):
+            assert t.block_rows * t.panel_vectors + t.panel_vectors + 1 <= nreg
+
+
+def test_guard_serves_on_the_geometric_mean_and_names_the_rows_it_lost():
+    assert tune.guard({1: 0.95, 16: 1.5, 1024: 1.1}) == (True, [1])
+    assert tune.guard({1: 0.5, 16: 1.2, 1024: 1.2}) == (False, [1])
+    with pytest.raises(ValueError):
+        tune.guard({})
+
+
+def test_cache_key_changes_with_the_build_the_flags_the_threads_and_the_host(monkeypatch):
+    k = tuning_cache.key("abc", ["-O3"], 2)
+    assert k == tuning_cache.key("abc", ["-O3"], 2)
+    assert len({k, tuning_cache.key("abd", ["-O3"], 2), tuning_cache.key("abc", ["-O2"], 2),
+                tuning_cache.key("abc", ["-O3"], 1)}) == 4
+    monkeypatch.setattr(tuning_cache, "cpu_model", lambda: "Some Other CPU")
+    assert tuning_cache.key("abc", ["-O3"], 2) != k
+
+
+class FakeLib:
+    """The ctypes surface settle() uses, without a build."""
+
+    def __init__(self):
+        self.applied = None
+
+    def skinny_vector_width(self):
+        return 8
+
+    def skinny_max_rows(self, nv):
+        return (15 - nv) // nv
+
+    def skinny_set_params(self, nv, r, pf, mc):
+        self.applied = (nv, r, pf, mc)
+        return 0
+
+
+def test_a_failed_tuning_falls_back_to_the_defaults_with_one_warning_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv("TAILSPEC_CPU_TUNE", raising=False)
+
+    def broken(*a, **kw):
+        raise RuntimeError("timer exploded")
+
+    monkeypatch.setattr(tune, "Timer", broken)
+    lib = FakeLib()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = tuning_cache.settle(lib, tmp_path, "digest", ["-O3"])
+    assert [str(w.message) for w in caught if "TailSpec" in str(w.message)] == [
+        "TailSpec CPU kernels: tuning failed, using the default parameters: RuntimeError('timer exploded')"], caught
+    assert t.chosen == KernelParams(block_rows=6) and lib.applied == (2, 6, 32, CHUNK_ALL)
+    assert t.serves and t.source.startswith("defaults (tuning failed")
+    assert not list(tmp_path.glob("tuning-*.json"))
+
+
+def test_a_cached_choice_is_read_back_and_a_changed_key_measures_again(tmp_path, monkeypatch):
+    monkeypatch.delenv("TAILSPEC_CPU_TUNE", raising=False)
+    calls = []
+
+    def fake_measure(lib, base, path):
+        calls.append(path.name)
+        t = tuning_cache.Tuning(**base, params=P(1, 8, 16, 64).as_dict(), source="measured")
+        path.write_text(json.dumps(t.__dict__))
+        return t
+
+    monkeypatch.setattr(tuning_cache, "_measure", fake_measure)
+    lib = FakeLib()
+    first = tuning_cache.settle(lib, tmp_path, "digest-a", ["-O3"])
+    again = tuning_cache.settle(lib, tmp_path, "digest-a", ["-O3"])
+    assert len(calls) == 1 and again.source == "cached" and again.chosen == first.chosen == P(1, 8, 16, 64)
+    assert lib.applied == (1, 8, 16, 64)
+    tuning_cache.settle(lib, tmp_path, "digest-b", ["-O3"])  # new kernel sources
+    assert len(calls) == 2
+    monkeypatch.setenv("TAILSPEC_CPU_TUNE", "force")
+    tuning_cache.settle(lib, tmp_path, "digest-a", ["-O3"])
+    assert len(calls) == 3
+
+
+@needs_kernels
+def test_every_tuning_candidate_keeps_rows_bit_for_bit_independent_and_equal_across_candidates():
+    lib = library()
+    chosen = tuning().chosen
+    torch.manual_seed(0)
+    K, N = 96, 200
+    w, bias, x = torch.randn(K, N), torch.randn(N), torch.randn(40, K)
+    cands = tune.tiles(lib.skinny_vector_width(), lib.skinny_max_rows)
+    cands += [P(2, 4, pf, mc) for pf in (0, 128) for mc in (4, 12, CHUNK_ALL)]
+    reference = None
+    try:
+        for p in cands:
+            kparams.apply(lib, p)
+            sm = SkinnyMatrix(w)
+            full = sm.matmul(x, bias=bias)
+            for i in (0, 7, 39):
+                assert torch.equal(sm.matmul(x[i : i + 1], bias=bias), full[i : i + 1]), p.label()
+            if reference is None:
+                reference = full
+            assert torch.equal(full, reference), p.label()  # one accumulator per element, k in order
+            torch.testing.assert_close(full, x @ w + bias, rtol=1e-5, atol=1e-4)
+    finally:
+        kparams.apply(lib, chosen)
+    assert lib.skinny_tile_n() == chosen.panel_vectors * lib.skinny_vector_width()
