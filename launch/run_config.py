@@ -125,6 +125,8 @@ class TrainConfig:
     cluster: ClusterSection = field(default_factory=ClusterSection)  # Slurm jobs only (launch.slurm)
 
     def validate(self) -> None:
+        if self.engine.backend == "vllm":
+            self._validate_vllm()
         if self.trainer.resume == "auto" and not self.run.dir:
             raise ValueError("trainer.resume=auto resumes the latest checkpoint of a fixed run folder: set run.dir too")
         if self.bubble.enabled:
@@ -134,3 +136,16 @@ class TrainConfig:
             if self.trainer.async_steps:
                 raise ValueError("bubble.enabled pre-generates step t+1 with policy t in step t's idle window; with "
                                  "trainer.async_steps=1 step t+1 is rolled out before that window: use one or the other")
+
+    def _validate_vllm(self) -> None:
+        """What the loop cannot do with engine.backend=vllm (engine.backends.vllm_engine says why)."""
+        if self.trainer.old_logprobs == "engine":
+            raise ValueError("trainer.old_logprobs=engine needs engine.backend=native: vLLM's log-probs are not exactly "
+                             "the old policy's (its numerics; train/mismatch_kl shows the gap); use "
+                             "trainer.old_logprobs=actor or auto with engine.backend=vllm")
+        if self.bubble.enabled:
+            raise ValueError("bubble.enabled needs engine.backend=native: vLLM cannot preempt a generate call nor take "
+                             "pre-generated drafts; set bubble.enabled=false with engine.backend=vllm")
+        if self.spot.enabled and not (self.engine.spec.enabled and self.engine.spec.drafter == "eagle"):
+            raise ValueError("spot.enabled with engine.backend=vllm trains the EAGLE drafter vLLM serves: set "
+                             f"engine.spec.enabled=true and engine.spec.drafter=eagle (got {self.engine.spec.drafter!r})")

@@ -1,8 +1,9 @@
 """`python -m launch.train --config configs/tiny.yaml [section.key=value ...]`: an RL run.
 
 Alone or under `torchrun --nproc-per-node=R -m launch.train ...` (gloo on CPU, NCCL on GPU):
-each rank holds its own engine and a data-parallel replica of the actor, rolls out its shard of
-every step's prompts, then trains (pipeline.trainer). Rank 0 prints; every rank writes its own
+each rank holds its own engine (engine.backend: native or vllm, engine.backends.factory) and a
+data-parallel replica of the actor, rolls out its shard of every step's prompts, then trains
+(pipeline.trainer). Rank 0 prints; every rank writes its own
 log (`runs/<run>/rank{r}.log`). The run folder holds the resolved config, metrics.jsonl,
 lengths.jsonl, the W&B offline run, checkpoints, dashboard.png, summary.txt and summary.json.
 `trainer.resume=runs/<run>/checkpoints/step-N` continues a run exactly where it stopped;
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.engine import RolloutEngine
+from engine.backends.factory import build_rollout_engine
 from launch.config import load_config, override_args, require_keys, save_config, to_dict
 from launch.run_config import TrainConfig
 from pipeline.actors import build_actor
@@ -103,7 +104,7 @@ def run(cfg: TrainConfig, r: Ranks) -> dict:
     tokenizer = load_tokenizer(cfg.model.path)
     task, train_problems, held_out = problems_for(cfg)
     loader = PromptLoader(train_problems, cfg.trainer.prompts_per_step, cfg.run.seed, world_size=r.world, rank=r.rank)
-    engine = RolloutEngine.from_pretrained(cfg.model.path, cfg.engine)
+    engine = build_rollout_engine(cfg.model.path, cfg.engine, seed=cfg.run.seed)
     actor = build_actor(cfg.actor, cfg.model.path)
     reference = None
     if cfg.algorithm.kl_coef > 0:
@@ -121,7 +122,6 @@ def run(cfg: TrainConfig, r: Ranks) -> dict:
             engine.policy.load_state_dict(state.components["spec_policy"])
         start = state.step
         log(f"resumed from {cfg.trainer.resume} at step {start}")
-    engine.load_weights(actor.named_weights(), version=start)  # the engine serves exactly the actor's weights
     spot = None
     if cfg.spot.enabled:
         from spot.colocated import build_spot_work
@@ -135,20 +135,22 @@ def run(cfg: TrainConfig, r: Ranks) -> dict:
         log(f"spot training on: node buffer {spot.buffer.name} ({cfg.spot.buffer_mb} MiB), drafter trained in idle windows")
     try:
         return _train(cfg, r, run_dir, log, engine, actor, tokenizer, task, loader, held_out, start, reference,
-                      spot.work if spot else None)
+                      spot.work if spot else None, spot.actor_features if spot else None)
     finally:
         if spot is not None:
             spot.close()
 
 
-def _train(cfg, r, run_dir, log, engine, actor, tokenizer, task, loader, held_out, start, reference, idle_work) -> dict:
+def _train(cfg, r, run_dir, log, engine, actor, tokenizer, task, loader, held_out, start, reference, idle_work,
+           actor_features) -> dict:
     logger = MetricsLogger.from_config(run_dir, cfg.metrics, rank=r.rank, run_name=run_dir.name,
                                        resolved_config=to_dict(cfg), resume_after_step=start if cfg.trainer.resume else -1)  # -1: a fresh start drops an earlier attempt's lines
     bubbles = None
     if cfg.bubble.enabled:
         idle_work, bubbles = _with_bubbles(cfg, r, engine, tokenizer, loader, idle_work, lambda step: trainer.sampling(step))
     trainer = Trainer(cfg, r, engine, actor, tokenizer, task, loader, held_out, run_dir, start_step=start,
-                      reference=reference, idle_work=idle_work, bubbles=bubbles)
+                      reference=reference, idle_work=idle_work, bubbles=bubbles, actor_features=actor_features)
+    trainer.sync(version=start)  # the engine serves exactly the actor's weights (a resumed run's too)
     tc = cfg.trainer
     accuracy = {}
     with logger:

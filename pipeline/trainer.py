@@ -11,6 +11,14 @@ One step on every rank (colocated: each rank rolls out, then trains):
     -> weight sync (engine.load_weights(actor.named_weights(), version=step))
     -> metrics -> eval every N steps -> checkpoint every N steps.
 
+The engine is either backend (engine.backends.factory) behind one interface. What the loop takes
+from the config about it: the native engine's log-probs are exactly the old policy's, vLLM's are
+not (its numerics), so with engine.backend=vllm the old log-probs are always the actor's and
+`train/mismatch_kl` measures the gap; and with an engine that returns no hidden states, spot
+training's DataBuffer is filled from that same actor forward (`actor_features`,
+spot.actor_features). An engine with `sleep` / `wake_up` (vLLM) frees its memory from the
+rollouts' end to the weight sync, while the colocated actor works (engine.vllm.sleep_level).
+
 Loss weights are normalised over the whole data-parallel mini-batch (all ranks), as the actor
 backends expect. Synchronous by default; `trainer.async_steps: 1` rolls out step t+1 with the
 policy before step t's update (one step off-policy) and corrects with a truncated importance
@@ -48,12 +56,13 @@ class StepResult:
 class Trainer:
     def __init__(self, cfg, ranks: Ranks, engine: RolloutEngine, actor, tokenizer, task: Task, loader: PromptLoader,
                  eval_problems: list[Problem], run_dir, idle_work: IdleWork | None = None, start_step: int = 0,
-                 reference=None, bubbles=None) -> None:
+                 reference=None, bubbles=None, actor_features=None) -> None:
         self.cfg, self.r, self.engine, self.actor, self.tok, self.task = cfg, ranks, engine, actor, tokenizer, task
         self.loader, self.eval_problems, self.run_dir, self.idle_work = loader, eval_problems, run_dir, idle_work
         self.reference = reference  # a ReferencePolicy when algorithm.kl_coef > 0
         self.bubbles = bubbles  # a pipeline.bubble.BubbleStore: drafts pre-generated for the coming steps
         self.bubble_metrics: dict[str, float] = {}
+        self.actor_features = actor_features  # a spot.actor_features.ActorFeatures: the buffer from the actor's forward
         if cfg.algorithm.kl_coef > 0 and reference is None:
             raise ValueError("algorithm.kl_coef > 0 needs a reference policy (pipeline.reference.ReferencePolicy)")
         self.algo = build_algorithm(cfg.algorithm, cfg.rollout.max_new_tokens)
@@ -67,8 +76,12 @@ class Trainer:
         if tc.old_logprobs == "engine" and not policy_sampling:
             raise ValueError("trainer.old_logprobs=engine needs rollout.temperature=1, top_p=1, top_k=0 (the engine's "
                              "log-probs are those of the sampling distribution); use actor or auto")
+        exact = cfg.engine.backend == "native"  # vLLM's log-probs are not exactly the old policy's (launch.run_config)
         self.engine_old_logprobs = tc.old_logprobs == "engine" or (
-            tc.old_logprobs == "auto" and policy_sampling and not tc.async_steps)
+            tc.old_logprobs == "auto" and policy_sampling and not tc.async_steps and exact)
+        if actor_features is not None and self.engine_old_logprobs:
+            raise ValueError("spot training from the actor's forward needs trainer.old_logprobs=actor or auto (the "
+                             "engine's log-probs would skip the forward that fills the DataBuffer)")
 
     # -- one RL step -----------------------------------------------------------------------
     def sampling(self, step: int) -> SamplingParams:
@@ -103,13 +116,13 @@ class Trainer:
         if self.cfg.trainer.async_steps:
             self.pending = self._fill(step + 1)  # with this policy, before this step's update
         batch, metrics = self._train_batch(scored)
+        if hasattr(self.engine, "sleep"):
+            self.engine.sleep()
         t = time.perf_counter()
         if self.engine_old_logprobs:
             batch.old_logprobs = batch.engine_logprobs.clone()
         else:
-            old = self.actor.logprobs(batch.input_ids, batch.attention_mask).logprobs
-            batch.old_logprobs = old.cpu() * batch.response_mask
-            metrics.update(mismatch_kl(batch.engine_logprobs, batch.old_logprobs, batch.response_mask)[1])
+            metrics.update(self._actor_old_logprobs(batch, scored, step))
         if self.reference is not None:
             batch.ref_logprobs = self.reference.logprobs(batch.input_ids, batch.attention_mask) * batch.response_mask
         logprob_s = time.perf_counter() - t
@@ -120,16 +133,42 @@ class Trainer:
         metrics.update(self._update(batch))
         update_s = time.perf_counter() - t
         t = time.perf_counter()
-        self.engine.load_weights(self.actor.named_weights(), version=step + 1)
+        if hasattr(self.engine, "wake_up"):
+            self.engine.wake_up()
+        self.sync(version=step + 1)
         sync_s = time.perf_counter() - t
         self.step_index = step + 1
         metrics.update(self._step_metrics(scored, rollout_s, idle_s, logprob_s, update_s, sync_s, time.perf_counter() - t_step))
         metrics.update(idle_metrics)
+        # The version the step's rollouts were made with, and the one the engine serves after the sync.
+        metrics["rollout/policy_version"] = float(scored.batch.policy_version)
+        metrics["engine/version"] = float(self.engine.version)
         metrics.update(self._mean_over_ranks(self.bubble_metrics))
         if hasattr(self.engine.policy, "metrics"):
             metrics.update(self.engine.policy.metrics())
         lengths = [int(x) for row in gather_floats(self.r, [float(x) for x in scored.lengths.tolist()]) for x in row]
         return StepResult(metrics=metrics, lengths=lengths, rollouts=scored)
+
+    def _actor_old_logprobs(self, batch: TrainBatch, scored: ScoredRollouts, step: int) -> dict[str, float]:
+        """The actor's recomputed old log-probs into `batch`; the same forward's hidden states fill the
+        DataBuffer when spot training reads them from the actor (entries of step t, trained on from
+        step t + 1's idle window: spot.actor_features)."""
+        kw = self.actor_features.logprobs_kwargs if self.actor_features is not None else {}
+        out = self.actor.logprobs(batch.input_ids, batch.attention_mask, **kw)
+        batch.old_logprobs = out.logprobs.cpu() * batch.response_mask
+        metrics = mismatch_kl(batch.engine_logprobs, batch.old_logprobs, batch.response_mask)[1]
+        if self.actor_features is not None:
+            put = self.actor_features.put(scored.batch.rollouts, _row_prompts(scored), batch.input_ids, out, step)
+            metrics["spot/entries_put"] = all_sum(self.r, float(put))  # over all ranks
+        return metrics
+
+    def sync(self, version: int) -> None:
+        """The actor's weights into the engine, served as `version`; the spot drafter's HeadTarget (if
+        any) copies the embedding and LM head as they go by."""
+        named = self.actor.named_weights()
+        if self.actor_features is not None and self.actor_features.head is not None:
+            named = self.actor_features.head.follow(named)
+        self.engine.load_weights(named, version=version)
 
     def _fill(self, step: int) -> ScoredRollouts:
         """The step's rollouts; with dynamic sampling, groups whose rewards do not differ are
@@ -151,8 +190,7 @@ class Trainer:
         rewards, metrics = self.algo.shape_rewards(scored.rewards, scored.lengths)
         adv, m = self.algo.advantages(rewards.view(-1, n), None)
         metrics.update(m)
-        prompts = [scored.prompts[i // n] for i in range(len(scored.batch))]
-        batch = pack_rollouts(prompts, [r.tokens for r in scored.batch], [r.logprobs for r in scored.batch],
+        batch = pack_rollouts(_row_prompts(scored), [r.tokens for r in scored.batch], [r.logprobs for r in scored.batch],
                               adv.reshape(-1), self.pad_id)
         return batch, metrics
 
@@ -259,6 +297,8 @@ class Trainer:
         state = RunState(step=self.step_index, loader=self.loader.state_dict(), engine_version=self.engine.version,
                          components=components)
         drafter = next(iter(self.engine.drafter_nets()), None)
+        if drafter is None:  # a drafter served out of process (vLLM): the spot trainer's copy holds its weights
+            drafter = getattr(getattr(self.idle_work, "trainer", None), "model", None)
         save_run(checkpoint_dir(self.run_dir, self.step_index), state, self.actor, drafter, main=self.r.main, extras=extras)
 
 
@@ -274,6 +314,11 @@ def training_reward(task_cfg, task: Task):
     return lambda text, answer: scorer(text, answer)[0]
 
 
+def _row_prompts(scored: ScoredRollouts) -> list[list[int]]:
+    """The prompt of each rollout (row) of the batch: rollouts come n per prompt."""
+    return [scored.prompts[i // scored.n] for i in range(len(scored.batch))]
+
+
 def _informative(parts: list[ScoredRollouts], n: int) -> int:
     return sum(int((p.rewards.view(-1, n).max(1).values > p.rewards.view(-1, n).min(1).values).sum()) for p in parts)
 
@@ -284,6 +329,7 @@ def _select_informative(parts: list[ScoredRollouts], want: int, n: int) -> Score
     from engine.types import RolloutBatch
 
     problems, prompts, rollouts, rewards, steps = [], [], [], [], []
+    counters: dict[str, int] | None = None  # a backend without step records (vLLM): its counters, summed
     for p in parts:
         grouped = p.rewards.view(-1, n)
         for g in range(grouped.shape[0]):
@@ -295,8 +341,11 @@ def _select_informative(parts: list[ScoredRollouts], want: int, n: int) -> Score
                 rollouts.extend(p.batch.rollouts[g * n : (g + 1) * n])
                 rewards.append(grouped[g])
         steps.extend(p.batch.steps)
+        if p.batch.counters is not None:
+            counters = {k: (counters or {}).get(k, 0) + v for k, v in p.batch.counters.items()}
     if not problems:  # nothing informative at all: train on the first round (zero advantages)
         return parts[0]
     batch = RolloutBatch(rollouts=rollouts, steps=steps, prefill_s=sum(p.batch.prefill_s for p in parts),
-                         wall_s=sum(p.batch.wall_s for p in parts), policy_version=parts[0].batch.policy_version)
+                         wall_s=sum(p.batch.wall_s for p in parts), policy_version=parts[0].batch.policy_version,
+                         counters=counters)
     return ScoredRollouts(problems=problems, prompts=prompts, batch=batch, rewards=torch.cat(rewards), n=n)

@@ -6,6 +6,11 @@ first), and wraps a SpotTrainer around a *copy* of the engine's EAGLE drafter: t
 drafter only ever changes through `load_drafter_weights`, so it never serves half-trained weights.
 With `spot.mode: pool` the rank only fills the buffer and follows an
 external pool's publications (spot.follower). `SpotRun.close()` detaches, and the creator removes the segment (also at interpreter exit).
+
+An engine that returns no hidden states (engine.backend=vllm: its drafter lives in vLLM's workers)
+gets no sink: the buffer is filled from the actor's log-prob forward (`SpotRun.actor_features`,
+spot.actor_features, which the loop calls), and the trained copy starts from the drafter folder
+(engine.spec.drafter_path) over a HeadTarget that follows the policy's weight syncs.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from engine.checkpoint import parse_dtype, read_config
 from engine.spec.eagle import EagleModel
+from spot.actor_features import ActorFeatures, HeadTarget
 from spot.buffer import DataBuffer
 from spot.segment import reclaim_stale, segment_name
 from spot.config import SpotConfig
@@ -34,6 +41,7 @@ class SpotRun:
     work: SpotWork  # or a spot.follower.PoolFollower (spot.mode: pool)
     buffer: DataBuffer
     owner: bool
+    actor_features: ActorFeatures | None = None  # engines without hidden states: the loop fills the buffer
 
     def close(self) -> None:
         self.work.engine.sink = None
@@ -57,7 +65,8 @@ def optim_of(cfg: SpotConfig) -> DrafterOptim:
 
 def build_spot_work(cfg: SpotConfig, engine, *, run_name: str, rank: int, local_rank: int, world: int, seed: int,
                     max_new_tokens: int, resume: Path | None = None) -> SpotRun:
-    nets = engine.drafter_nets()
+    from_actor = engine.cfg.backend != "native"  # no hidden states from the engine: from the actor's forward
+    nets = [served_drafter(engine)] if from_actor else engine.drafter_nets()
     if len(nets) != 1 or not isinstance(nets[0], EagleModel):
         raise ValueError("spot.enabled needs a speculative engine with one EAGLE drafter (engine.spec.enabled: true, "
                          "engine.spec.drafter: eagle or eagle3, engine.spec.drafter_path: a warm-started drafter)")
@@ -72,14 +81,20 @@ def build_spot_work(cfg: SpotConfig, engine, *, run_name: str, rank: int, local_
         dist.barrier()
     if not owner:
         buffer = DataBuffer.attach(name)
-    sink = DataBufferSink(buffer, max_new_tokens=max_new_tokens, feature_layers=net.config.aux_layers)
-    engine.sink = sink
+    features = None
+    if from_actor:
+        features = sink = ActorFeatures(buffer, max_new_tokens=max_new_tokens, feature_layers=net.config.aux_layers,
+                                        num_layers=net.target.config.num_hidden_layers, head=net.target)
+    else:
+        sink = DataBufferSink(buffer, max_new_tokens=max_new_tokens, feature_layers=net.config.aux_layers)
+        engine.sink = sink
     store = dist.distributed_c10d._get_default_store() if world > 1 else None
     if cfg.mode == "pool":
         from spot.follower import PoolFollower
 
-        return SpotRun(work=PoolFollower(engine, buffer, sink, cfg.pool_dir, store, rank), buffer=buffer, owner=owner)
-    model = drafter_copy(net)
+        return SpotRun(work=PoolFollower(engine, buffer, sink, cfg.pool_dir, store, rank), buffer=buffer, owner=owner,
+                       actor_features=features)
+    model = net if from_actor else drafter_copy(net)  # the served one lives in vLLM: this is a copy already
     kw = dict(window=cfg.window, rows_per_step=cfg.rows_per_step, seed=seed * 1000 + rank)
     if resume is not None and (resume / "spot").is_dir():
         trainer = SpotTrainer.resume(resume / "spot", model, optim_of(cfg), **kw)
@@ -89,4 +104,14 @@ def build_spot_work(cfg: SpotConfig, engine, *, run_name: str, rank: int, local_
     settings = SpotSettings(rows_per_step=cfg.rows_per_step, offset_ratio=cfg.offset_ratio,
                             max_micro_steps=cfg.max_micro_steps, seed=seed)
     work = SpotWork(engine, trainer, buffer, sink, control, settings)
-    return SpotRun(work=work, buffer=buffer, owner=owner)
+    return SpotRun(work=work, buffer=buffer, owner=owner, actor_features=features)
+
+
+def served_drafter(engine) -> EagleModel | None:
+    """The drafter an engine without in-process drafter networks serves, loaded from its folder
+    (engine.spec.drafter_path) over a HeadTarget; None when it serves no EAGLE drafter."""
+    spec = engine.cfg.spec
+    if not (spec.enabled and spec.drafter in ("eagle", "eagle3") and spec.drafter_path):
+        return None
+    head = HeadTarget(read_config(engine.path), device=engine.cfg.device, dtype=parse_dtype(engine.cfg.dtype))
+    return EagleModel.load(spec.drafter_path, head)

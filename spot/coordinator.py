@@ -92,7 +92,10 @@ class SpotWork:
 
     def _rows(self, step: int):
         s = self.settings
-        return [e.to_row() for e in self.buffer.sample(s.rows_per_step, step=step, offset_ratio=s.offset_ratio,
+        # The newest step the producer has put: this one (the engine's sink, flushed as the rank's
+        # rollouts end) or the one before (the actor's forward, which runs after the idle window).
+        newest = step - getattr(self.sink, "lag", 0)
+        return [e.to_row() for e in self.buffer.sample(s.rows_per_step, step=newest, offset_ratio=s.offset_ratio,
                                                        generator=self.generator)]
 
     def work(self, window) -> dict[str, float]:

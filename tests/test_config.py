@@ -272,3 +272,29 @@ def test_override_args_splits_overrides_from_other_args() -> None:
     overrides, rest = override_args(argv)
     assert overrides == ["engine.spec.enabled=false", "train.lr=1e-5"]
     assert rest == ["--config", "c.yaml", "--out=runs/x", "x"]
+
+
+@pytest.mark.parametrize("overrides,keys", [
+    (["trainer.old_logprobs=engine"], ("trainer.old_logprobs", "engine.backend")),
+    (["bubble.enabled=true", "engine.spec.drafter=pregenerated+eagle"], ("engine.backend=vllm", "pre-generated")),
+    (["spot.enabled=true", "engine.spec.drafter=ngram"], ("spot.enabled", "engine.spec.drafter")),
+])
+def test_what_the_vllm_backend_cannot_do_is_refused_naming_the_keys(overrides, keys):
+    from launch.run_config import TrainConfig
+
+    base = ["engine.backend=vllm", "engine.spec.enabled=true", "engine.spec.drafter_path=checkpoints/tiny-drafter"]
+    with pytest.raises(ValueError) as e:
+        load_config(TrainConfig, Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml", base + overrides)
+    assert all(k in str(e.value) for k in keys), str(e.value)
+
+
+def test_building_a_vllm_engine_without_vllm_says_how_to_get_it():
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here: the missing-vllm error cannot show")
+    from engine.backends.factory import build_rollout_engine
+    from engine.config import EngineConfig
+
+    with pytest.raises((ImportError, ValueError), match="setup-vllm"):
+        build_rollout_engine("checkpoints/tiny", EngineConfig(backend="vllm"), seed=0)

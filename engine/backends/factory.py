@@ -1,0 +1,32 @@
+"""The rollout engine a run's config names (`engine.backend`): the one place the loop's launcher
+chooses a backend, so the loop itself does not know which one runs.
+
+native: engine.engine.RolloutEngine (the CPU default, exact); vllm: engine.backends.vllm_engine
+(imported only when chosen, so configs and the native path work where vLLM is not installed).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.config import EngineConfig
+
+
+def build_rollout_engine(path: str | Path, cfg: EngineConfig, *, seed: int = 0):
+    """The engine serving the model folder `path`; `seed` keys vLLM's sampling (the native engine's
+    noise is keyed per request by SamplingParams instead)."""
+    if cfg.backend == "native":
+        from engine.engine import RolloutEngine
+
+        return RolloutEngine.from_pretrained(path, cfg)
+    if cfg.backend == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"engine.backend=vllm needs vLLM, which this environment lacks ({e}): run `make setup-vllm` "
+                             "and train with .venv-vllm/bin/python, or `pip install vllm` (GPU); or set "
+                             "engine.backend=native") from e
+        from engine.backends.vllm_engine import VllmEngine
+
+        return VllmEngine.from_pretrained(path, cfg, seed=seed)
+    raise ValueError(f"engine.backend must be native or vllm, got {cfg.backend!r}")
