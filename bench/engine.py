@@ -50,18 +50,16 @@ def run_vllm(args, prompts: dict[str, list[list[int]]]) -> dict:
     if not os.access(args.vllm_python, os.X_OK):
         raise FileNotFoundError(f"--baseline vllm needs vLLM's interpreter at {args.vllm_python}: run `make setup-vllm` "
                                 "(or pass --vllm-python)")
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(prompts, f)
-    try:
-        cmd = [args.vllm_python, "-m", "bench.vllm_baseline", "--model", args.model, "--prompts", f.name,
-               "--new-tokens", str(args.new_tokens), "--repeat", str(args.repeat)] + (["--eager"] if args.vllm_eager else [])
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "auto"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    finally:
-        os.unlink(f.name)
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench.vllm_baseline failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/prompts.json", "w") as f:
+            json.dump(prompts, f)
+        cmd = [args.vllm_python, "-m", "bench.vllm_baseline", "--model", args.model, "--prompts", f"{tmp}/prompts.json",
+               "--out", f"{tmp}/result.json", "--new-tokens", str(args.new_tokens), "--repeat", str(args.repeat)]
+        proc = subprocess.run(cmd + (["--eager"] if args.vllm_eager else []), capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench.vllm_baseline failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+        with open(f"{tmp}/result.json") as f:
+            return json.load(f)
 
 
 def main(argv: list[str] | None = None) -> int:

