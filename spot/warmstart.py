@@ -69,10 +69,13 @@ class WarmstartConfig:
     # run
     seed: int = 0
     threads: int = 2
+    device: str = "cpu"  # the target, its rollouts, the feature pass and the drafter's training ("cuda" on a GPU)
     max_minutes: float | None = None
     log_every: int = 20
 
     def validate(self) -> None:
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.feature_dtype not in ("float32", "bfloat16"):
@@ -116,7 +119,7 @@ def warmstart(cfg: WarmstartConfig, target_path: str | Path, prompts_path: str |
     prompts = read_prompts(prompts_path)
     read_config(target_path)  # a missing or broken target fails here, before anything slow
     tokenizer = load_tokenizer(target_path)
-    target = load_checkpoint(target_path, torch.float32).requires_grad_(False)
+    target = load_checkpoint(target_path, torch.float32, cfg.device).requires_grad_(False)
     out.parent.mkdir(parents=True, exist_ok=True)
 
     rows, data_stats = collect_rows(target, tokenizer, prompts, cfg)
@@ -129,7 +132,7 @@ def warmstart(cfg: WarmstartConfig, target_path: str | Path, prompts_path: str |
 
     torch.manual_seed(cfg.seed)  # the drafter's initial weights
     ecfg = EagleConfig.for_target(target.config, cfg.kind, None if vocab is None else len(vocab))
-    model = EagleModel(ecfg, target, vocab)
+    model = EagleModel(ecfg, target, vocab).to(target.device)
     before = evaluate(model, held, cfg.ce_weight) if held else None
     budget = None
     if cfg.max_minutes is not None:
@@ -187,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ce-weight", type=float, default=d.ce_weight)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--device", default=d.device, help="cpu, or cuda for a large target (minutes instead of hours)")
     p.add_argument("--max-minutes", type=float, default=None, help="wall-time budget of the whole run")
     p.add_argument("--log-every", type=int, default=d.log_every)
     return p

@@ -62,7 +62,8 @@ def collect_rows(target: Transformer, tokenizer, prompts: list[dict], cfg) -> tu
     """Steps 1-2: the target's responses, then its features over prompt + response (both through
     the engine's runtime: packed layers, compiled kernels)."""
     longest = max(len(encode(tokenizer, r["prompt"], cfg.chat)) for r in prompts)
-    engine = RolloutEngine(target, EngineConfig(max_batch=cfg.max_batch, max_len=longest + cfg.max_new_tokens, threads=cfg.threads))
+    engine = RolloutEngine(target, EngineConfig(max_batch=cfg.max_batch, max_len=longest + cfg.max_new_tokens, threads=cfg.threads,
+                                                device=str(target.device)))
     seqs, gen_stats = generate(engine, tokenizer, prompts, cfg)
     t0 = time.perf_counter()
     aux_layers = EagleConfig.for_target(target.config, cfg.kind).aux_layers

@@ -214,3 +214,18 @@ def test_test_split_prompts_never_occur_in_a_train_split_whatever_the_seeds():
     assert all(r["id"].startswith("test-") for r in make_prompts(5, split="test"))
     with pytest.raises(ValueError, match="split must be one of"):
         make_prompts(5, split="dev")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; this machine has no GPU")
+def test_a_warmstart_on_cuda_writes_a_drafter_that_loads_on_cpu(char_model_dir, tmp_path):
+    cfg = WarmstartConfig(n=2, max_new_tokens=24, steps=40, batch_windows=2, window=64, lr=3e-3, warmup_steps=5,
+                          log_every=20, holdout=0.2, device="cuda")
+    summary = warmstart(cfg, char_model_dir, write_prompts(tmp_path / "p.jsonl", 10), tmp_path / "drafter")
+    assert summary["train_loss_end"] < summary["train_loss_start"]
+    EagleModel.load(tmp_path / "drafter", load_checkpoint(char_model_dir))  # saved from the GPU, read on the CPU
+
+
+def test_a_warmstart_device_that_does_not_exist_is_refused_by_name():
+    with pytest.raises(ValueError, match="device must be cpu or cuda"):
+        WarmstartConfig(device="tpu").validate()

@@ -159,7 +159,7 @@ class EagleModel(RopeSource, nn.Module):
     def save(self, path: str | Path, extra: dict | None = None) -> None:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}  # from any device
         if not self.draft_vocab.numel():
             state.pop("draft_vocab")
         meta = {"architectures": [ARCH], **asdict(self.config), **(extra or {})}
