@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import cpu_model, emit_json
+from bench.common import cpu_model, emit_json, print_host
 from common.text import load_tokenizer
 from engine.engine import RolloutEngine
 from engine.spec.factory import build_drafter
@@ -184,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         plot(Path(args.plot), sweep, f"{args.config} {' '.join(args.overrides)}\n{result['cpu']}")
         print(f"wrote {args.plot}", file=sys.stderr)
     if args.json:
-        emit_json(result)
+        emit_json(result)  # prints the host and kernel report too
+    else:
+        print_host(load=False)  # the kernels as this run loaded them (a GPU run: none)
     return 0 if result["identical"] else 2
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import cpu_model, emit_json
+from bench.common import cpu_model, emit_json, print_host
 from launch.config import load_config
 from launch.run_config import TrainConfig
 from launch.train import run as train_run
@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"step ratio {result['step_ratio']:.2f}x, R_gen {r_gen:.2f}, accept length {alpha:.2f}, ceiling {ceiling:.2f}x "
           f"({result['of_ceiling']:.0%} of it); identical runs: {result['identical']}", file=sys.stderr)
     if args.json:
-        emit_json(result)
+        emit_json(result)  # prints the host and kernel report too
+    else:
+        print_host(load=False)  # the kernels as this run loaded them (a GPU run: none)
     return 0 if result["identical"] else 2
 
 

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from bench.common import batch_list, cpu_model, emit_json
+from bench.common import batch_list, cpu_model, emit_json, print_host
 from common.text import encode, stop_tokens
 from engine.checkpoint import load_checkpoint
 from engine.config import EngineConfig
@@ -226,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
                    labels)
         print(f"trace: {args.plot}", file=sys.stderr)
     if args.json:
-        emit_json(result)
+        emit_json(result)  # prints the host and kernel report too
+    else:
+        print_host(load=False)  # the kernels as this run loaded them (a GPU run: none)
     return 0 if identical else 2
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import cpu_model, emit_json
+from bench.common import cpu_model, emit_json, print_host
 from bench.e2e import COMPARED, final_weights, mean, read_metrics
 from launch.config import load_config
 from launch.run_config import TrainConfig
@@ -134,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         plot(Path(args.plot), acc_on, acc_off, f"{args.config} {' '.join(args.overrides)}\n{result['cpu']}")
         print(f"wrote {args.plot}", file=sys.stderr)
     if args.json:
-        emit_json(result)
+        emit_json(result)  # prints the host and kernel report too
+    else:
+        print_host(load=False)  # the kernels as this run loaded them (a GPU run: none)
     return 0 if result["identical"] else 2
 
 
