@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import cpu_model, emit_json, print_host
+from bench.common import cpu_model, finish, save_plot
 from common.text import load_tokenizer
 from engine.engine import RolloutEngine
 from engine.spec.factory import build_drafter
@@ -132,12 +132,7 @@ def plot(path: Path, sweep: list[dict], title: str) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("actor learning rate (one update between pre-generation and use)")
     ax.set_ylabel("accept length at step t+1")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_plot(fig, ax, path, title)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,10 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(Path(args.plot), sweep, f"{args.config} {' '.join(args.overrides)}\n{result['cpu']}")
         print(f"wrote {args.plot}", file=sys.stderr)
-    if args.json:
-        emit_json(result)  # prints the host and kernel report too
-    else:
-        print_host(load=False)  # the kernels as this run loaded them (a GPU run: none)
+    finish(result, args.json)
     return 0 if result["identical"] else 2
 
 

@@ -90,6 +90,26 @@ def print_host(load: bool = True) -> None:
     print(text(kernel_report(load)), file=sys.stderr)
 
 
+def finish(result: dict, as_json: bool) -> None:
+    """A bench's last words: the JSON line (with the host and kernel report), or the report alone."""
+    if as_json:
+        emit_json(result)
+    else:
+        print_host(load=False)  # the kernels as this run loaded them (a GPU run: none)
+
+
+def save_plot(fig, ax, path, title: str) -> None:
+    """Title, grid, legend, then the PNG at `path` (the benches' plots share their finish)."""
+    import matplotlib.pyplot as plt
+
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def emit_json(obj: dict) -> None:
     """The last line of a bench: one JSON object, with the CPU model it ran on and the kernel report
     (printed to stderr too)."""

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import cpu_model, emit_json, print_host
+from bench.common import cpu_model, finish
 from launch.config import load_config
 from launch.run_config import TrainConfig
 from launch.train import run as train_run
@@ -98,10 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'spec off':>10} {t_off:>8.2f} {result['rollout_s_off']:>10.2f}", file=sys.stderr)
     print(f"step ratio {result['step_ratio']:.2f}x, R_gen {r_gen:.2f}, accept length {alpha:.2f}, ceiling {ceiling:.2f}x "
           f"({result['of_ceiling']:.0%} of it); identical runs: {result['identical']}", file=sys.stderr)
-    if args.json:
-        emit_json(result)  # prints the host and kernel report too
-    else:
-        print_host(load=False)  # the kernels as this run loaded them (a GPU run: none)
+    finish(result, args.json)
     return 0 if result["identical"] else 2
 
 

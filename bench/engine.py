@@ -20,7 +20,7 @@ import tempfile
 
 import torch
 
-from bench.common import chat_prompts, emit_json, batch_list, timed, print_host
+from bench.common import chat_prompts, batch_list, timed, finish
 from engine.config import EngineConfig
 from engine.engine import RolloutEngine
 from engine.sampling import SamplingParams
@@ -117,10 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         result["ratio"][key] = round(ours_tok_s / base_tok_s, 3)
         result["same_tokens"][key] = same
         print(f"{b:>5} {ours_tok_s:>11.1f} {base_tok_s:>11.1f} {ours_tok_s / base_tok_s:>6.2f} {same:>12.0%}", file=sys.stderr)
-    if args.json:
-        emit_json(result)  # prints the host and kernel report too
-    else:
-        print_host(load=False)  # the kernels as this run loaded them (a GPU run: none)
+    finish(result, args.json)
     return 0
 
 

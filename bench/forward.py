@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from bench.common import emit_json, record_ms, print_host
+from bench.common import record_ms, finish
 from bench.spec import forward_costs
 from engine.checkpoint import load_checkpoint
 from engine.runtime import TargetRuntime
@@ -45,10 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         new = forward_costs(ours, (width,), batch=rows, repeat=args.repeat)[str(width)]
         record_ms(result, key, base, new)
         print(f"{key:>13} {base * 1e3:>10.2f} {new * 1e3:>10.2f} {base / new:>6.2f}", file=sys.stderr)
-    if args.json:
-        emit_json(result)  # prints the host and kernel report too
-    else:
-        print_host(load=False)  # the kernels as this run loaded them (a GPU run: none)
+    finish(result, args.json)
     return 0
 
 

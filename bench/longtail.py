@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from bench.common import batch_list, cpu_model, emit_json, print_host
+from bench.common import batch_list, cpu_model, finish
 from common.text import encode, stop_tokens
 from engine.checkpoint import load_checkpoint
 from engine.config import EngineConfig
@@ -225,10 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         plot_trace(args.plot, {"adaptive (saved state)": runs["adaptive"].steps, "adaptive (scratch)": runs["adaptive_scratch"].steps},
                    labels)
         print(f"trace: {args.plot}", file=sys.stderr)
-    if args.json:
-        emit_json(result)  # prints the host and kernel report too
-    else:
-        print_host(load=False)  # the kernels as this run loaded them (a GPU run: none)
+    finish(result, args.json)
     return 0 if identical else 2
 
 

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from bench.common import batch_list, chat_prompts, cpu_model, emit_json, timed, print_host
+from bench.common import batch_list, chat_prompts, cpu_model, timed, finish
 from engine.checkpoint import load_checkpoint
 from engine.config import EngineConfig
 from engine.engine import RolloutEngine
@@ -82,10 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         result["baseline_step_ms"][key] = round(t_off / steps * 1e3, 3)
         result["overhead"][key] = round(t_on / t_off - 1, 4)
         print(f"{b:>5} {t_off / steps * 1e3:>16.2f} {t_on / steps * 1e3:>13.2f} {t_on / t_off - 1:>9.1%}", file=sys.stderr)
-    if args.json:
-        emit_json(result)  # prints the host and kernel report too
-    else:
-        print_host(load=False)  # the kernels as this run loaded them (a GPU run: none)
+    finish(result, args.json)
     return 0 if result["identical"] else 2
 
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bench.common import chat_prompts, emit_json, batch_list, timed, print_host
+from bench.common import chat_prompts, batch_list, timed, finish
 from engine.checkpoint import load_checkpoint
 from engine.config import EngineConfig
 from engine.engine import RolloutEngine
@@ -146,10 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             bound = result["accept_len"][b1] * costs["1"] / (costs[str(w)] + draft_step)
             result["implied_ratio"] = round(bound, 3)
             print(f"implied speedup at batch {b1}: accept {result['accept_len'][b1]:.2f} x fwd(1) / (fwd({w}) + draft) = {bound:.2f}", file=sys.stderr)
-    if args.json:
-        emit_json(result)  # prints the host and kernel report too
-    else:
-        print_host(load=False)  # the kernels as this run loaded them (a GPU run: none)
+    finish(result, args.json)
     return 0 if result["identical"] else 2
 
 

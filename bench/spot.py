@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import cpu_model, emit_json, print_host
+from bench.common import cpu_model, finish, save_plot
 from bench.e2e import COMPARED, final_weights, mean, read_metrics
 from launch.config import load_config
 from launch.run_config import TrainConfig
@@ -53,12 +53,7 @@ def plot(path: Path, spot: list[float], frozen: list[float], title: str) -> None
     ax.plot(steps, frozen, "s--", label="frozen drafter")
     ax.set_xlabel("RL step")
     ax.set_ylabel("accept length (tokens per verify)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_plot(fig, ax, path, title)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,10 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(Path(args.plot), acc_on, acc_off, f"{args.config} {' '.join(args.overrides)}\n{result['cpu']}")
         print(f"wrote {args.plot}", file=sys.stderr)
-    if args.json:
-        emit_json(result)  # prints the host and kernel report too
-    else:
-        print_host(load=False)  # the kernels as this run loaded them (a GPU run: none)
+    finish(result, args.json)
     return 0 if result["identical"] else 2
 
 

@@ -50,9 +50,8 @@ class ClusterSection:
         return self.nodes * self.ranks_per_node
 
     def validate(self) -> None:
-        for key in ("nodes",):
-            if getattr(self, key) < 1:
-                raise ValueError(f"cluster.{key} must be >= 1, got {getattr(self, key)}")
+        if self.nodes < 1:
+            raise ValueError(f"cluster.nodes must be >= 1, got {self.nodes}")
         for key in ("gpus_per_node", "procs_per_node", "cpus_per_task", "max_restarts", "signal_grace_s"):
             if getattr(self, key) < 0:
                 raise ValueError(f"cluster.{key} must be >= 0, got {getattr(self, key)}")

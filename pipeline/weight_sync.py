@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from common.buckets import buckets_of
+
 # Measured 2026-12-01, gloo on 2 CPU ranks, 538 MB (SmolLM2 shapes): 0.35 GB/s one tensor per call,
 # 0.48 / 0.66 / 0.38 GB/s in 4 / 16 / 64 MiB buckets. NCCL wants larger buckets: pass bucket_bytes.
 BUCKET_BYTES = 16 << 20
@@ -31,21 +33,6 @@ def _device(group) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def buckets_of(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive tensors grouped into lists of one dtype and at most bucket_bytes (or one tensor)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if bucket and (t.dtype != bucket[0][1].dtype or size + nbytes > bucket_bytes):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 class BucketedBroadcast:

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.backends.vllm_engine import buckets, sample_seed, speculative_config
+from common.buckets import buckets_of
+from engine.backends.vllm_engine import sample_seed, speculative_config
 from engine.backends.vllm_export import EXPECTED, export_eagle, vllm_eagle_config
 from engine.backends.vllm_schedule import schedule_from_tuner, vllm_schedule
 from engine.config import EngineConfig
@@ -85,9 +86,9 @@ def test_the_speculative_config_follows_engine_spec(drafter_dir, tmp_path):
 
 def test_pushes_are_cut_into_buckets_of_at_most_the_budget():
     named = [(f"w{i}", torch.zeros(256)) for i in range(10)]  # 1 KiB each
-    sizes = [len(b) for b in buckets(iter(named), 3 * 1024)]
+    sizes = [len(b) for b in buckets_of(iter(named), 3 * 1024)]
     assert sizes == [3, 3, 3, 1]
-    assert [len(b) for b in buckets(iter([("big", torch.zeros(4096))]), 1024)] == [1]  # larger than the budget: alone
+    assert [len(b) for b in buckets_of(iter([("big", torch.zeros(4096))]), 1024)] == [1]  # larger than the budget: alone
 
 
 def test_seeds_key_on_run_step_prompt_and_sample():

@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch.multiprocessing as mp
 
-from pipeline.weight_sync import buckets_of
+from common.buckets import buckets_of
 from tests.mp.sync_worker import tensors, worker
 
 

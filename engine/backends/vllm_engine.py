@@ -30,11 +30,10 @@ import shutil
 import tempfile
 import time
 import zlib
-from collections.abc import Iterable
 from pathlib import Path
 
-import torch
 
+from common.buckets import buckets_of
 from engine.backends.vllm_export import export_eagle
 from engine.backends.vllm_schedule import arm_tokens, vllm_schedule
 from engine.checkpoint import read_config
@@ -82,21 +81,6 @@ def speculative_config(cfg: EngineConfig, export_dir: Path) -> dict | None:
 def sample_seed(seed: int, step: int, prompt_id: str, sample: int) -> int:
     """vLLM's per-request seed: a function of (run seed, RL step, prompt, sample), like the native noise key."""
     return zlib.crc32(f"{seed}:{step}:{prompt_id}:{sample}".encode()) & 0x7FFFFFFF
-
-
-def buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterable[list[tuple[str, torch.Tensor]]]:
-    """(name, CPU tensor) lists of at most max_bytes each (a larger tensor is a bucket alone)."""
-    bucket, size = [], 0
-    for name, t in named:
-        t = t.detach().to("cpu").contiguous()
-        n = t.numel() * t.element_size()
-        if bucket and size + n > max_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += n
-    if bucket:
-        yield bucket
 
 
 class VllmEngine:
@@ -192,7 +176,8 @@ class VllmEngine:
         folder = Path(tempfile.mkdtemp(prefix="tailspec-push-", dir=SHM if Path(SHM).is_dir() else None))
         try:
             paths = []
-            for i, bucket in enumerate(buckets(named, self.cfg.vllm.weight_bucket_mb * 2**20)):
+            on_cpu = ((n, t.detach().to("cpu").contiguous()) for n, t in named)
+            for i, bucket in enumerate(buckets_of(on_cpu, self.cfg.vllm.weight_bucket_mb * 2**20)):
                 paths.append(str(folder / f"bucket-{i:05d}.safetensors"))
                 save_file(dict(bucket), paths[-1])
             self.llm.collective_rpc(method, args=(paths,))  # one reload over every bucket, streamed from the files
