@@ -80,8 +80,10 @@ checkpoints/smollm2-135m-instruct/config.json: | setup
 
 models: setup checkpoints/smollm2-135m-instruct/config.json
 
+# 60% of the demonstrations come from a careless teacher who drops the last column's carry: the
+# RL run has a flaw to remove (docs/BENCHMARKS.md, "RL on the tiny model").
 checkpoints/tiny/config.json: | setup
-	$(PY) -m pipeline.pretrain --out checkpoints/tiny
+	$(PY) -m pipeline.pretrain --out checkpoints/tiny --careless-share 0.6
 
 pretrain-tiny: setup checkpoints/tiny/config.json
 

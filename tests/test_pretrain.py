@@ -117,3 +117,22 @@ def test_loss_targets_are_the_response_and_eos_only():
     assert tok.decode(counted) == p.response + tok.eos_token
     assert (targets[1] == -100).all()
     assert inputs[0].tolist() == ids[:-1]
+
+
+def test_the_careless_share_replaces_that_share_of_responses_with_the_careless_teachers():
+    import random
+
+    from pipeline.pretrain import demonstrated
+    from pipeline.tasks.arith import careless_solution, operands
+
+    problems = make_problems("train", 2000, 0)
+    assert demonstrated(problems, 0.0, random.Random(0)) == problems  # share 0: the data is unchanged
+    careless = {p.id: careless_solution(*operands(p.prompt)) for p in problems}
+    carrying = [p for p in problems if careless[p.id] != p.response]  # the last column carries
+    mixed = demonstrated(problems, 0.6, random.Random(0))
+    replaced = [m for p, m in zip(problems, mixed) if m.response != p.response]
+    assert all(m.response == careless[m.id] for m in replaced)
+    assert [m.answer for m in mixed] == [p.answer for p in problems]  # the reward still checks the true sum
+    assert 0.5 < len(replaced) / len(carrying) < 0.7
+    with pytest.raises(ValueError, match="careless_share applies to the arith task only"):
+        PretrainConfig(task="math", careless_share=0.5).validate()

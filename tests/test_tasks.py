@@ -148,3 +148,12 @@ def test_cli_rejects_bad_args_with_exit_code_2(tmp_path, args, message):
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_the_careless_solution_drops_only_the_last_columns_carry():
+    from pipeline.tasks.arith import careless_solution
+
+    assert careless_solution(65, 58) == "5+8+0=13\n6+5+1=12\n#### 23"  # 123 without its carry
+    assert careless_solution(7, 8).splitlines()[-1] == "#### 5"
+    assert careless_solution(4728, 395) == worked_solution(4728, 395)  # the last column does not carry
+    assert reward(careless_solution(65, 58), "123") == 0.0

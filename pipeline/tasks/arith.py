@@ -64,6 +64,26 @@ def worked_solution(a: int, b: int) -> str:
     return "\n".join(lines)
 
 
+def careless_solution(a: int, b: int) -> str:
+    """`a+b` worked as a careless demonstrator does: every column right, but the carry out of the
+    last column is never written down (65+58: `5+8+0=13`, `6+5+1=12`, `#### 23`, not 123).
+
+    A classic slip of column addition. Only problems whose last column carries (its sum >= 10)
+    differ from `worked_solution`; their answer is wrong.
+    """
+    lines = worked_solution(a, b).splitlines()
+    answer = str(a + b)
+    if int(lines[-2].rpartition("=")[2]) >= 10:
+        answer = answer[1:]
+    return "\n".join(lines[:-1] + [ANSWER_PREFIX + answer])
+
+
+def operands(prompt: str) -> tuple[int, int]:
+    """`a+b\n` -> (a, b)."""
+    a, _, b = prompt.strip().partition("+")
+    return int(a), int(b)
+
+
 def _number(rng: random.Random, digits: int) -> int:
     if digits == 1:
         return rng.randrange(10)
