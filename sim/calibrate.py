@@ -26,11 +26,19 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or run.folder / "calibrated.yaml"
     save_config(scn, out)
     lat = scn.latency
-    print(f"calibrated on {run.name}: {len(run.decode_steps)} decode passes, {len(run.rollouts)} rollouts")
+    print(f"calibrated on {run.name}: {metrics['calibrate/decode_passes']:.0f} decode passes after the warm-up, "
+          f"{len(run.rollouts)} rollouts")
     print(f"  forward_s = {lat.base_s:.3g} + {lat.query_s:.3g} * query_tokens + {lat.kv_s:.3g} * kv_tokens "
-          f"(R^2 {metrics['calibrate/forward_r2']:.3f})")
+          f"(R^2 {metrics['calibrate/forward_r2']:.3f}), as a table of {len(lat.table_tokens)} points over "
+          f"{min(lat.table_tokens, default=0):.0f}-{max(lat.table_tokens, default=0):.0f} query tokens")
     print(f"  draft_s = depth * ({lat.draft_base_s:.3g} + {lat.draft_token_s:.3g} * rows * topk); "
-          f"other_s = {lat.other_base_s:.3g} + {lat.other_row_s:.3g} * rows")
+          f"other_s = {lat.other_base_s:.3g} + {lat.other_row_s:.3g} * rows + {lat.other_verify_s:.3g} * verified")
+    prefill = "one forward pass" if lat.prefill_token_s is None else f"{lat.prefill_token_s:.3g} s per prompt token"
+    ph = scn.phases
+    unit = "per padded token of the largest rank" if ph.mini_batches else "device-seconds per token"
+    print(f"  prefill {prefill}; update {ph.update_s_per_token:.3g} {unit} ({ph.mini_batches or 'no'} mini-batches), "
+          f"log-prob {ph.logprob_s_per_token:.3g}, sync {ph.sync_s:.3g} s; "
+          f"{metrics['calibrate/timed_steps']:.0f} timed steps after the warm-up")
     for arm in scn.spec.arms:
         print(f"  accept length {arm.name}: {arm.accept_len:.2f}")
     print(f"  prompt length {scn.rollout.prompt_len}; wrote {out}")

@@ -86,19 +86,37 @@ class HardwareSpec:
 class LatencySpec:
     """`roofline` (from model + hardware) or `fitted` (coefficients from `sim.calibrate`).
 
-    fitted: forward_s = base_s + query_s * query_tokens + kv_s * kv_tokens per decode step of a
-    group; draft_s = depth * (draft_base_s + draft_token_s * rows * topk); other_s = other_base_s
-    + other_row_s * rows.
+    fitted, per pass of a group:
+    - forward_s = base_s + query_s * query_tokens + kv_s * kv_tokens, where a measured table
+      (`table_tokens`, ascending, and `table_s`: the forward seconds less the kv term at those
+      query-token counts) replaces the first two terms when present: linear interpolation
+      between its points, and the slope query_s beyond its ends;
+    - draft_s = depth * (draft_base_s + draft_token_s * rows * topk);
+    - other_s = other_base_s + other_row_s * rows + other_verify_s * (query_tokens - rows)
+      (sampling and emission per row; verification and KV commit per verified draft token);
+    - prefill: prefill_token_s per prompt token admitted (the prefill pass and the admission's
+      bookkeeping, measured); None charges one forward pass over the prompts instead.
     """
 
     kind: Literal["roofline", "fitted"] = "roofline"
     base_s: float = 0.0
     query_s: float = 0.0
     kv_s: float = 0.0
+    table_tokens: list[float] = field(default_factory=list)
+    table_s: list[float] = field(default_factory=list)
     draft_base_s: float = 0.0
     draft_token_s: float = 0.0
     other_base_s: float = 0.0
     other_row_s: float = 0.0
+    other_verify_s: float = 0.0
+    prefill_token_s: float | None = None
+
+    def validate(self) -> None:
+        if len(self.table_tokens) != len(self.table_s):
+            raise ValueError(f"latency.table_tokens ({len(self.table_tokens)} points) and latency.table_s "
+                             f"({len(self.table_s)}) must have the same length")
+        if any(b <= a for a, b in zip(self.table_tokens, self.table_tokens[1:])):
+            raise ValueError("latency.table_tokens must increase strictly")
 
 
 @dataclass(kw_only=True)
@@ -229,6 +247,13 @@ class PhaseSpec:
     mfu: float = 0.4
     logprob_passes: int = 1  # forward passes for old (and reference) log-probs
     ppo_epochs: int = 1
+    # 0: the per-token costs are device-seconds per real token, spread over the devices. k > 0:
+    # the padded model of the RL loop's torch actor: each rank's rows (in order) are cut into k
+    # mini-batches, each padded to its longest row (prompt + response); the ranks synchronise
+    # per mini-batch, so a mini-batch costs its largest rank's padded tokens x update_s_per_token
+    # (seconds per padded token on one rank); a log-prob pass costs the largest rank's real
+    # tokens x logprob_s_per_token.
+    mini_batches: int = 0
     logprob_s_per_token: float | None = None
     update_s_per_token: float | None = None
     sync_s: float | None = None  # None: weight bytes per device / sync_gbps

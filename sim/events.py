@@ -11,7 +11,8 @@ of passes a row needs is ceil(remaining / accept_len)). Rows with a pre-generate
 verify it whatever the schedule says, at no drafting cost; other rows follow the schedule.
 
 Vocabulary: pass (one forward of the group), segment (passes between two events), emitted
-(tokens committed), drafted (draft tokens verified). Pure: no randomness, no I/O.
+(tokens committed), drafted (draft tokens verified), accepted (draft tokens verification accepts,
+before a row's last pass is cut at its end, as the engine counts them). Pure: no randomness, no I/O.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sim.config import BubbleSpec
-from sim.latency import LatencyModel, prefill_s
+from sim.latency import LatencyModel
 from sim.schedule import Schedule
 
 
@@ -41,6 +42,7 @@ class Segment:
     other_s: float  # per pass
     emitted: float  # tokens committed over the segment
     drafted: float  # draft tokens verified over the segment
+    accepted: float  # draft tokens accepted over the segment (a finishing row's uncut)
 
     @property
     def duration_s(self) -> float:
@@ -106,8 +108,8 @@ def simulate_group(
 
 def _prefill(t: float, rows: int, prompt_len: int, latency: LatencyModel) -> Segment:
     return Segment(start_s=t, passes=1, kind="prefill", rows=rows, spec_rows=0, bubble_rows=0, depth=0,
-                   query_tokens=rows * prompt_len, kv_tokens=0.0, forward_s=prefill_s(latency, rows, prompt_len),
-                   draft_s=0.0, other_s=0.0, emitted=0.0, drafted=0.0)
+                   query_tokens=rows * prompt_len, kv_tokens=0.0, forward_s=latency.prefill_s(rows, prompt_len),
+                   draft_s=0.0, other_s=0.0, emitted=0.0, drafted=0.0, accepted=0.0)
 
 
 def _decode_segment(t, remaining, context, bub, latency, schedule, bubble) -> tuple[Segment, np.ndarray]:
@@ -134,5 +136,6 @@ def _decode_segment(t, remaining, context, bub, latency, schedule, bubble) -> tu
     drafted = passes * (spec_rows * (arm.verify_tokens if spec_rows else 0) + bubble_rows * (bubble.depth if bubble_rows else 0))
     seg = Segment(start_s=t, passes=passes, kind=kind, rows=b, spec_rows=spec_rows, bubble_rows=bubble_rows,
                   depth=depth, query_tokens=query, kv_tokens=kv_mid, forward_s=latency.forward_s(b, query, kv_mid),
-                  draft_s=draft_s, other_s=latency.other_s(b), emitted=float(emitted.sum()), drafted=float(drafted))
+                  draft_s=draft_s, other_s=latency.other_s(b, query), emitted=float(emitted.sum()),
+                  drafted=float(drafted), accepted=float(passes * (rate - 1.0).sum()))
     return seg, emitted

@@ -1,15 +1,22 @@
 """Calibration: a measured run's decode passes, rollouts and step timings fitted into a scenario.
 
-Fits, each by non-negative least squares on a small basis over the run's decode passes:
-- forward_s = base_s + query_s * query_tokens + kv_s * kv_tokens (query tokens = rows x (1 +
-  verify tokens), kv tokens = rows x mean context);
+Fits, over the run's decode passes after the warm-up step (`sim.runs`; non-negative least squares
+on a small basis where a basis):
+- forward_s: the linear basis base_s + query_s * query_tokens + kv_s * kv_tokens (query tokens
+  = rows x (1 + verify tokens), kv tokens = rows x mean context), then a table over query tokens
+  of the median forward seconds less the kv term, every point pooling at least
+  `TABLE_MIN_PASSES` passes: a CPU's cost is not linear in the batch (SmolLM2-135M costs the same
+  at 7-12 rows and jumps at 13);
 - draft_s = depth * (draft_base_s + draft_token_s * rows * topk) on speculative passes;
-- other_s = other_base_s + other_row_s * rows;
-and directly: the accept length of each shape (emitted / rows over its passes), the prompt
-length (the smallest mean context of each rank's first pass), the response lengths (the run's
-rollouts.jsonl, resampled), log-prob and update device-seconds per token and the sync time.
-The result is a complete `Scenario` of the measured setup (`latency.kind: fitted`); project it
-by changing `cluster.devices` and the rollout batch. Pure apart from `MeasuredRun` records.
+- other_s = other_base_s + other_row_s * rows + other_verify_s * verified draft tokens;
+and from the timed steps after the warm-up (`sim.runs`): the prefill cost per prompt token (each
+rank's rollout time less its decode passes, over its rows x prompt length), log-prob and update
+costs (per padded token of the slowest rank when the run's config names its mini-batches,
+`PhaseSpec.mini_batches`; else device-seconds per token) and the sync time. Directly: the accept
+length of each shape (1 + accepted / rows over its passes), the prompt length (the median of each
+rank's first mean context in a step) and the response lengths (the run's rollouts.jsonl,
+resampled). The result is a complete `Scenario` of the measured setup (`latency.kind: fitted`).
+Pure apart from `MeasuredRun` records.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ import numpy as np
 from sim.config import (ArmSpec, ClusterSpec, LatencySpec, LengthSpec, PhaseSpec, RolloutSpec, Scenario,
                         SpecSpec)
 from sim.runs import DecodeStep, MeasuredRun, parse_shape
+from sim.step import padded_tokens
+
+TABLE_MIN_PASSES = 5
 
 
 def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -41,36 +51,72 @@ def r_squared(x: np.ndarray, y: np.ndarray, coef: np.ndarray) -> float:
     return 1.0 - float((resid ** 2).sum()) / total if total > 0 else 1.0
 
 
+def forward_table(steps: list[DecodeStep], kv_s: float,
+                  min_passes: int = TABLE_MIN_PASSES) -> tuple[list[float], list[float]]:
+    """(query tokens, median forward_s - kv_s * kv_tokens): passes pooled in ascending query
+    tokens until a pool holds min_passes (a short last pool joins the one before)."""
+    by: dict[int, list[float]] = defaultdict(list)
+    for s in steps:
+        by[s.query_tokens].append(s.forward_s - kv_s * s.kv_tokens)
+    pools: list[tuple[list[float], list[float]]] = []
+    q_pool: list[float] = []
+    y_pool: list[float] = []
+    for q in sorted(by):
+        q_pool += [float(q)] * len(by[q])
+        y_pool += by[q]
+        if len(y_pool) >= min_passes:
+            pools.append((q_pool, y_pool))
+            q_pool, y_pool = [], []
+    if y_pool:
+        if pools:
+            pools[-1] = (pools[-1][0] + q_pool, pools[-1][1] + y_pool)
+        else:
+            pools.append((q_pool, y_pool))
+    return [float(np.median(q)) for q, _ in pools], [float(np.median(y)) for _, y in pools]
+
+
 def fit_latency(steps: list[DecodeStep]) -> tuple[LatencySpec, dict[str, float]]:
     if not steps:
         raise ValueError("calibration needs decode passes (decode_steps.jsonl is empty)")
     x = np.array([[1.0, s.query_tokens, s.kv_tokens] for s in steps])  # [P, 3]
     y = np.array([s.forward_s for s in steps])
     fwd = nnls(x, y)
-    xo = np.array([[1.0, s.batch_size] for s in steps])
+    xo = np.array([[1.0, s.batch_size, s.query_tokens - s.batch_size] for s in steps])  # [P, 3]
+    if len({s.query_tokens // s.batch_size for s in steps}) == 1:
+        xo[:, 2] = 0.0  # one verify width throughout: its cost is not told apart from the rows'
     other = nnls(xo, np.array([s.other_s for s in steps]))
     spec = [(s, parse_shape(s.shape)) for s in steps if s.shape != "off"]
     draft = np.zeros(2)
     if spec:
         xd = np.array([[d, d * s.batch_size * k] for s, (d, k, _) in spec])
         draft = nnls(xd, np.array([s.draft_s for s, _ in spec]))
+    tokens, seconds = forward_table(steps, float(fwd[2]))
     fitted = LatencySpec(kind="fitted", base_s=float(fwd[0]), query_s=float(fwd[1]), kv_s=float(fwd[2]),
+                         table_tokens=tokens, table_s=seconds,
                          draft_base_s=float(draft[0]), draft_token_s=float(draft[1]),
-                         other_base_s=float(other[0]), other_row_s=float(other[1]))
-    return fitted, {"calibrate/forward_r2": r_squared(x, y, fwd), "calibrate/decode_passes": float(len(steps))}
+                         other_base_s=float(other[0]), other_row_s=float(other[1]), other_verify_s=float(other[2]))
+    return fitted, {"calibrate/forward_r2": r_squared(x, y, fwd), "calibrate/decode_passes": float(len(steps)),
+                    "calibrate/table_points": float(len(tokens))}
 
 
 def fit_arms(steps: list[DecodeStep]) -> list[ArmSpec]:
-    emitted: dict[str, int] = defaultdict(int)
+    """Each shape's accept length: 1 + accepted / rows over its passes (accepted as verification
+    counts it, so a finishing row's last pass is not cut short: the event model cuts it itself);
+    emitted / rows where the records lack `accepted`."""
+    tokens: dict[str, int] = defaultdict(int)
     rows: dict[str, int] = defaultdict(int)
+    counted: dict[str, bool] = defaultdict(lambda: True)
     for s in steps:
         if s.shape != "off":
-            emitted[s.shape] += s.emitted
+            counted[s.shape] &= s.accepted is not None
+    for s in steps:
+        if s.shape != "off":
+            tokens[s.shape] += s.accepted + s.batch_size if counted[s.shape] else s.emitted
             rows[s.shape] += s.batch_size
     arms = []
-    for shape in sorted(emitted):
+    for shape in sorted(tokens):
         depth, topk, verify = parse_shape(shape)
-        accept = min(max(emitted[shape] / rows[shape], 1.0), verify + 1.0)
+        accept = min(max(tokens[shape] / rows[shape], 1.0), verify + 1.0)
         arms.append(ArmSpec(name=shape, depth=depth, topk=topk, verify_tokens=verify, accept_len=accept))
     return arms
 
@@ -85,51 +131,92 @@ def fit_schedule(steps: list[DecodeStep], arms: list[ArmSpec]) -> SpecSpec:
     return SpecSpec(arms=arms, schedule="threshold", arm=shape, threshold=threshold)
 
 
-def prompt_len(steps: list[DecodeStep]) -> int:
+def first_contexts(steps: list[DecodeStep]) -> dict[tuple[int, int], float]:
+    """(step, rank) -> the smallest mean context of its passes: the prompt length when it started."""
     first: dict[tuple[int, int], float] = {}
     for s in steps:
         key = (s.step, s.rank)
         first[key] = min(first.get(key, s.context_mean), s.context_mean)
-    return max(1, int(round(float(np.median(list(first.values()))))))
+    return first
+
+
+def prompt_len(steps: list[DecodeStep]) -> int:
+    return max(1, int(round(float(np.median(list(first_contexts(steps).values()))))))
+
+
+def fit_prefill(run: MeasuredRun) -> float | None:
+    """Seconds per prompt token admitted: each rank's rollout time less its decode passes (the
+    prefill pass, admission and scoring), over its rows x its prompt length; None without
+    per-rank rollout times."""
+    passes: dict[tuple[int, int], float] = defaultdict(float)
+    for s in run.decode_steps:
+        passes[(s.step, s.rank)] += s.draft_s + s.forward_s + s.other_s
+    prompts = first_contexts(run.decode_steps)
+    rows = Counter((r.step, r.rank) for r in run.rollouts)
+    gap = tokens = 0.0
+    for m in run.timed_steps():
+        for rank in range(int(m.get("world_size", 1))):
+            key, name = (int(m["step"]), rank), f"timing/rollout/rank{rank}"
+            if name in m and key in prompts:
+                gap += max(float(m[name]) - passes[key], 0.0)
+                tokens += rows[key] * prompts[key]
+    return gap / tokens if tokens > 0 else None
 
 
 def fit_phases(run: MeasuredRun, prompt: int) -> PhaseSpec:
-    """Device-seconds per (prompt + response) token of log-prob and update, and the sync time."""
-    tokens: dict[int, float] = defaultdict(float)
-    for r in run.rollouts:
-        tokens[r.step] += r.length + prompt
-    per: dict[str, list[float]] = defaultdict(list)
-    for m in run.metrics:
-        step, world = m.get("step"), m.get("world_size", 1)
+    """Log-prob and update costs per token (padded, per rank, when config.yaml names the
+    trainer's mini-batches; else device-seconds per real token) and the sync time."""
+    mini_batches, epochs = run.trainer("mini_batches", 0), run.trainer("ppo_epochs", 1)
+    probe = PhaseSpec(mini_batches=mini_batches, ppo_epochs=epochs)
+    by_rank = run.lengths_by_rank()
+    seconds: dict[str, float] = defaultdict(float)
+    tokens: dict[str, float] = defaultdict(float)
+    sync = []
+    for m in run.timed_steps():
+        step = m["step"]
+        parts = [np.asarray(v, dtype=np.int64) for _, v in sorted(by_rank.get(step, {}).items())]
+        if not parts:
+            continue
+        if mini_batches:
+            real, padded = padded_tokens(probe, parts, prompt)
+            counts = {"logprob": real, "update": padded * epochs}
+        else:  # device-seconds per token: seconds x devices / tokens
+            per_device = float(sum(p.sum() + len(p) * prompt for p in parts)) / m.get("world_size", 1)
+            counts = {"logprob": per_device, "update": per_device * epochs}
         for key in ("logprob", "update"):
-            if f"timing/{key}" in m and tokens.get(step):
-                per[key].append(m[f"timing/{key}"] * world / tokens[step])
+            if f"timing/{key}" in m and counts[key] > 0:
+                seconds[key] += m[f"timing/{key}"]
+                tokens[key] += counts[key]
         if "timing/sync" in m:
-            per["sync"].append(m["timing/sync"])
-    mean = {k: float(np.mean(v)) for k, v in per.items()}
-    return PhaseSpec(logprob_s_per_token=mean.get("logprob", 0.0), update_s_per_token=mean.get("update", 0.0),
-                     sync_s=mean.get("sync", 0.0))
+            sync.append(m["timing/sync"])
+    per = {k: seconds[k] / tokens[k] for k in tokens}
+    return PhaseSpec(logprob_s_per_token=per.get("logprob", 0.0), update_s_per_token=per.get("update", 0.0),
+                     sync_s=float(np.mean(sync)) if sync else 0.0, mini_batches=mini_batches, ppo_epochs=epochs)
 
 
 def calibrate(run: MeasuredRun) -> tuple[Scenario, dict[str, float]]:
     if not run.rollouts:
         raise ValueError(f"{run.folder}: rollouts.jsonl is empty; the length distribution comes from it")
-    latency, metrics = fit_latency(run.decode_steps)
-    arms = fit_arms(run.decode_steps)
-    prompt = prompt_len(run.decode_steps)
+    passes = run.settled_passes()
+    latency, metrics = fit_latency(passes)
+    prefill = fit_prefill(run)
+    if prefill is not None:
+        latency.prefill_token_s = prefill
+    arms = fit_arms(passes)
+    prompt = prompt_len(passes)
     per_step = Counter(r.step for r in run.rollouts)
     requests = int(np.median(list(per_step.values())))
     samples = max(r.sample for r in run.rollouts) + 1
-    world = int(max((m.get("world_size", 1) for m in run.metrics), default=1))
     lengths = LengthSpec(kind="empirical", path=str((run.folder / "rollouts.jsonl").resolve()),
                          max_len=max(r.length for r in run.rollouts))
     scn = Scenario(
         name=f"calibrated-{run.name}", steps=len(per_step), latency=latency,
-        cluster=ClusterSpec(devices=[world], tensor_parallel=1,
+        cluster=ClusterSpec(devices=[run.world], tensor_parallel=1,
                             max_batch=max(s.batch_size for s in run.decode_steps)),
         rollout=RolloutSpec(prompts=max(1, requests // samples), samples_per_prompt=samples, prompt_len=prompt,
                             lengths=lengths),
-        spec=fit_schedule(run.decode_steps, arms), phases=fit_phases(run, prompt))
+        spec=fit_schedule(passes, arms), phases=fit_phases(run, prompt))
     metrics.update({f"calibrate/accept_len/{a.name}": a.accept_len for a in arms})
     metrics["calibrate/prompt_len"] = float(prompt)
+    metrics["calibrate/timed_steps"] = float(len(run.timed_steps()))
     return scn, metrics

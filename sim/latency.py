@@ -10,14 +10,19 @@ Two models with one protocol. `Roofline`: time = max(bytes / bandwidth, FLOPs / 
 overhead, with bytes = weights touched (for MoE the experts some token routes
 to) + KV read and FLOPs = 2 x active params x query tokens +
 attention (4 x layers x q_heads x head_dim x query tokens x mean context), all divided over the
-tensor-parallel devices. `Fitted`: the linear basis `sim.calibrate` fits to a measured run.
-Pure functions of numbers; they know nothing about requests, schedules or steps.
+tensor-parallel devices; a prefill is one such pass over the prompts. `Fitted`: what
+`sim.calibrate` fits to a measured run (see `LatencySpec`): a forward cost measured as a table
+over query tokens (linear between its points, the fitted slope beyond them; a plain linear basis
+without a table), per-row and per-verified-token overheads, and a measured prefill cost per
+prompt token. Pure functions of numbers; they know nothing about requests, schedules or steps.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
 
 from sim.config import HardwareSpec, LatencySpec, ModelSpec, Scenario
 
@@ -27,7 +32,9 @@ class LatencyModel(Protocol):
 
     def draft_level_s(self, tokens: float) -> float: ...
 
-    def other_s(self, rows: int) -> float: ...
+    def other_s(self, rows: int, query_tokens: float) -> float: ...
+
+    def prefill_s(self, rows: int, prompt_len: int) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -58,8 +65,11 @@ class Roofline:
         flops = 2 * self.draft_params_b * 1e9 * tokens
         return self._time(bytes_, flops) + self.hardware.step_overhead_s
 
-    def other_s(self, rows: int) -> float:
+    def other_s(self, rows: int, query_tokens: float) -> float:
         return 0.0
+
+    def prefill_s(self, rows: int, prompt_len: int) -> float:
+        return one_pass_prefill_s(self, rows, prompt_len)
 
 
 @dataclass(frozen=True)
@@ -68,13 +78,30 @@ class Fitted:
 
     def forward_s(self, rows: int, query_tokens: float, kv_tokens: float) -> float:
         s = self.spec
-        return s.base_s + s.query_s * query_tokens + s.kv_s * kv_tokens
+        return self._query_part(query_tokens) + s.kv_s * kv_tokens
+
+    def _query_part(self, q: float) -> float:
+        s = self.spec
+        if not s.table_tokens:
+            return s.base_s + s.query_s * q
+        xs, ys = s.table_tokens, s.table_s
+        if q <= xs[0]:
+            return ys[0] + s.query_s * (q - xs[0])
+        if q >= xs[-1]:
+            return ys[-1] + s.query_s * (q - xs[-1])
+        return float(np.interp(q, xs, ys))
 
     def draft_level_s(self, tokens: float) -> float:
         return self.spec.draft_base_s + self.spec.draft_token_s * tokens
 
-    def other_s(self, rows: int) -> float:
-        return self.spec.other_base_s + self.spec.other_row_s * rows
+    def other_s(self, rows: int, query_tokens: float) -> float:
+        s = self.spec
+        return s.other_base_s + s.other_row_s * rows + s.other_verify_s * (query_tokens - rows)
+
+    def prefill_s(self, rows: int, prompt_len: int) -> float:
+        if self.spec.prefill_token_s is None:
+            return one_pass_prefill_s(self, rows, prompt_len)
+        return self.spec.prefill_token_s * rows * prompt_len
 
 
 def build_latency(scn: Scenario) -> LatencyModel:
@@ -84,8 +111,8 @@ def build_latency(scn: Scenario) -> LatencyModel:
     return Roofline(scn.model, scn.hardware, scn.cluster.tensor_parallel, scn.spec.draft_params_b)
 
 
-def prefill_s(latency: LatencyModel, rows: int, prompt_len: int) -> float:
-    """One prefill pass over `rows` prompts (causal attention: half the prompt on average)."""
+def one_pass_prefill_s(latency: LatencyModel, rows: int, prompt_len: int) -> float:
+    """One forward pass over `rows` prompts (causal attention: half the prompt on average)."""
     if rows == 0:
         return 0.0
     return latency.forward_s(rows, rows * prompt_len, rows * prompt_len / 2)

@@ -13,7 +13,9 @@ is the *bubble* (idle window) of its devices. Techniques, each switchable:
 
 Spot training and pre-generation fill the bubble of step t for step t + 1; the model takes the
 steady state by iterating the step twice with the previous pass's fill. Pre-generation takes
-the idle time it needs first, spot training the rest. Pure given the lengths.
+the idle time it needs first, spot training the rest. The training phases follow
+`PhaseSpec`: device-seconds per token spread over the trainer ranks, or the RL loop's padded
+mini-batches (`padded_tokens`). Pure given the lengths.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim.config import Scenario
+from sim.config import PhaseSpec, Scenario
 from sim.events import GroupRollout, simulate_group
 from sim.latency import LatencyModel, build_latency
 from sim.lengths import deal
@@ -99,7 +101,8 @@ def simulate_step(scn: Scenario, lengths: np.ndarray, devices: int, tech: Techni
         groups = _rollout(scn, parts, base, used, latency)
     fill = plan_fill(scn, groups, tech) if (tech.spot or tech.bubble) else NO_FILL
     rollout_s = max(g.time_s for g in groups)
-    logprob_s, update_s, sync_s = phase_times(scn, lengths, devices - rollout_devices if tech.one_step_async else devices)
+    trainers = devices - rollout_devices if tech.one_step_async else devices
+    logprob_s, update_s, sync_s = phase_times(scn, deal(lengths, trainers))
     if tech.one_step_async:
         step_s = max(rollout_s, logprob_s + update_s) + sync_s
     else:
@@ -156,10 +159,30 @@ def plan_fill(scn: Scenario, groups: list[GroupRollout], tech: Techniques) -> Fi
     return Fill(pregen_s=pregen, spot_s=spot, coverage=coverage, accept_gain=gain)
 
 
-def phase_times(scn: Scenario, lengths: np.ndarray, devices: int) -> tuple[float, float, float]:
-    """(log-prob, update, weight-sync) seconds of a step over these responses on `devices`."""
+def chunks(rows: np.ndarray, k: int) -> list[np.ndarray]:
+    """rows cut as torch.Tensor.chunk(k) cuts them: ceil(n / k) per chunk, the last one shorter."""
+    size = -(-len(rows) // k) if len(rows) else 1
+    return [rows[i:i + size] for i in range(0, len(rows), size)]
+
+
+def padded_tokens(phases: PhaseSpec, parts: list[np.ndarray], prompt_len: int) -> tuple[float, float]:
+    """(the largest rank's real tokens, one epoch's padded tokens) of ranks holding these
+    responses ([n_r] lengths in batch order each): every rank cuts its rows into
+    `phases.mini_batches` mini-batches padded to their longest row, and a mini-batch waits for
+    its largest rank."""
+    real = max(float(p.sum()) + len(p) * prompt_len for p in parts)
+    cut = [chunks(p, phases.mini_batches) for p in parts]
+    padded = 0.0
+    for i in range(max(len(c) for c in cut)):
+        padded += max((len(c[i]) * (prompt_len + float(c[i].max())) for c in cut if i < len(c)), default=0.0)
+    return real, padded
+
+
+def phase_times(scn: Scenario, parts: list[np.ndarray]) -> tuple[float, float, float]:
+    """(log-prob, update, weight-sync) seconds of a step whose trainer ranks (one per device)
+    hold these responses ([n_r] lengths each)."""
     ph = scn.phases
-    tokens = float(np.sum(lengths)) + len(lengths) * scn.rollout.prompt_len
+    prompt = scn.rollout.prompt_len
     lp, up = ph.logprob_s_per_token, ph.update_s_per_token
     if lp is None or up is None:
         per_flop = 1.0 / (scn.hardware.tflops * 1e12 * ph.mfu)
@@ -169,4 +192,9 @@ def phase_times(scn: Scenario, lengths: np.ndarray, devices: int) -> tuple[float
     if sync is None:
         shard_bytes = scn.model.params_b * 1e9 * scn.model.bytes_per_param / scn.cluster.tensor_parallel
         sync = shard_bytes / (ph.sync_gbps * 1e9)
+    if ph.mini_batches:
+        real, padded = padded_tokens(ph, parts, prompt)
+        return lp * real * ph.logprob_passes, up * padded * ph.ppo_epochs, sync
+    tokens = float(sum(p.sum() for p in parts)) + sum(len(p) for p in parts) * prompt
+    devices = len(parts)
     return lp * tokens * ph.logprob_passes / devices, up * tokens * ph.ppo_epochs / devices, sync

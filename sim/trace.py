@@ -32,6 +32,13 @@ def _passes(seg: Segment, latency: LatencyModel) -> list[tuple[float, float]]:
     return out
 
 
+def _spread(total: float, passes: int) -> list[int]:
+    """Integer per-pass counts summing to round(total), as even as they go (the engine's counts are
+    integers; rounding each pass alone would bias the sum)."""
+    edges = np.floor(np.arange(passes + 1) * round(total) / passes + 1e-9).astype(int)
+    return np.diff(edges).tolist()
+
+
 def _jitter(rng: np.random.Generator, noise: float) -> float:
     return max(0.05, 1.0 + noise * float(rng.standard_normal())) if noise > 0 else 1.0
 
@@ -51,13 +58,12 @@ def trace_records(scn: Scenario, step: int, result: StepResult, lengths_by_group
                 t += seg.duration_s * _jitter(rng, noise)
                 continue
             parse_shape(seg.kind)  # arms must be named d<depth>k<topk>v<verify>, bubble rows absent
-            for context, forward in _passes(seg, latency):
+            counts = {k: _spread(getattr(seg, k), seg.passes) for k in ("drafted", "emitted", "accepted")}
+            for j, (context, forward) in enumerate(_passes(seg, latency)):
                 rec = {"step": step, "rank": rank, "batch_size": seg.rows, "context_mean": round(context, 3),
-                       "shape": seg.kind, "drafted": int(round(seg.drafted / seg.passes)),
-                       "emitted": int(round(seg.emitted / seg.passes)),
+                       "shape": seg.kind, **{k: v[j] for k, v in counts.items()},
                        "draft_s": seg.draft_s * _jitter(rng, noise), "forward_s": forward * _jitter(rng, noise),
                        "other_s": seg.other_s * _jitter(rng, noise)}
-                rec["accepted"] = rec["emitted"] - seg.rows
                 decode.append(rec)
                 t += rec["draft_s"] + rec["forward_s"] + rec["other_s"]
                 if seg.kind != "off":
@@ -73,7 +79,8 @@ def trace_records(scn: Scenario, step: int, result: StepResult, lengths_by_group
     phases = {"logprob": result.logprob_s * _jitter(rng, noise), "update": result.update_s * _jitter(rng, noise),
               "sync": result.sync_s * _jitter(rng, noise)}
     all_lengths = np.concatenate(lengths_by_group)
-    metrics = {"step": step, "timing/step": rollout_s + sum(phases.values()), "timing/rollout": rollout_s,
+    metrics = {"step": step, "timing/step": rollout_s + sum(phases.values()),
+               "timing/rollout": float(np.mean(rank_s)), "timing/rollout_max": rollout_s,
                **{f"timing/{k}": v for k, v in phases.items()},
                **{f"timing/rollout/rank{r}": s for r, s in enumerate(rank_s)},
                **{f"timing/idle/rank{r}": rollout_s - s for r, s in enumerate(rank_s)},

@@ -1,7 +1,8 @@
 """`python -m sim.validate --calibrate-on RUN --predict RUN2 [RUN3 ...] [--tolerance 0.15]`.
 
-Calibrates on RUN, replays each step of every predicted run (`sim.validation`), prints the
-errors as a Markdown table, and exits 1 when a run's rollout or step error exceeds the tolerance.
+Calibrates on RUN, replays each step of RUN itself (the fit's own error, the first row) and of
+every predicted run (`sim.validation`), prints the errors as a Markdown table, and exits 1 when
+a predicted run's rollout, step or step-speedup error exceeds the tolerance.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     base = read_run(args.calibrate_on)
     scn, _ = calibrate(base)
-    reports = [validate(scn, read_run(p), calibrated_on=base.name) for p in args.predict]
-    print(report_table(reports, args.tolerance))
+    own = validate(scn, base, calibrated_on=base.name)
+    reports = [validate(scn, read_run(p), calibrated_on=base.name, reference=own) for p in args.predict]
+    print(report_table([own, *reports], args.tolerance))
     return 0 if all(r.passed(args.tolerance) for r in reports) else 1
 
 

@@ -16,28 +16,28 @@ from sim import run as run_cli
 from sim import validate as validate_cli
 from sim.config import (ArmSpec, ClusterSpec, LatencySpec, LengthSpec, PhaseSpec, RolloutSpec, Scenario, SpecSpec,
                         load_scenario)
-from sim.fit import calibrate, nnls
-from sim.latency import build_latency
+from sim.fit import TABLE_MIN_PASSES, calibrate, fit_latency, forward_table, nnls
+from sim.latency import Fitted, build_latency
 from sim.lengths import deal
 from sim.project import step_lengths
-from sim.runs import read_run
-from sim.step import Techniques, simulate_step
+from sim.runs import DecodeStep, read_run
+from sim.step import Techniques, chunks, padded_tokens, phase_times, simulate_step
 from sim.trace import write_run
 from sim.validation import validate
 from tests.test_sim_model import small_scenario
 
 TRUTH = LatencySpec(kind="fitted", base_s=0.004, query_s=1e-5, kv_s=2e-7, draft_base_s=3e-4, draft_token_s=1e-5,
-                    other_base_s=2e-4, other_row_s=1e-6)
+                    other_base_s=2e-4, other_row_s=1e-6, other_verify_s=3e-6, prefill_token_s=2e-5)
 ARM = ArmSpec(name="d3k1v3", depth=3, verify_tokens=3, accept_len=2.5)
 
 
 def measured_scenario(devices: int, prompts: int, latency: LatencySpec = TRUTH, seed: int = 0) -> Scenario:
     return Scenario(
-        name="fixture", seed=seed, steps=3, latency=latency,
+        name="fixture", seed=seed, steps=4, latency=latency,
         cluster=ClusterSpec(devices=[devices], max_batch=32),
         rollout=RolloutSpec(prompts=prompts, samples_per_prompt=2, prompt_len=20,
                             lengths=LengthSpec(median=40.0, sigma=0.8, max_len=300)),
-        spec=SpecSpec(arms=[ARM], schedule="threshold", arm="d3k1v3", threshold=8),
+        spec=SpecSpec(arms=[ARM], schedule="threshold", arm="d3k1v3", threshold=4),
         phases=PhaseSpec(logprob_s_per_token=2e-4, update_s_per_token=6e-4, sync_s=0.05))
 
 
@@ -59,14 +59,17 @@ def test_nnls_drops_columns_that_would_go_negative():
 def test_calibration_recovers_the_latency_model_of_a_noiseless_run(tmp_path):
     scn = measured_scenario(2, 8)
     fitted, metrics = calibrate(read_run(make_run(tmp_path / "a", scn) / "metrics.jsonl"))
-    for key in ("base_s", "query_s", "kv_s", "draft_base_s", "draft_token_s", "other_base_s", "other_row_s"):
+    for key in ("base_s", "query_s", "kv_s", "draft_base_s", "draft_token_s", "other_base_s", "other_row_s",
+                "other_verify_s", "prefill_token_s"):
         assert getattr(fitted.latency, key) == pytest.approx(getattr(TRUTH, key), rel=1e-4, abs=1e-12), key
     assert metrics["calibrate/forward_r2"] == pytest.approx(1.0)
+    table = np.array(fitted.latency.table_tokens)  # a noiseless linear truth: every point on its line
+    assert fitted.latency.table_s == pytest.approx(TRUTH.base_s + TRUTH.query_s * table, rel=1e-4)
     assert fitted.rollout.prompt_len == 20 and fitted.cluster.devices == [2]
     assert fitted.rollout.prompts * fitted.rollout.samples_per_prompt == 16
     (arm,) = fitted.spec.arms
-    assert arm.name == "d3k1v3" and arm.accept_len == pytest.approx(2.5, abs=0.15)
-    assert fitted.spec.arm == "d3k1v3" and fitted.spec.threshold <= 8
+    assert arm.name == "d3k1v3" and arm.accept_len == pytest.approx(2.5, abs=0.05)  # per-pass counts rounded
+    assert fitted.spec.arm == "d3k1v3" and fitted.spec.threshold <= 4
     assert fitted.phases.logprob_s_per_token == pytest.approx(2e-4)
     assert fitted.phases.update_s_per_token == pytest.approx(6e-4)
     assert fitted.phases.sync_s == pytest.approx(0.05)
@@ -151,3 +154,89 @@ def test_run_writes_report_and_small_plots(tmp_path, capsys):
     assert pngs == [f"small_{k}.png" for k in ("accept", "depth", "scaling", "tail", "timeline")]
     assert all((tmp_path / "out" / p).stat().st_size < 150_000 for p in pngs)
     assert (tmp_path / "out" / "small.md").read_text() == text
+
+
+def _pass(batch: int, forward_s: float, shape: str = "off") -> DecodeStep:
+    return DecodeStep(step=1, rank=0, batch_size=batch, context_mean=50.0, shape=shape, drafted=0, accepted=0,
+                      emitted=batch, draft_s=0.0, forward_s=forward_s, other_s=0.0)
+
+
+def test_forward_table_keeps_a_staircase_that_a_line_misses():
+    # SmolLM2-135M on 2 CPU cores: the same cost at 1-6 rows, a jump at 7 and at 13
+    cost = {b: 0.09 if b <= 6 else 0.175 if b <= 12 else 0.255 for b in range(1, 17)}
+    spec, _ = fit_latency([_pass(b, c) for b, c in cost.items() for _ in range(TABLE_MIN_PASSES)])
+    model = Fitted(spec)
+    assert [model.forward_s(b, b, 50.0 * b) for b in (1, 6, 7, 12, 13, 16)] == \
+        pytest.approx([0.09, 0.09, 0.175, 0.175, 0.255, 0.255])
+    beyond = 0.255 + spec.query_s * 4 + spec.kv_s * 50.0 * 4  # the fitted slopes beyond the last point
+    assert model.forward_s(20, 20, 50.0 * 20) == pytest.approx(beyond)
+    line = Fitted(replace(spec, table_tokens=[], table_s=[]))
+    assert abs(line.forward_s(6, 6, 300.0) - 0.09) > 0.02  # what the table is for
+
+
+def test_short_table_pools_join_the_point_before():
+    tokens, seconds = forward_table([_pass(1, 0.01)] * 6 + [_pass(2, 0.02)] * 2, kv_s=0.0, min_passes=5)
+    assert tokens == [1.0] and seconds == [0.01]  # 8 passes, median of the pooled tokens and seconds
+
+
+def test_prefill_is_charged_per_prompt_token_once_measured():
+    measured = Fitted(LatencySpec(kind="fitted", base_s=0.01, query_s=1e-3, prefill_token_s=1e-4))
+    assert measured.prefill_s(4, 10) == pytest.approx(4 * 10 * 1e-4)
+    one_pass = Fitted(LatencySpec(kind="fitted", base_s=0.01, query_s=1e-3))
+    assert one_pass.prefill_s(4, 10) == pytest.approx(0.01 + 1e-3 * 40)
+
+
+def test_other_cost_tells_verified_tokens_from_rows():
+    model = Fitted(TRUTH)
+    assert model.other_s(8, 8) == pytest.approx(TRUTH.other_base_s + 8 * TRUTH.other_row_s)
+    assert model.other_s(8, 32) - model.other_s(8, 8) == pytest.approx(24 * TRUTH.other_verify_s)
+
+
+def test_padded_update_waits_for_the_longest_row_of_each_mini_batch_on_the_largest_rank():
+    phases = PhaseSpec(logprob_s_per_token=1.0, update_s_per_token=1.0, sync_s=0.0, mini_batches=2)
+    parts = [np.array([1, 9, 2, 2]), np.array([5, 5])]
+    real, padded = padded_tokens(phases, parts, prompt_len=1)
+    # rank 0: [1, 9] -> 2 x 10, [2, 2] -> 2 x 3; rank 1: [5] -> 6, [5] -> 6; each mini-batch its largest
+    assert padded == 20 + 6 and real == 14 + 4
+    assert [len(c) for c in chunks(np.arange(5), 2)] == [3, 2]  # torch.chunk's cut
+    scn = replace(measured_scenario(2, 8), phases=phases)
+    scn = replace(scn, rollout=replace(scn.rollout, prompt_len=1))
+    assert phase_times(scn, parts) == pytest.approx((18.0, 26.0, 0.0))
+
+
+def test_calibration_recovers_the_padded_update_cost(tmp_path):
+    scn = measured_scenario(2, 8)
+    scn = replace(scn, phases=replace(scn.phases, mini_batches=2))
+    folder = make_run(tmp_path / "a", scn)
+    (folder / "config.yaml").write_text("trainer:\n  mini_batches: 2\n  ppo_epochs: 1\n")
+    fitted, _ = calibrate(read_run(folder))
+    assert fitted.phases.mini_batches == 2
+    assert fitted.phases.update_s_per_token == pytest.approx(6e-4)
+    assert fitted.phases.logprob_s_per_token == pytest.approx(2e-4)
+
+
+def test_validation_times_the_slowest_rank_and_leaves_out_the_warm_up(tmp_path):
+    a = make_run(tmp_path / "a", measured_scenario(2, 8))
+    fitted, _ = calibrate(read_run(a))
+    clean = validate(fitted, read_run(a))
+    metrics = [json.loads(line) for line in (a / "metrics.jsonl").read_text().splitlines()]
+    for m in metrics[:1]:  # a ruined warm-up: rank 0 evaluated while rank 1 rolled out
+        m["timing/step"] *= 10
+        m["timing/rollout_max"] *= 10
+    (a / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    report = validate(fitted, read_run(a))
+    assert [s.step for s in report.steps] == [1, 2, 3]
+    assert report.error("rollout") == pytest.approx(clean.error("rollout")) and report.error("rollout") < 1e-4
+    for s, m in zip(report.steps, metrics[1:]):
+        assert s.measured_rollout_s == m["timing/rollout_max"] > m["timing/rollout"]  # not the mean over ranks
+
+
+def test_step_speedup_is_the_calibration_runs_mean_step_over_the_predicted_runs(tmp_path):
+    a = make_run(tmp_path / "a", measured_scenario(2, 8), noise=0.05, seed=1)
+    b = make_run(tmp_path / "b", measured_scenario(4, 24, seed=7), noise=0.05, seed=2)
+    fitted, _ = calibrate(read_run(a))
+    own = validate(fitted, read_run(a))
+    report = validate(fitted, read_run(b), reference=own)
+    measured = np.mean([s.measured_step_s for s in own.steps]) / np.mean([s.measured_step_s for s in report.steps])
+    assert report.speedup("measured") == pytest.approx(measured)
+    assert report.speedup_error() < 0.15 and report.passed()
