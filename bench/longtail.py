@@ -9,13 +9,16 @@ seed, timed end to end for each policy on the same requests:
 - TLT's fixed threshold baseline: the deepest arm once at most `--tail-batch` rows are active
   (engine.spec.policy.TailPolicy);
 - adaptive: the BEG-MAB tuner (engine.tuner.TunerPolicy) from scratch, then a second call
-  starting from the state the first one saved (state_dict through JSON, as a checkpoint keeps it).
+  starting from the state the first one saved (state_dict through JSON, as a checkpoint keeps it);
+  it explores only arms within `--explore-within` of its bucket's best (a deep draft over 256
+  rows costs as much as twenty plain steps: exploring it at random lost more than the tail gains).
 
 Every run must produce the same tokens (the bench fails otherwise). Prompts: for a model with a
 chat template, test-split prompts of pipeline.tasks.prompts (varied answer lengths); otherwise the
 arith task's test problems drawn with a heavy tail of operand digits (`--max-digits`, `--tail`).
 Prints each run's wall time and the ratios adaptive / autoregressive and adaptive / the best
-fixed arm in hindsight; `--plot` writes a per-step trace of the adaptive runs (active batch size,
+fixed arm in hindsight, and each arm's seconds and accept length per active-batch bucket (where
+speculation can pay: the share of the time spent in the tail bounds the gain); `--plot` writes a per-step trace of the adaptive runs (active batch size,
 chosen arm, tokens/s of the step). `--json` ends with one line `{"adaptive_vs_ar",
 "adaptive_vs_best_fixed", "best_fixed", "identical", "cpu", ...}`.
 """
@@ -97,6 +100,19 @@ def draft_after_switch(runs: list[RolloutBatch]) -> dict[str, float]:
     return {k: round(statistics.median(v) * 1e3, 3) for k, v in after.items() if v}
 
 
+def by_batch(steps: list[StepRecord], thresholds: list[int]) -> dict[str, dict[str, float]]:
+    """Per batch-size bucket ("1", "2-4", ..., "21+"): seconds spent and accept length (tokens emitted per row per step)."""
+    out: dict[str, dict[str, float]] = {}
+    for i, lo in enumerate(thresholds):
+        hi = thresholds[i + 1] - 1 if i + 1 < len(thresholds) else None
+        sel = [r for r in steps if r.batch_size >= lo and (hi is None or r.batch_size <= hi)]
+        if sel:
+            name = str(lo) if hi == lo else f"{lo}+" if hi is None else f"{lo}-{hi}"
+            out[name] = {"s": round(sum(r.seconds for r in sel), 3),
+                         "accept_len": round(sum(sum(r.emitted) for r in sel) / sum(r.batch_size for r in sel), 2)}
+    return out
+
+
 def plot_trace(path: str, traces: dict[str, list[StepRecord]], labels: list[str]) -> None:
     """Three panels over decode steps: active rows, the arm chosen, emitted tokens per second."""
     import matplotlib
@@ -132,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arms", default="off,d4k1v4,d8k1v8,d16k1v16", help="the tuner's arm set, comma-separated")
     p.add_argument("--buckets", type=batch_list, default="1,2,5,21", help="the tuner's batch-size thresholds")
     p.add_argument("--epsilon", type=float, default=0.1)
+    p.add_argument("--explore-within", type=float, default=0.8,
+                   help="the tuner explores only arms whose median reward is >= this x the bucket's best (0: all; "
+                        "engine.spec.tuner_explore_within)")
     p.add_argument("--tail-batch", type=int, default=32, help="TLT baseline: speculate once at most this many rows are active")
     p.add_argument("--new-tokens", type=int, default=384)
     p.add_argument("--max-digits", type=int, default=18, help="arith prompts: the longest operand")
@@ -157,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = SpecConfig(enabled=True, drafter=args.spec, drafter_path=args.drafter, depth=depth, topk=topk, verify_tokens=verify)
         ar = RolloutEngine(copy.deepcopy(target), EngineConfig(max_batch=rows, max_len=max_len, device=args.device))  # each runtime packs its own model
         sp = RolloutEngine(target, EngineConfig(max_batch=rows, max_len=max_len, device=args.device, spec=spec), build_drafter(spec, target))
-        TunerPolicy(arms, args.buckets, epsilon=args.epsilon)  # validates buckets and epsilon before any run
+        TunerPolicy(arms, args.buckets, epsilon=args.epsilon, explore_within=args.explore_within)  # validates buckets and epsilon before any run
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -185,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
             runs[label], seconds[label] = timed_rollout(sp, FixedPolicy(arm), requests, params)
     deepest = max((a for a in arms if a is not None), key=lambda a: (a.depth * a.topk, a.verify_tokens))
     runs["tail"], seconds["tail"] = timed_rollout(sp, TailPolicy(deepest, args.tail_batch), requests, params)
-    scratch = TunerPolicy(arms, args.buckets, epsilon=args.epsilon, seed=args.seed)
+    scratch = TunerPolicy(arms, args.buckets, epsilon=args.epsilon, seed=args.seed, explore_within=args.explore_within)
     runs["adaptive_scratch"], seconds["adaptive_scratch"] = timed_rollout(sp, scratch, requests, params)
-    warm_tuner = TunerPolicy(arms, args.buckets, epsilon=args.epsilon, seed=args.seed + 1)
+    warm_tuner = TunerPolicy(arms, args.buckets, epsilon=args.epsilon, seed=args.seed + 1, explore_within=args.explore_within)
     warm_tuner.load_state_dict(json.loads(json.dumps(scratch.state_dict())))  # as a checkpoint carries it
     runs["adaptive"], seconds["adaptive"] = timed_rollout(sp, warm_tuner, requests, params)
 
@@ -209,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         "arms": labels, "buckets": args.buckets, "tail_batch": args.tail_batch, "tuner_metrics": warm_tuner.metrics(),
         "tuner_medians": tuner_medians(warm_tuner, labels),
         "draft_ms_per_row": draft_after_switch([runs["tail"], runs["adaptive_scratch"], runs["adaptive"]]),
+        "explore_within": args.explore_within,
+        "by_batch": {k: by_batch(runs[k].steps, [1, 2, 5, 21, 65]) for k in labels},
     }
     print(f"cpu: {cpu_model()}; {len(ref)} rollouts, {tokens} tokens, lengths p50/p90/max {result['length_p50_p90_max']}", file=sys.stderr)
     print(f"{'run':>18} {'wall s':>8} {'vs ar':>6} {'steps':>6} {'accept len':>10}", file=sys.stderr)
@@ -219,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
           f"({best}); from scratch {result['scratch_vs_ar']:.2f}x / {result['scratch_vs_best_fixed']:.2f}x; "
           f"identical tokens: {identical}", file=sys.stderr)
     print(f"tuner's median reward (tokens/s) per bucket and arm: {result['tuner_medians']}", file=sys.stderr)
+    for k, buckets in result["by_batch"].items():
+        print(f"{k:>18} by active batch: " + ", ".join(f"{b}: {v['s']:.2f} s, accept {v['accept_len']:.2f}" for b, v in buckets.items()),
+              file=sys.stderr)
     print(f"draft ms per row, speculative steps after an off step / after a speculative one: {result['draft_ms_per_row']}",
           file=sys.stderr)
     if args.plot:

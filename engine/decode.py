@@ -27,7 +27,7 @@ from engine.model import causal_mask
 from engine.sampling import SamplingParams, mask_logits, prompt_key, row_keys, sample
 from engine.slots import SlotState
 from engine.spec.drafter import Admission, DraftContext, DraftShape
-from engine.spec.tree import DraftTree, tree_mask, tree_positions
+from engine.spec.tree import DraftTree, PaddedTree, tree_mask, tree_positions
 from engine.spec.verify import Verdict, coupled_verify
 from engine.types import FinishReason, Request, Rollout, RolloutBatch, StepRecord
 
@@ -228,10 +228,11 @@ class GenerateRun:
         td = time.perf_counter()
         tree = self._propose(b, shape) if shape is not None else None
         draft_s = time.perf_counter() - td
-        if tree is None or tree.padded().width == 0:
+        pt = tree.padded() if tree is not None else None
+        if pt is None or pt.width == 0:
             forward_s, verdict, drafted, emitted = self._plain_step(b)
         else:
-            forward_s, verdict, drafted, emitted = self._tree_step(b, tree)
+            forward_s, verdict, drafted, emitted = self._tree_step(b, pt)
         other_s = time.perf_counter() - td - draft_s - forward_s
         self.steps.append(StepRecord(
             index=len(self.steps), batch_size=b, shape=shape.label if shape is not None else "off",
@@ -262,9 +263,8 @@ class GenerateRun:
         emitted = self._after_pass(b, out, roots.unsqueeze(1), verdict, token.unsqueeze(1), logp.unsqueeze(1))
         return forward_s, verdict, ones - 1, emitted
 
-    def _tree_step(self, b: int, tree: DraftTree):
+    def _tree_step(self, b: int, pt: PaddedTree):
         state, e = self.state, self.e
-        pt = tree.padded()
         N = pt.width
         lengths = e.cache.lengths[:b]
         pos, slots = tree_positions(pt.depth, lengths)  # [b, 1+N]

@@ -51,7 +51,8 @@ class RolloutEngine:
         self.runtime = TargetRuntime(self.model)
         spec = self.cfg.spec
         iid = spec.verify == "rejection"
-        self.shape = DraftShape(depth=spec.depth, topk=spec.topk, verify_tokens=spec.verify_tokens, iid_children=iid)
+        self.shape = DraftShape(depth=spec.depth, topk=spec.topk, verify_tokens=spec.verify_tokens, iid_children=iid,
+                                min_confidence=spec.min_confidence)
         depth, topk, verify = spec.limits()
         self.limits = DraftShape(depth=depth, topk=topk, verify_tokens=verify, iid_children=iid)
         self.policy: SpecPolicy = policy or self._config_policy()
@@ -72,7 +73,8 @@ class RolloutEngine:
             for arm in arms:
                 if arm is not None:
                     arm.check_within(self.limits)
-            return TunerPolicy(arms, spec.tuner_buckets, epsilon=spec.tuner_epsilon, window=spec.tuner_window)
+            return TunerPolicy(arms, spec.tuner_buckets, epsilon=spec.tuner_epsilon, window=spec.tuner_window,
+                               explore_within=spec.tuner_explore_within)
         if spec.max_active_batch is not None:
             return TailPolicy(self.shape, spec.max_active_batch)
         return FixedPolicy(self.shape)

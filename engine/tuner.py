@@ -7,6 +7,10 @@ chose, and its *reward* is the step's emitted tokens per second (engine.types.St
 timings are device-synchronised). Per bucket and arm a sliding window keeps the last `window`
 rewards. To choose: an arm of the bucket never pulled goes first (in arm order); otherwise with
 probability `epsilon` a uniformly random arm, else the arm with the highest median reward.
+With `explore_within` > 0, exploration draws only among the arms whose median is at least that
+fraction of the best one's: an arm that was measured far worse in a bucket is not pulled again
+at random there (a depth-16 step over 256 rows costs as much as twenty plain steps, and ten
+percent of such steps lose more than the tail's speculation gains; the long-tail bench).
 
 `Bandit` is the pure part (numbers in, an arm index out; its randomness is an explicit
 `random.Random`, saved with its state). `TunerPolicy` adapts it to the engine's SpecPolicy: each
@@ -25,22 +29,27 @@ from collections import deque
 from engine.spec.drafter import DraftShape
 from engine.types import StepRecord
 
-_LABEL = re.compile(r"^d(\d+)k(\d+)v(\d+)$")
+_LABEL = re.compile(r"^d(\d+)k(\d+)v(\d+)(?:c(0?\.\d+))?$")
 
 
 def parse_arm(label: str, iid_children: bool = False) -> DraftShape | None:
-    """"off" or "d<depth>k<topk>v<verify_tokens>" (DraftShape.label) -> the arm."""
+    """"off" or "d<depth>k<topk>v<verify_tokens>[c<min_confidence>]" (DraftShape.label) -> the arm."""
     if label == "off":
         return None
     m = _LABEL.match(label)
     if m is None:
-        raise ValueError(f"tuner arm {label!r} is neither 'off' nor of the form d<depth>k<topk>v<verify_tokens>, e.g. d6k1v8")
-    d, k, v = (int(x) for x in m.groups())
-    return DraftShape(depth=d, topk=k, verify_tokens=v, iid_children=iid_children)
+        raise ValueError(f"tuner arm {label!r} is neither 'off' nor of the form d<depth>k<topk>v<verify_tokens>, e.g. d6k1v8 "
+                         "(a chain with a confidence stop: d16k1v16c0.1)")
+    d, k, v = (int(x) for x in m.groups()[:3])
+    conf = float(m.group(4)) if m.group(4) else 0.0
+    if conf and k != 1:
+        raise ValueError(f"tuner arm {label!r}: a confidence stop (c...) applies to chains only (k1)")
+    return DraftShape(depth=d, topk=k, verify_tokens=v, iid_children=iid_children, min_confidence=conf)
 
 
 class Bandit:
-    def __init__(self, num_arms: int, thresholds: list[int], *, epsilon: float = 0.1, window: int = 300, seed: int = 0) -> None:
+    def __init__(self, num_arms: int, thresholds: list[int], *, epsilon: float = 0.1, window: int = 300, seed: int = 0,
+                 explore_within: float = 0.0) -> None:
         if num_arms < 1:
             raise ValueError("the tuner needs at least one arm")
         if not thresholds or thresholds[0] != 1 or any(b <= a for a, b in zip(thresholds, thresholds[1:])):
@@ -49,7 +58,10 @@ class Bandit:
             raise ValueError(f"tuner epsilon must be in [0, 1], got {epsilon}")
         if window < 1:
             raise ValueError(f"tuner window must be >= 1, got {window}")
+        if not 0 <= explore_within <= 1:
+            raise ValueError(f"tuner explore_within must be in [0, 1] (0: explore every arm), got {explore_within}")
         self.num_arms, self.thresholds, self.epsilon, self.window = num_arms, list(thresholds), epsilon, window
+        self.explore_within = explore_within
         self.rng = random.Random(seed)
         self.rewards = [[deque(maxlen=window) for _ in range(num_arms)] for _ in thresholds]  # [bucket][arm]
         self.explored = 0  # choices made at random (epsilon)
@@ -66,12 +78,20 @@ class Bandit:
             return fresh[0]
         if self.rng.random() < self.epsilon:
             self.explored += 1
-            return self.rng.randrange(self.num_arms)
+            if self.explore_within <= 0:
+                return self.rng.randrange(self.num_arms)
+            medians = self._medians(bucket)
+            top = max(medians)
+            near = [a for a in range(self.num_arms) if medians[a] >= self.explore_within * top]
+            return near[self.rng.randrange(len(near))]
         return self.best(bucket)
+
+    def _medians(self, bucket: int) -> list[float]:
+        return [statistics.median(r) if r else float("-inf") for r in self.rewards[bucket]]
 
     def best(self, bucket: int) -> int:
         """The arm with the highest median reward in the window (ties to the earlier arm)."""
-        medians = [statistics.median(r) if r else float("-inf") for r in self.rewards[bucket]]
+        medians = self._medians(bucket)
         return max(range(self.num_arms), key=lambda a: (medians[a], -a))
 
     def update(self, bucket: int, arm: int, reward: float) -> None:
@@ -102,9 +122,9 @@ class TunerPolicy:
     """A SpecPolicy that learns which arm pays per batch-size bucket."""
 
     def __init__(self, arms: list[DraftShape | None], thresholds: list[int], *, epsilon: float = 0.1, window: int = 300,
-                 seed: int = 0) -> None:
+                 seed: int = 0, explore_within: float = 0.0) -> None:
         self.arms = arms
-        self.bandit = Bandit(len(arms), thresholds, epsilon=epsilon, window=window, seed=seed)
+        self.bandit = Bandit(len(arms), thresholds, epsilon=epsilon, window=window, seed=seed, explore_within=explore_within)
         self.pending: tuple[int, int] | None = None  # (bucket, arm) of the step not yet credited
 
     def choose(self, batch_size: int, last: StepRecord | None) -> DraftShape | None:

@@ -92,7 +92,9 @@ def test_packed_forward_with_kernels_equals_the_module_forward(hf_folders, famil
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_compiled_chain_draft_proposes_what_the_python_chain_proposes(hf_folders, kind, temperature, monkeypatch):
+@pytest.mark.parametrize("min_confidence", [0.0, 0.99], ids=["full-depth", "confidence-stop"])
+def test_compiled_chain_draft_proposes_what_the_python_chain_proposes(hf_folders, kind, temperature, min_confidence,
+                                                                      monkeypatch):
     runtime = TargetRuntime(load_checkpoint(hf_folders["llama"]))
     target = runtime.model
     torch.manual_seed(4)
@@ -110,7 +112,7 @@ def test_compiled_chain_draft_proposes_what_the_python_chain_proposes(hf_folders
         from engine.spec.drafter import Admission
 
         drafter = EagleDrafter(net)
-        shape = DraftShape(depth=6, topk=1, verify_tokens=6)
+        shape = DraftShape(depth=6, topk=1, verify_tokens=6, min_confidence=min_confidence)
         drafter.reset(2, 64, params, shape)
         drafter.admit(Admission(slots=torch.tensor([0, 1]), owner=torch.tensor([0, 1]), tokens=prompt,
                                 lengths=torch.tensor([5, 5]), features=feats, first_tokens=torch.tensor([11, 12])))
@@ -120,10 +122,13 @@ def test_compiled_chain_draft_proposes_what_the_python_chain_proposes(hf_folders
             generated=torch.tensor([1, 1]), prompts=list(prompt), prompt_ids=["a", "b"], samples=torch.tensor([0, 0]),
             drafts=[None, None], params=params, shape=shape,
         )
-        return drafter.propose(ctx).padded().tokens.tolist()
+        tree = drafter.propose(ctx).padded(6)
+        return tree.tokens.tolist(), tree.valid.sum(1).tolist()
 
     assert chain_kernel.supported(EagleDrafter(net).rt)
     compiled = draft()
+    if min_confidence > 0:  # the stop acts: a chain ends early (else comparing lengths says nothing)
+        assert min(compiled[1]) < 6
     monkeypatch.setattr(chain_kernel, "supported", lambda rt: False)
     assert draft() == compiled
 

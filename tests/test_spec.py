@@ -91,3 +91,12 @@ def test_bad_drafter_accepts_little_but_changes_nothing(target):
     assert [r.tokens for r in out] == [r.tokens for r in reference]
     stats = out.stats
     assert stats.accepted < 0.2 * stats.drafted
+
+
+@pytest.mark.parametrize("params", PARAMS.values(), ids=PARAMS.keys())
+def test_a_confidence_stop_shortens_chains_and_changes_no_token(target, params):
+    reference = engine(target).generate(requests(), params)
+    full = engine(target, eagle(target, "eagle"), depth=6, verify_tokens=6).generate(requests(), params)
+    stopped = engine(target, eagle(target, "eagle"), depth=6, verify_tokens=6, min_confidence=0.5).generate(requests(), params)
+    assert [r.tokens for r in stopped] == [r.tokens for r in reference]
+    assert 0 < stopped.stats.drafted < full.stats.drafted

@@ -112,3 +112,17 @@ def test_chain_verdict_equals_the_general_verdict():
         short = chain_verdict(match, tokens, target)
         for name in ("accepted", "num_accepted", "last_index", "path", "tokens", "num_emitted"):
             assert torch.equal(getattr(short, name), getattr(general, name)), name
+
+
+def test_a_chains_kept_layout_equals_the_one_rebuilt_from_its_nodes():
+    tokens = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])
+    cases = [(tokens, None), (tokens, torch.tensor([4, 1, 2])), (tokens, torch.tensor([2, 1, 2])),
+             (tokens, torch.tensor([0, 0, 0])), (tokens[:, :0], None)]
+    for tokens, lengths in cases:
+        tree = DraftTree.chains(tokens, lengths)
+        kept = tree.padded()
+        tree.layout = None
+        rebuilt = tree.padded()
+        assert kept.width == rebuilt.width and kept.chain and rebuilt.chain
+        for name in ("tokens", "parents", "depth", "valid"):
+            assert torch.equal(getattr(kept, name), getattr(rebuilt, name)), (lengths, name)

@@ -49,6 +49,15 @@ def test_exploration_share_is_epsilon():
     assert picks.count(3) / len(picks) == pytest.approx(0.8 + 0.2 / 4, abs=0.02)
 
 
+def test_exploration_within_a_factor_skips_arms_measured_far_worse():
+    b = Bandit(4, [1], epsilon=0.5, seed=3, explore_within=0.7)
+    for a, reward in enumerate([100.0, 80.0, 60.0, 10.0]):  # arms 2 and 3 are below 0.7 x the best
+        b.update(0, a, reward)
+    picks = [b.choose(0) for _ in range(4000)]
+    assert set(picks) == {0, 1}
+    assert picks.count(1) / len(picks) == pytest.approx(0.5 / 2, abs=0.03)
+
+
 def test_the_tuner_learns_off_for_large_batches_and_a_draft_for_small_ones():
     """Synthetic cost: speculation emits 3x the tokens at 2x the step time for batch <= 4, at 6x above."""
     arms = [None, DraftShape(depth=4, topk=1, verify_tokens=4)]
@@ -74,7 +83,14 @@ def test_state_round_trips_through_json_and_continues_the_same_choices():
     assert [a.choose(i % 2) for i in range(50)] == [b.choose(i % 2) for i in range(50)]
 
 
-@pytest.mark.parametrize("bad, match", [("d4k1", "neither 'off'"), ("on", "neither 'off'")])
+def test_an_arm_label_round_trips_with_its_confidence_stop():
+    arm = parse_arm("d16k1v16c0.2")
+    assert (arm.depth, arm.topk, arm.verify_tokens, arm.min_confidence) == (16, 1, 16, 0.2)
+    assert parse_arm(arm.label) == arm
+    assert parse_arm("d4k1v4").label == "d4k1v4"
+
+
+@pytest.mark.parametrize("bad, match", [("d4k1", "neither 'off'"), ("on", "neither 'off'"), ("d4k2v8c0.3", "chains only")])
 def test_bad_arm_labels_are_named(bad, match):
     with pytest.raises(ValueError, match=match):
         parse_arm(bad)

@@ -16,6 +16,11 @@
 //            if d + 1 < D: x = fc([embed(token); pred]); one decoder layer (no input norm) at
 //            position lengths' + d + 1, its K / V written at cache slot lengths' + d; pred = x
 //            (eagle3: pred = [fc_out(x); x]).
+// Confidence stop (min_conf > 0, EAGLE-2's idea for chains): a row's chain ends after the first
+// level where the product along it of q(token) (q = softmax(logits / T), T = 0: softmax(logits))
+// falls below min_conf; later levels skip the row, and once every row has ended the call
+// returns. out_len[r] (1..D) tells how many of tokens[r] are real. Verification decides every
+// token, so where a chain ends changes speed, never the tokens emitted.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -146,22 +151,33 @@ extern "C" void eagle_draft(
     const float* post_norm, float eps,
     float* ck, float* cv, int64_t skb, int64_t skh,  // cache layer [N, Hkv, M, hd]
     const int64_t* lengths,               // [b] committed pairs per row before the catch-up
-    int64_t* tokens,                      // [b, D] out
+    float min_conf,                       // the confidence stop (0: every row drafts D levels)
+    int64_t* tokens,                      // [b, D] out (past out_len[r]: 0)
+    int64_t* out_len,                     // [b] out: real tokens per row
     int nthreads) {
   Net n{H, F, nq, nkv, hd, I, Vd, (nq + 2 * nkv) * hd, embed, fc, qkv, o, gate_up, down, head, fc_out, post_norm, eps,
         ck, cv, skb, skh, nthreads};
   const int64_t L = T + D;  // RoPE rows per cache row
-  std::vector<float> pred(b * F), logits(b * Vd);
+  std::vector<float> pred(b * F), hbuf(b * H), logits(b * Vd), conf(b, 1.f);
   catch_up(n, b, T, L, pend_tok, pend_feat, ldp, n_pend, cos, sin_signed, lengths, pred.data());
-  std::vector<int64_t> tok(b), row(b), slot(b);
+  std::vector<int64_t> live(b), tok(b), row(b), slot(b);  // live: rows still drafting, in order
+  for (int64_t r = 0; r < b; ++r) live[r] = r, out_len[r] = D;
+  std::fill(tokens, tokens + b * D, 0);
   std::vector<uint8_t> active(b, 1);
   std::vector<const float*> feat(b), c(b), s(b);
   std::vector<float*> out(b);
-  for (int64_t d = 0; d < D; ++d) {
-    // Draft distribution and the coupled sample.
-    skinny_gemm(pred.data() + (F - H), F, head, nullptr, nullptr, 0, logits.data(), Vd, b, H, Vd, nthreads);
-    for (int64_t r = 0; r < b; ++r) {
-      const float* lr = logits.data() + r * Vd;
+  std::vector<float> lg(Vd);
+  int64_t nl = b;
+  for (int64_t d = 0; d < D && nl > 0; ++d) {
+    // Draft distribution and the coupled sample, for the live rows (live[i]'s prediction stays
+    // at pred[live[i]]; its logits are row i of this level's product).
+    for (int64_t i = 0; i < nl; ++i)
+      std::memcpy(hbuf.data() + i * H, pred.data() + live[i] * F + (F - H), H * sizeof(float));
+    skinny_gemm(hbuf.data(), H, head, nullptr, nullptr, 0, logits.data(), Vd, nl, H, Vd, nthreads);
+    int64_t kept = 0;
+    for (int64_t i = 0; i < nl; ++i) {
+      const int64_t r = live[i];
+      const float* lr = logits.data() + i * Vd;
       const float* nr = noise ? noise + (r * D + d) * Vd : nullptr;
       int64_t best = 0;
       float best_v = -INFINITY;
@@ -170,18 +186,31 @@ extern "C" void eagle_draft(
         if (v > best_v) { best_v = v; best = j; }
       }
       tokens[r * D + d] = vocab_ids ? vocab_ids[best] : best;
+      bool stop = d + 1 == D;
+      if (min_conf > 0.f) {  // q(best) = exp(v_best - max) / sum_j exp(v_j - max), v = logits / T
+        const float inv_t = temperature > 0.f ? 1.f / temperature : 1.f;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < Vd; ++j) { lg[j] = lr[j] * inv_t; mx = lg[j] > mx ? lg[j] : mx; }
+        float total = 0.f;
+        for (int64_t j = 0; j < Vd; ++j) total += std::exp(lg[j] - mx);
+        conf[r] *= std::exp(lg[best] - mx) / total;
+        if (conf[r] < min_conf) stop = true, out_len[r] = d + 1;
+      }
+      if (!stop) live[kept++] = r;
     }
-    if (d + 1 == D) break;
-    for (int64_t r = 0; r < b; ++r) {
-      tok[r] = tokens[r * D + d];
-      feat[r] = pred.data() + r * F;
-      c[r] = cos + (r * L + T + d) * hd;
-      s[r] = sin_signed + (r * L + T + d) * hd;
-      row[r] = r;
-      slot[r] = lengths[r] + n_pend[r] + d;
-      out[r] = pred.data() + r * F;
+    nl = kept;
+    if (nl == 0) break;
+    for (int64_t i = 0; i < nl; ++i) {
+      const int64_t r = live[i];
+      tok[i] = tokens[r * D + d];
+      feat[i] = pred.data() + r * F;
+      c[i] = cos + (r * L + T + d) * hd;
+      s[i] = sin_signed + (r * L + T + d) * hd;
+      row[i] = r;
+      slot[i] = lengths[r] + n_pend[r] + d;
+      out[i] = pred.data() + r * F;
     }
-    step(n, b, tok.data(), feat.data(), c.data(), s.data(), row.data(), slot.data(), active.data(), out.data());
+    step(n, nl, tok.data(), feat.data(), c.data(), s.data(), row.data(), slot.data(), active.data(), out.data());
   }
 }
 

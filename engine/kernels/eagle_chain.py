@@ -59,17 +59,20 @@ def weights(rt, cache, lengths) -> list:
 
 def draft(rt, pend_tok: torch.Tensor, pend_feat: torch.Tensor, n_pend: torch.Tensor, depth: int,
           noise: torch.Tensor | None, temperature: float, cos: torch.Tensor, sin_signed: torch.Tensor, cache,
-          lengths: torch.Tensor) -> torch.Tensor:
+          lengths: torch.Tensor, min_confidence: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Catch-up and chain in one call. pend_tok [b, T] pending tokens (each row's root at
     n_pend - 1); pend_feat [b, >= T, F] their features; n_pend [b]; noise [b, D, Vd] or None
     (greedy); cos / sin_signed [b, T + D, hd] at the catch-up positions lengths + 1 + j, then the
     chain positions lengths + n_pend + 1 + d; cache: the drafter's KVCache (layer 0), whose
-    `lengths` the caller advances by n_pend -> tokens [b, D]."""
+    `lengths` the caller advances by n_pend; min_confidence: the confidence stop (the .cpp's
+    header; 0: full depth) -> (tokens [b, D], real tokens per row [b])."""
     pend_tok, n_pend, noise, cos, sin_signed, lengths = prepare(pend_tok, pend_feat, n_pend, noise, cos, sin_signed, lengths)
     b, T = pend_tok.shape
     tokens = torch.empty(b, depth, dtype=torch.long)
+    real = torch.empty(b, dtype=torch.long)
     library().eagle_draft(
         b, T, depth, *sizes(rt, pend_feat.shape[-1]), *pending(rt, pend_tok, pend_feat, n_pend, noise), float(temperature),
-        cos.data_ptr(), sin_signed.data_ptr(), *weights(rt, cache, lengths), tokens.data_ptr(), torch.get_num_threads(),
+        cos.data_ptr(), sin_signed.data_ptr(), *weights(rt, cache, lengths), float(min_confidence), tokens.data_ptr(),
+        real.data_ptr(), torch.get_num_threads(),
     )
-    return tokens
+    return tokens, real

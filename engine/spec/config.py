@@ -20,6 +20,9 @@ class SpecConfig:
     depth: int = 6  # draft levels below the root
     topk: int = 1  # children per expanded node; 1 = chain
     verify_tokens: int = 8  # draft nodes verified per row per step
+    # Chains only: end a row's chain once the drafter's confidence in it (the product of its
+    # probabilities of its own tokens) falls below this (engine.spec.drafter.DraftShape); 0: off.
+    min_confidence: float = 0.0
     verify: Literal["coupled", "rejection"] = "coupled"
     # Speculate only while at most this many rows are active (the long tail); None: every step.
     max_active_batch: int | None = None
@@ -28,6 +31,8 @@ class SpecConfig:
     tuner_buckets: list[int] = field(default_factory=lambda: [1, 2, 5, 21])  # TLT's thresholds
     tuner_epsilon: float = 0.1
     tuner_window: int = 300
+    # Explore (epsilon) only arms whose median reward in the bucket is >= this x the best's; 0: all.
+    tuner_explore_within: float = 0.0
     # The engine's maximum sizes (cache margin, RoPE reach, drafter buffers): a speculation
     # policy may pick any shape within them on any step. None: the fixed shape above.
     max_depth: int | None = None
@@ -44,7 +49,8 @@ class SpecConfig:
                 raise ValueError("engine.spec.tuner_arms and engine.spec.max_active_batch both choose when to speculate; set one")
             for label in self.tuner_arms:
                 parse_arm(label)
-            Bandit(len(self.tuner_arms), self.tuner_buckets, epsilon=self.tuner_epsilon, window=self.tuner_window)
+            Bandit(len(self.tuner_arms), self.tuner_buckets, epsilon=self.tuner_epsilon, window=self.tuner_window,
+                   explore_within=self.tuner_explore_within)
         if self.max_active_batch is not None and self.max_active_batch < 1:
             raise ValueError(f"engine.spec.max_active_batch must be >= 1 (or null: every step), got {self.max_active_batch}")
         for key in ("depth", "topk", "verify_tokens"):
@@ -54,6 +60,10 @@ class SpecConfig:
             top = getattr(self, f"max_{key}")
             if top is not None and top < getattr(self, key):
                 raise ValueError(f"engine.spec.max_{key}={top} is below engine.spec.{key}={getattr(self, key)}")
+        if not 0.0 <= self.min_confidence < 1.0:
+            raise ValueError(f"engine.spec.min_confidence must be in [0, 1) (0: off), got {self.min_confidence}")
+        if self.min_confidence > 0 and self.topk != 1:
+            raise ValueError("engine.spec.min_confidence stops chains only: set engine.spec.topk=1 or min_confidence=0")
         depth, topk, verify = self.limits()
         if depth * topk > 512:
             raise ValueError(f"engine.spec (max_)depth * (max_)topk must be <= 512, got {depth} * {topk}")

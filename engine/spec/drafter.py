@@ -31,11 +31,17 @@ class DraftShape:
     # Rejection verification needs siblings drawn i.i.d. from the drafter's distribution (and
     # its logits); coupled verification wants distinct siblings: the coupled sample, then top-k.
     iid_children: bool = False
+    # Chains of model drafters: a row's chain ends at the first level where the product along it
+    # of the drafter's probability of its own token falls below this (EAGLE-2's confidence,
+    # arXiv 2406.16858); 0: always `depth` levels. Lossless: verification decides every token.
+    min_confidence: float = 0.0
 
     @property
     def label(self) -> str:
-        """"d6k1v8": depth, top-k, verify tokens (the name step records and the tuner use)."""
-        return f"d{self.depth}k{self.topk}v{self.verify_tokens}"
+        """"d6k1v8": depth, top-k, verify tokens (the name step records and the tuner use);
+        "d16k1v16c0.1" with a confidence stop."""
+        stop = f"c{self.min_confidence:g}" if self.min_confidence > 0 else ""
+        return f"d{self.depth}k{self.topk}v{self.verify_tokens}{stop}"
 
     def check_within(self, limits: DraftShape) -> None:
         """Raises ValueError unless this shape fits the engine's maximum sizes and verify mode."""
@@ -45,6 +51,10 @@ class DraftShape:
                     f"draft shape {self.label}: {key}={getattr(self, key)} is outside 1..{getattr(limits, key)}, the "
                     f"engine's maximum (engine.spec.max_{key})"
                 )
+        if not 0.0 <= self.min_confidence < 1.0:
+            raise ValueError(f"draft shape {self.label}: min_confidence={self.min_confidence} is outside [0, 1)")
+        if self.min_confidence > 0 and self.topk != 1:
+            raise ValueError(f"draft shape {self.label}: min_confidence stops chains only; use topk=1 or min_confidence=0")
         if self.iid_children != limits.iid_children:
             raise ValueError(f"draft shape {self.label}: iid_children must be {limits.iid_children} (fixed by engine.spec.verify)")
 

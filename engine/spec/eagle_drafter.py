@@ -201,22 +201,29 @@ class EagleDrafter(DrafterBase):
         steps = torch.arange(T + D, device=ctx.roots.device)
         pos = lengths.unsqueeze(1) + 1 + torch.where(steps < T, steps, n.unsqueeze(1) + steps - T)  # [b, T+D]
         cos, sin = self.net.rope(pos, self.pend_feat.dtype)
-        draft = chain_kernel.draft(self.rt, tokens, self.pend_feat[:b], n, D, self._chain_noise(ctx, b, D),
-                                   self.params.temperature, cos, signed_sin(sin), self.cache, lengths)
+        conf = ctx.shape.min_confidence
+        draft, real = chain_kernel.draft(self.rt, tokens, self.pend_feat[:b], n, D, self._chain_noise(ctx, b, D),
+                                         self.params.temperature, cos, signed_sin(sin), self.cache, lengths, conf)
         lengths += n
         n.zero_()
-        return DraftTree.chains(draft)
+        return DraftTree.chains(draft, real if conf > 0 else None)
 
     def _chain(self, pred: torch.Tensor, ctx: DraftContext) -> DraftTree:
         """The tree with top-k 1, without tree bookkeeping: each level is the drafter's coupled
-        sample, and a chain's tentative slots follow each other, so the plain causal mask holds."""
+        sample, and a chain's tentative slots follow each other, so the plain causal mask holds.
+        With a confidence stop a row's chain ends at the first level where the product of
+        q(token) along it falls below `min_confidence` (as engine/kernels/eagle_chain.cpp)."""
         p, b = self.params, pred.shape[0]
         D = min(ctx.shape.depth, ctx.shape.verify_tokens)
         ids = self.net.vocab_ids
         noise = self._chain_noise(ctx, b, D)  # all levels' noise at once: [b, D, Vd]
         plain = p.top_k == 0 and p.top_p == 1.0
         lengths = self.cache.lengths[:b]
-        tokens = torch.empty(b, D, dtype=torch.long, device=pred.device)
+        tokens = torch.zeros(b, D, dtype=torch.long, device=pred.device)
+        min_conf = ctx.shape.min_confidence
+        conf = torch.ones(b, device=pred.device)
+        real = torch.full((b,), D, dtype=torch.long, device=pred.device)
+        live = torch.ones(b, dtype=torch.bool, device=pred.device)
         for d in range(D):
             logits = self.rt.logits(pred)  # [b, Vd]
             if noise is None:
@@ -224,11 +231,19 @@ class EagleDrafter(DrafterBase):
             else:
                 scaled = logits / p.temperature if plain else mask_logits(logits, p.temperature, p.top_k, p.top_p)
                 pick = (scaled + noise[:, d]).argmax(-1)
-            tokens[:, d] = ids[pick] if ids is not None else pick
+            tokens[:, d] = torch.where(live, ids[pick] if ids is not None else pick, 0)
+            if min_conf > 0:
+                q = (logits / (p.temperature if p.temperature > 0 else 1.0)).softmax(-1)
+                conf = conf * q.gather(1, pick.unsqueeze(1)).squeeze(1)
+                ended = live & (conf < min_conf)
+                real = torch.where(ended, d + 1, real)
+                live = live & ~ended
+                if not bool(live.any()):
+                    break
             if d + 1 < D:
                 slot = (lengths + d).unsqueeze(1)  # [b, 1]
                 pred = self.rt(tokens[:, d : d + 1], pred.unsqueeze(1), slot + 1, cache=self.cache, cache_pos=slot)[:, 0]
-        return DraftTree.chains(tokens)
+        return DraftTree.chains(tokens, real if min_conf > 0 else None)
 
     def _catch_up(self, b: int) -> torch.Tensor:
         """Feeds rows 0..b-1's pending pairs (each row has >= 1; the last one's token is the

@@ -11,7 +11,7 @@ cache slots L, L+1, ..., L+N (L = the row's committed length) and RoPE positions
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,9 @@ class DraftTree:
     q_logits: torch.Tensor | None = None
     chain: bool = False  # built by `chains`: node i's parent is i - 1 in every row
     source: torch.Tensor | None = None  # [B] which drafter of a composition drafted each row (compose)
+    # The padded layout, when the builder had it (`chains`): `padded()` returns it instead of
+    # rebuilding it from the flat nodes (a dozen ops a decode step).
+    layout: PaddedTree | None = field(default=None, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -67,10 +70,19 @@ class DraftTree:
     def chains(cls, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> DraftTree:
         """tokens [B, D] linear drafts; lengths [B] how many of each row's D are real (default D)."""
         B, D = tokens.shape
-        idx = torch.arange(D, device=tokens.device).expand(B, D)
-        valid = idx < (lengths.unsqueeze(1) if lengths is not None else D)
+        N = int(lengths.max()) if lengths is not None and B else D
+        tokens = tokens[:, :N]
+        idx = torch.arange(N, device=tokens.device).expand(B, N)
+        if lengths is None:
+            valid = torch.ones(B, N, dtype=torch.bool, device=tokens.device)
+            tree = cls(tokens.reshape(-1), (idx - 1).reshape(-1), torch.arange(B + 1, device=tokens.device) * N, chain=True)
+            tree.layout = PaddedTree(tokens, idx - 1, idx + 1, valid, None, True)
+            return tree
+        valid = idx < lengths.unsqueeze(1)
         tree = cls.from_padded(tokens, idx - 1, valid)
         tree.chain = True
+        tree.layout = PaddedTree(torch.where(valid, tokens, 0), torch.where(valid, idx - 1, -1), torch.where(valid, idx + 1, 0),
+                                 valid, None, True)
         return tree
 
     @classmethod
@@ -86,6 +98,8 @@ class DraftTree:
         return cls(torch.tensor(tokens), torch.tensor(parents), torch.tensor(offsets))
 
     def padded(self, width: int | None = None) -> PaddedTree:
+        if self.layout is not None and width in (None, self.layout.width):
+            return self.layout
         B = self.batch_size
         counts = self.num_nodes
         N = int(counts.max()) if width is None and B and self.tokens.numel() else (width or 0)
