@@ -129,6 +129,9 @@ class TrainConfig:
             self._validate_vllm()
         if self.trainer.resume == "auto" and not self.run.dir:
             raise ValueError("trainer.resume=auto resumes the latest checkpoint of a fixed run folder: set run.dir too")
+        if self.spot.enabled and not self.engine.spec.enabled:
+            raise ValueError("spot.enabled trains the engine's EAGLE drafter, but engine.spec.enabled is false: set "
+                             "spot.enabled=false, or turn speculation on with an EAGLE drafter (engine.spec.drafter: eagle)")
         if self.bubble.enabled:
             if not (self.engine.spec.enabled and self.engine.spec.drafter.startswith("pregenerated+")):
                 raise ValueError("bubble.enabled needs engine.spec.enabled: true and a drafter that proposes pre-generated "
