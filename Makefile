@@ -81,7 +81,7 @@ checkpoints/smollm2-135m-instruct/config.json: | setup
 models: setup checkpoints/smollm2-135m-instruct/config.json
 
 # 60% of the demonstrations come from a careless teacher who drops the last column's carry: the
-# RL run has a flaw to remove (docs/BENCHMARKS.md, "RL on the tiny model").
+# RL run has a flaw to remove (docs/BENCHMARKS.md, "Learning on the tiny task").
 checkpoints/tiny/config.json: | setup
 	$(PY) -m pipeline.pretrain --out checkpoints/tiny --careless-share 0.6
 
