@@ -193,13 +193,14 @@ class GenerateRun:
         state.sample[slots] = samples
         state.stopped[slots] = False
         state.done[slots] = False
+        drafts = {k: torch.tensor(d, dtype=torch.long, device=self.device) for k, d in (r.drafts or {}).items() if d}
         for slot, k in zip(slots.tolist(), samples.tolist()):
             state.rollout[slot] = len(self.rollouts)
             self.rollouts.append(None)
             self.meta.append((c.index, k, now))
-            draft = r.drafts.get(k) if r.drafts else None
             state.prompt_ids[slot], state.prompts[slot] = r.prompt_id, pre.ids
-            state.drafts[slot] = torch.tensor(draft, dtype=torch.long, device=self.device) if draft else None
+            state.drafts[slot] = drafts.get(k)
+            state.siblings[slot] = tuple(d for j, d in drafts.items() if j != k)
 
     def _admission(self, chunks, slots_of, ids_list, feats, first_tokens) -> Admission:
         P = len(chunks)
@@ -310,7 +311,7 @@ class GenerateRun:
         rows = torch.arange(b, device=self.device).unsqueeze(1).expand(b, W)[keep]
         state = self.state
         self.e.sink.tokens(CommittedFeatures(
-            prompt_ids=state.prompt_ids[:b], samples=state.sample[:b].clone(), row=rows,
+            prompt_ids=state.prompt_ids[:b], samples=state.sample[:b].clone(), rollouts=state.rollout[:b].clone(), row=rows,
             position=(gen_before.unsqueeze(1) - 1 + j)[keep], tokens=fed[keep], features=feats[keep],
             policy_version=self.e.version,
         ))
@@ -320,7 +321,7 @@ class GenerateRun:
         ctx = DraftContext(
             roots=state.roots(b), positions=state.generated[:b] - 1, keys=state.keys[:b], responses=state.tokens[:b],
             generated=state.generated[:b], prompts=state.prompts[:b], prompt_ids=state.prompt_ids[:b],
-            samples=state.sample[:b], drafts=state.drafts[:b], params=self.params, shape=shape,
+            samples=state.sample[:b], drafts=state.drafts[:b], params=self.params, shape=shape, siblings=state.siblings[:b],
         )
         return self.e.drafter.propose(ctx)
 

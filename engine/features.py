@@ -34,6 +34,7 @@ class CommittedFeatures:
 
     prompt_ids: list[str]  # [b] per active row
     samples: torch.Tensor  # [b] sample index per active row
+    rollouts: torch.Tensor  # [b] per active row: its rollout's index in this generate call (unique per prompt and sample)
     row: torch.Tensor  # [M] the active row of each entry
     position: torch.Tensor  # [M] response index of the entry's token
     tokens: torch.Tensor  # [M] the token (input at that position)

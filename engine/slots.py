@@ -26,6 +26,7 @@ class SlotState:
         self.prompt_ids: list[str] = [""] * max_batch
         self.prompts: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long)] * max_batch
         self.drafts: list[torch.Tensor | None] = [None] * max_batch
+        self.siblings: list[tuple[torch.Tensor, ...]] = [()] * max_batch  # the request's other samples' drafts
         self.active = 0
 
     def _tensors(self) -> list[torch.Tensor]:
@@ -37,6 +38,7 @@ class SlotState:
             t[dst] = t[src]
         for s, d in zip(src.tolist(), dst.tolist()):
             self.prompt_ids[d], self.prompts[d], self.drafts[d] = self.prompt_ids[s], self.prompts[s], self.drafts[s]
+            self.siblings[d] = self.siblings[s]
 
     def preempt(self) -> None:
         """Ends every active row that is not done yet, as preempted."""

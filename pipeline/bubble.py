@@ -114,7 +114,7 @@ def draft_metrics(steps, source: int = 0) -> dict[str, float]:
                 rows, emitted, accepted = rows + 1, emitted + e, accepted + a
     if rows == 0:
         return {}
-    return {"bubble/accept_len": emitted / rows, "bubble/passes_saved": float(accepted)}
+    return {"bubble/accept_len": emitted / rows, "bubble/decode_steps_saved": float(accepted)}
 
 
 class BubbleWork:

@@ -224,13 +224,13 @@ class Trainer:
         """Means over ranks of per-rank metrics (every rank has the same keys, or none)."""
         if self.bubbles is None:
             return {}
-        keys = ["bubble/coverage", "bubble/token_coverage", "bubble/prefix_match", "bubble/accept_len", "bubble/passes_saved"]
+        keys = ["bubble/coverage", "bubble/token_coverage", "bubble/prefix_match", "bubble/accept_len", "bubble/decode_steps_saved"]
         rows = gather_floats(self.r, [m.get(k, float("nan")) for k in keys])
         out = {}
         for i, k in enumerate(keys):
             vals = [row[i] for row in rows if row[i] == row[i]]
             if vals:
-                out[k] = sum(vals) if k == "bubble/passes_saved" else sum(vals) / len(vals)  # saved: over all ranks
+                out[k] = sum(vals) if k == "bubble/decode_steps_saved" else sum(vals) / len(vals)  # saved: over all ranks
         return out
 
     def _global_weights(self, mask: torch.Tensor) -> torch.Tensor:

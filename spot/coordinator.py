@@ -9,8 +9,8 @@ plane: no Redis, ZMQ or Ray):
 its engine's feature sink collects the target's features; when its rollouts are done they go
 into the node's DataBuffer (`rollouts_done`). In the idle window the rank trains its copy of
 the drafter on buffer samples (the current step's finished responses mixed with the previous
-step's long ones) and checks between micro-steps whether every rank is done, so it stops within
-one micro-step of the window's end. Then the replicas are averaged, each weighted by the
+step's long ones) and checks before and inside each micro-step whether every rank is done, so it
+stops within about a third of a micro-step of the window's end (the micro-step in flight is dropped). Then the replicas are averaged, each weighted by the
 micro-steps it ran (one all-reduce: gloo on CPU, NCCL on GPU; a rank that ran none counts
 zero), and every rank loads the average into its engine as a new drafter version before the
 next step. Each rank keeps its own AdamW moments (local-SGD style): only weights are averaged.
@@ -114,13 +114,14 @@ class SpotWork:
         n = float(result["spot/micro_steps"])
         averaged = weighted_average(self.trainer.named_weights(), n)
         sums = torch.tensor([n, useful_s, idle_s, result.get("spot/drafter_loss", 0.0) * n,
-                             result.get("spot/top1", 0.0) * n], dtype=torch.float64)
+                             result.get("spot/top1", 0.0) * n, result.get("spot/aborted", 0.0)], dtype=torch.float64)
         overrun = torch.tensor([overrun_s], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums)
             dist.all_reduce(overrun, op=dist.ReduceOp.MAX)
         metrics = {"spot/micro_steps": float(sums[0]), "spot/train_s": float(sums[1]), "spot/idle_s": float(sums[2]),
-                   "spot/overrun_s": float(overrun), "spot/drafter_version": float(self.drafter_version)}
+                   "spot/overrun_s": float(overrun), "spot/drafter_version": float(self.drafter_version),
+                   "spot/aborted": float(sums[5])}  # micro-steps dropped inside when the window ended
         if sums[2] > 0:
             metrics["spot/utilisation"] = float(sums[1] / sums[2])
         if averaged is not None:

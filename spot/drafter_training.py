@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from common.optim import make_adamw, set_lr, train_step, warmup_cosine
+from common.optim import clip_and_step, make_adamw, set_lr, warmup_cosine
 from spot.loss import acceptance_metrics, eagle_loss
 from spot.pairs import PackedPairs
 
@@ -68,12 +68,25 @@ class DrafterTrainer:
         self.params = list(model.parameters())
         self.opt = make_adamw(self.params, optim.lr, (0.9, 0.95), optim.weight_decay)
 
-    def step(self, packed: PackedPairs, idx: torch.Tensor, lr: float) -> tuple[float, dict[str, float]]:
+    def step(self, packed: PackedPairs, idx: torch.Tensor, lr: float,
+             abort: Callable[[], bool] | None = None) -> tuple[float, dict[str, float]] | None:
+        """One optimiser step; with `abort`, it is asked after the forward and after the backward
+        and, if it says so, the step is dropped (no weight or optimiser state changes) and None
+        returned: a preempted spot trainer stops within a third of a step, not a whole one."""
         set_lr(self.opt, lr)
         self.model.train()
-        loss, metrics, _, _ = batch_loss(self.model, packed, idx, self.optim.ce_weight)
-        train_step(loss, self.opt, self.params, self.optim.grad_clip)
-        self.model.eval()
+        try:
+            loss, metrics, _, _ = batch_loss(self.model, packed, idx, self.optim.ce_weight)
+            if abort is not None and abort():
+                return None
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if abort is not None and abort():
+                self.opt.zero_grad(set_to_none=True)
+                return None
+            clip_and_step(self.opt, self.params, self.optim.grad_clip)
+        finally:
+            self.model.eval()
         return loss.item(), metrics
 
 

@@ -4,7 +4,7 @@ The engine hands every committed token's features to its sink as it computes the
 (engine.features): a prompt's features once at its prefill, then per decode step the tokens
 that entered the KV cache and stay in a rollout. `DataBufferSink` scatters them into one
 preallocated block per call of `generate` ([R, L, F], rows given out on first sight of a
-rollout key, grown by doubling), so a step costs one indexed copy, not a loop over tokens.
+rollout key, grown by doubling, kept across calls), so a step costs one indexed copy, not a loop over tokens.
 `flush(rollouts, step)` then turns each finished rollout into a buffer entry and puts it:
 
     tokens   = prompt + response[:L-1]     (the last response token is never fed to the target)
@@ -37,31 +37,31 @@ class DataBufferSink:
     def _reset(self, rows: int) -> None:
         F = self.buffer.feature_size
         self.prompts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # prompt_id -> (tokens [P], features [P, F])
-        self.slots: dict[tuple[str, int], int] = {}  # (prompt_id, sample) -> row of the block
+        self.slots: dict[tuple[str, int], int] = {}  # (prompt_id, sample) -> row of the block (its rollout index)
         self.block = torch.empty(rows, self.max_len, F, dtype=self.dtype)  # [R, L, F]
+        self.seen: set[int] = set()  # block rows given to a rollout in this call
 
     # -- FeatureSink -----------------------------------------------------------------------
     def prompt(self, prompt_id: str, tokens: torch.Tensor, features: torch.Tensor, policy_version: int) -> None:
         self.prompts[prompt_id] = (tokens.to("cpu", torch.long), features.to("cpu", self.dtype))
 
     def tokens(self, entries: CommittedFeatures) -> None:
-        samples = entries.samples.tolist()
-        slot_of_row = torch.tensor([self._slot(p, s) for p, s in zip(entries.prompt_ids, samples)], dtype=torch.long)
+        slot_of_row = entries.rollouts.cpu()  # [b] a rollout's block row is its index in the generate call
+        self._grow(int(slot_of_row.max()) + 1)
+        for r, slot in enumerate(slot_of_row.tolist()):
+            if slot not in self.seen:  # a row seen for the first time (it was just admitted)
+                self.seen.add(slot)
+                self.slots[(entries.prompt_ids[r], int(entries.samples[r]))] = slot
         rows = slot_of_row[entries.row.cpu()]  # [M]
         pos = entries.position.cpu()
         keep = pos < self.max_len
         self.block[rows[keep], pos[keep]] = entries.features.detach()[keep.to(entries.features.device)].to("cpu", self.dtype)
 
-    def _slot(self, prompt_id: str, sample: int) -> int:
-        key = (prompt_id, sample)
-        slot = self.slots.get(key)
-        if slot is None:
-            slot = self.slots[key] = len(self.slots)
-            if slot >= self.block.shape[0]:  # grow by doubling: rare, amortised
-                grown = torch.empty(max(8, 2 * self.block.shape[0]), *self.block.shape[1:], dtype=self.dtype)
-                grown[: self.block.shape[0]] = self.block
-                self.block = grown
-        return slot
+    def _grow(self, rows: int) -> None:
+        if rows > self.block.shape[0]:  # grow by doubling: rare, amortised
+            grown = torch.empty(max(8, rows, 2 * self.block.shape[0]), *self.block.shape[1:], dtype=self.dtype)
+            grown[: self.block.shape[0]] = self.block
+            self.block = grown
 
     # -- into the buffer -------------------------------------------------------------------
     def flush(self, rollouts: Sequence[Rollout], step: int) -> int:
@@ -82,5 +82,6 @@ class DataBufferSink:
                 finished=ro.finish_reason == FinishReason.STOP, prompt_len=p_tok.numel(), tokens=tokens, features=features,
             ))
             put += 1
-        self._reset(rows=self.block.shape[0])
+        # The entries are copies: the block is kept for the next call, so its pages are not faulted in anew.
+        self.prompts, self.slots, self.seen = {}, {}, set()
         return put

@@ -3,7 +3,8 @@
 A *micro-step* is one AdamW step (spot.drafter_training.DrafterTrainer, shared with warm-start:
 the EAGLE loss, clipping) on the response pairs of a few rows packed into windows whose masks
 keep rows apart (spot.pairs.PackedPairs). `train` runs micro-steps until a preempt flag, a step
-count or the rows run out; it checks the flag before every micro-step, so it stops within one.
+count or the rows run out; it checks the flag before every micro-step and inside it (after the forward and the backward;
+a micro-step stopped inside is dropped whole), so it stops within about a third of one.
 The learning rate warms up and then stays constant (optim.lr_at with progress 0): online
 training has no end for a cosine to aim at.
 
@@ -71,14 +72,18 @@ class SpotTrainer:
         keep = torch.randperm(len(rows), generator=g)[: self.rows_per_step].sort().values
         return [rows[i] for i in keep.tolist()]
 
-    def micro_step(self, rows: list[HiddenStateRows]) -> dict[str, float]:
-        """One AdamW step on the rows' response pairs, all windows in one batch."""
+    def micro_step(self, rows: list[HiddenStateRows], abort: Callable[[], bool] | None = None) -> dict[str, float] | None:
+        """One AdamW step on the rows' response pairs, all windows in one batch; None when `abort`
+        said stop inside it (after the forward or the backward: nothing changed, nothing counted)."""
         rows = self.choose_rows(rows)
         if not rows:
             raise ValueError("micro_step: no row has a response token to learn from")
         packed = PackedPairs(rows, self.window)
         lr = self.optim.lr_at(self.micro_steps, 0.0)
-        loss, metrics = self.step_fn.step(packed, torch.arange(len(packed)), lr)
+        done = self.step_fn.step(packed, torch.arange(len(packed)), lr, abort)
+        if done is None:
+            return None
+        loss, metrics = done
         self.micro_steps += 1
         return {
             "spot/drafter_loss": loss, "spot/top1": metrics["spot/top1_draft_vocab"],
@@ -88,24 +93,30 @@ class SpotTrainer:
 
     def train(self, next_rows: Callable[[int], list[HiddenStateRows]], should_stop: Callable[[], bool],
               max_micro_steps: int | None = None) -> dict[str, float]:
-        """Micro-steps until should_stop() (checked before each), max_micro_steps, or next_rows(i) == [].
+        """Micro-steps until should_stop(), max_micro_steps, or next_rows(i) == [].
 
-        next_rows gets the trainer's total micro-step index, so a resumed run sees the same rows.
-        Returns the count, mean loss and top-1 of this call's micro-steps (loss and top-1 only
-        when it ran one) and its wall time.
+        should_stop is checked before each micro-step and inside it (after its forward and its
+        backward: a micro-step stopped there is dropped whole, `spot/aborted`), so training ends
+        within about a third of a micro-step of the flag. next_rows gets the trainer's total
+        micro-step index, so a resumed run sees the same rows. Returns the count, mean loss and
+        top-1 of this call's completed micro-steps (loss and top-1 only when it ran one) and its
+        wall time.
         """
         t0 = time.perf_counter()
-        losses, top1 = [], []
+        losses, top1, aborted = [], [], 0
         while max_micro_steps is None or len(losses) < max_micro_steps:
             if should_stop():
                 break
             rows = next_rows(self.micro_steps)
             if not rows:
                 break
-            m = self.micro_step(rows)
+            m = self.micro_step(rows, should_stop)
+            if m is None:
+                aborted += 1
+                break
             losses.append(m["spot/drafter_loss"])
             top1.append(m["spot/top1"])
-        out = {"spot/micro_steps": float(len(losses)), "spot/train_s": time.perf_counter() - t0}
+        out = {"spot/micro_steps": float(len(losses)), "spot/aborted": float(aborted), "spot/train_s": time.perf_counter() - t0}
         if losses:
             out |= {"spot/drafter_loss": sum(losses) / len(losses), "spot/top1": sum(top1) / len(top1)}
         return out

@@ -65,7 +65,7 @@ def test_drafts_pregenerated_with_the_next_steps_noise_are_accepted_in_full_unde
 
     m = draft_metrics(batch.steps)  # every row drafted by the pregenerated part (source 0), none by EAGLE
     assert all(src == 0 for s in batch.steps for src in s.source)
-    assert m["bubble/passes_saved"] == sum(sum(s.accepted) for s in batch.steps) > 0
+    assert m["bubble/decode_steps_saved"] == sum(sum(s.accepted) for s in batch.steps) > 0
     assert m["bubble/accept_len"] == pytest.approx(batch.stats.accept_len)
     longest = max(len(t) for t in pre.values())
     assert len(batch.steps) <= -(-longest // (DEPTH + 1)) + 1  # ~L / (D + 1) target passes, not L
@@ -159,6 +159,6 @@ def test_a_two_rank_run_with_bubble_drafts_is_the_run_without_them(char_model_di
         assert a["reward/mean"] == b["reward/mean"] and a["train/pg_loss"] == b["train/pg_loss"]
     assert all({"bubble/pregen_s", "bubble/pregenerated"} <= r.keys() for r in with_bubble)
     assert any("bubble/coverage" in r for r in with_bubble[1:])  # steps 2 and 3 were pre-generated for
-    assert any(r.get("bubble/passes_saved", 0) > 0 for r in with_bubble[1:])
+    assert any(r.get("bubble/decode_steps_saved", 0) > 0 for r in with_bubble[1:])
     rollouts = lambda d: sorted(json.dumps(x, sort_keys=True) for x in map(json.loads, (d / "rollouts.jsonl").read_text().splitlines()))  # noqa: E731
     assert rollouts(runs["bubble"]) == rollouts(runs["plain"])

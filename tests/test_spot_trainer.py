@@ -139,6 +139,28 @@ def test_a_flag_raised_at_a_random_moment_stops_training_within_one_micro_step(t
     assert sum(started_after_flag) <= 1 and trainer.micro_steps - done_at_flag[0] <= 1
 
 
+@pytest.mark.parametrize("asks_before_stop", [1, 2])  # the flag rises after the forward / after the backward
+def test_a_flag_raised_inside_a_micro_step_drops_it_whole(tiny, asks_before_stop):
+    trainer = new_trainer(tiny)
+    trainer.train(rows_for(tiny), lambda: False, max_micro_steps=2)
+    weights = trainer.named_weights()
+    moments = {k: v.clone() for k, v in trainer.step_fn.opt.state[trainer.step_fn.params[0]].items()}
+    asked = []
+
+    def should_stop():  # false before the micro-step, true at the asks_before_stop-th check inside it
+        asked.append(1)
+        return len(asked) > asks_before_stop
+
+    m = trainer.train(rows_for(tiny), should_stop)
+    assert m["spot/micro_steps"] == 0 and m["spot/aborted"] == 1 and "spot/drafter_loss" not in m
+    assert trainer.micro_steps == 2 and len(asked) == asks_before_stop + 1
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(weights, trainer.named_weights()))
+    state = trainer.step_fn.opt.state[trainer.step_fn.params[0]]
+    assert all(torch.equal(moments[k], state[k]) for k in moments)
+    resumed = trainer.train(rows_for(tiny), lambda: False, max_micro_steps=1)  # and training goes on from there
+    assert resumed["spot/micro_steps"] == 1 and trainer.micro_steps == 3
+
+
 def test_named_weights_are_the_trainable_ones_and_reload_into_a_separate_engine_drafter(tiny, tmp_path):
     trainer = new_trainer(tiny)
     served = EagleDrafter(fresh(tiny))  # the engine's drafter: never trained in place

@@ -13,7 +13,7 @@ back on costs no re-prefill. Hooks a drafter does not need are inherited as no-o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -84,6 +84,9 @@ class DraftContext:
     drafts: list[torch.Tensor | None]  # per row: a pre-generated response for this sample, or None
     params: SamplingParams
     shape: DraftShape
+    # per row: the pre-generated responses of the request's other samples (bubble drafts to
+    # re-align against once the row's own draft has diverged); empty when there are none
+    siblings: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
 
 
 class Drafter(Protocol):
