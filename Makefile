@@ -128,7 +128,7 @@ bench-longtail: setup checkpoints/tiny/config.json checkpoints/tiny-drafter/conf
 # Spot training is free and keeps the drafter on the policy: 20 steps at a learning rate that moves it.
 bench-spot: setup checkpoints/tiny/config.json checkpoints/tiny-drafter/config.json
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 -m bench.spot --config configs/tiny.yaml --steps 20 \
-		--plot docs/figures/spot_accept.png actor.lr=2e-4 engine.spec.max_active_batch=null
+		--plot docs/figures/spot_accept.png engine.spec.max_active_batch=null
 
 sim: setup
 	for s in 7b 32b 235b_moe; do $(PY) -m sim.run --scenario sim/scenarios/$$s.yaml --out docs/sim --checks || exit 1; done

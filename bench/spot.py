@@ -1,4 +1,4 @@
-"""`torchrun --nproc-per-node=2 -m bench.spot --config configs/tiny.yaml --steps N [--plot F.png] [--json]`:
+"""`torchrun --nproc-per-node=2 -m bench.spot --config configs/tiny.yaml --steps N [--repeats K] [--plot F.png] [--json]`:
 RL steps with spot training on vs a frozen drafter, side by side.
 
 After a discarded one-step warm-up run, runs the same N RL steps twice in this process group (same seeds, same data, both speculative):
@@ -13,6 +13,11 @@ accept length of both runs; and over steps 2..N (step 1 pays one-time costs):
   the end of an idle window (`spot/overrun_s`);
 - the accept-length ratio at the last step (spot / frozen; TLT reports 6.53 / 4.59 = 1.42) and the
   spot run's last accept length against its first (the drafter follows the policy: within 10%).
+
+`--repeats K` runs each way K times in ABBA order (spot, frozen, frozen, spot, ...) and pools the
+step times: on a shared or virtual machine whose speed drifts over minutes, one run of each way
+can differ by more than the 1% being measured, and ABBA cancels a linear drift. Every run must be
+identical to the first.
 
 Spot training needs idle windows, so run it on two or more ranks. `--plot` writes the two
 accept-length curves (PNG). Prints the CPU model; `--json` ends with one line
@@ -64,11 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="folder for the two runs (default: a temporary one)")
     p.add_argument("--plot", default=None, help="write the accept-length curves to this PNG")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the discarded warm-up run")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run each way this many times in ABBA order (spot, frozen, frozen, spot, ...): the step ratio "
+                        "pools them, so a drift of the machine's speed during the bench cancels")
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*", help="section.key=value, applied to both runs")
     args = p.parse_args(argv)
-    if args.steps < 2:
-        print("error: --steps must be >= 2 (step 1 is excluded from the timing)", file=sys.stderr)
+    if args.steps < 2 or args.repeats < 1:
+        print("error: --steps must be >= 2 (step 1 is excluded from the timing) and --repeats >= 1", file=sys.stderr)
         return 1
     out = Path(args.out or tempfile.mkdtemp(prefix="tailspec-spot-"))
     common = [f"trainer.steps={args.steps}", "trainer.eval_every=0", "trainer.save_every=0", "metrics.wandb=false",
@@ -78,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         runs = {}
         # A discarded one-step run first: one-time costs (kernel builds, caches) would favour the second run.
         plan = [("warmup", ["spot.enabled=false", "trainer.steps=1"])] if args.warmup else []
-        plan += [("spot", ["spot.enabled=true"]), ("frozen", ["spot.enabled=false"])]
+        ways = [("spot", ["spot.enabled=true"]), ("frozen", ["spot.enabled=false"])]
+        for k in range(args.repeats):  # ABBA: linear drift of the machine's speed cancels in the pooled ratio
+            plan += [(f"{name}{'' if k == 0 else k + 1}", extra) for name, extra in (ways if k % 2 == 0 else ways[::-1])]
         for name, extra in plan:
             cfg = load_config(TrainConfig, args.config, [*common, *extra, f"run.out_dir={out / name}", f"run.name=spot-{name}"])
             if not cfg.engine.spec.enabled:
@@ -92,22 +102,32 @@ def main(argv: list[str] | None = None) -> int:
         shutdown()
     if r is not None and not r.main:
         return 0
-    on, off = read_metrics(runs["spot"]), read_metrics(runs["frozen"])
-    same_steps = len(on) == len(off) and all(a.get(k) == b.get(k) for a, b in zip(on, off) for k in COMPARED)
-    w_on, w_off = final_weights(runs["spot"], args.steps), final_weights(runs["frozen"], args.steps)
-    same_weights = w_on.keys() == w_off.keys() and all(torch.equal(w_on[k], w_off[k]) for k in w_on)
+    reps = {way: [read_metrics(runs[way + ("" if k == 0 else str(k + 1))]) for k in range(args.repeats)]
+            for way in ("spot", "frozen")}
+    on, off = reps["spot"][0], reps["frozen"][0]
+    others = [m for ms in reps.values() for m in ms]
+    same_steps = all(len(m) == len(on) and all(a.get(k) == b.get(k) for a, b in zip(on, m) for k in COMPARED) for m in others)
+    w_on = final_weights(runs["spot"], args.steps)
+    same_weights = True
+    for name in runs:
+        if name != "warmup" and name != "spot":
+            w = final_weights(runs[name], args.steps)
+            same_weights &= w.keys() == w_on.keys() and all(torch.equal(w_on[k], w[k]) for k in w_on)
     acc_on = [m.get("spec/accept_len", float("nan")) for m in on]
     acc_off = [m.get("spec/accept_len", float("nan")) for m in off]
     s_on, s_off = smooth(acc_on, args.smooth), smooth(acc_off, args.smooth)
-    t_on, t_off = mean([m["timing/step"] for m in on[1:]]), mean([m["timing/step"] for m in off[1:]])
-    paired = sorted(a["timing/step"] / b["timing/step"] for a, b in zip(on[1:], off[1:]))  # same rollouts, step by step
-    idle = sum(m.get("spot/idle_s", 0.0) for m in on[1:])
-    trained = sum(m.get("spot/train_s", 0.0) for m in on[1:])
+    t_on = mean([m["timing/step"] for ms in reps["spot"] for m in ms[1:]])
+    t_off = mean([m["timing/step"] for ms in reps["frozen"] for m in ms[1:]])
+    paired = sorted(a["timing/step"] / b["timing/step"]  # same rollouts, step by step
+                    for ms_on, ms_off in zip(reps["spot"], reps["frozen"]) for a, b in zip(ms_on[1:], ms_off[1:]))
+    idle = sum(m.get("spot/idle_s", 0.0) for ms in reps["spot"] for m in ms[1:])
+    trained = sum(m.get("spot/train_s", 0.0) for ms in reps["spot"] for m in ms[1:])
     result = {
         "step_ratio": round(t_on / t_off, 4), "step_ratio_median": round(paired[len(paired) // 2], 4), "step_s_spot": round(t_on, 3), "step_s_frozen": round(t_off, 3),
         "utilisation": round(trained / idle, 3) if idle > 0 else None,
-        "idle_s_per_step": round(idle / (len(on) - 1), 3), "overrun_s_max": round(max(m.get("spot/overrun_s", 0.0) for m in on), 3),
-        "micro_steps": int(sum(m.get("spot/micro_steps", 0.0) for m in on)),
+        "idle_s_per_step": round(idle / (len(on) - 1) / args.repeats, 3),
+        "overrun_s_max": round(max(m.get("spot/overrun_s", 0.0) for ms in reps["spot"] for m in ms), 3),
+        "micro_steps": int(sum(m.get("spot/micro_steps", 0.0) for m in on)), "repeats": args.repeats,
         "accept_spot": [round(x, 3) for x in acc_on], "accept_frozen": [round(x, 3) for x in acc_off],
         "accept_ratio_last": round(s_on[-1] / s_off[-1], 3), "accept_spot_vs_start": round(s_on[-1] / s_on[0], 3),
         "accept_frozen_vs_start": round(s_off[-1] / s_off[0], 3), "smooth": args.smooth,
@@ -119,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, (a, b) in enumerate(zip(on, off)):
         print(f"{i + 1:>5} {acc_on[i]:>12.2f} {acc_off[i]:>14.2f} {a['timing/step']:>12.2f} {b['timing/step']:>14.2f}",
               file=sys.stderr)
-    print(f"step ratio (spot / frozen, steps 2..N) {result['step_ratio']:.3f} (median of step pairs "
+    print(f"step ratio (spot / frozen, steps 2..N, {args.repeats} run(s) each) {result['step_ratio']:.3f} (median of step pairs "
           f"{result['step_ratio_median']:.3f}); utilisation {result['utilisation']}; "
           f"max overrun {result['overrun_s_max']} s; {result['micro_steps']} micro-steps", file=sys.stderr)
     print(f"accept length, {args.smooth}-step mean: spot {s_on[0]:.2f} -> {s_on[-1]:.2f} ({result['accept_spot_vs_start']:.2f}x), "

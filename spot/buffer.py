@@ -296,20 +296,26 @@ class DataBuffer:
 
     # -- readers -------------------------------------------------------------------------------------
 
-    def infos(self) -> list[EntryInfo]:
-        """The visible (completely written) entries, oldest first."""
+    def _visible(self) -> tuple[np.ndarray, np.ndarray]:
+        """(slot indices, slot-table rows) of the visible (completely written) entries, oldest first."""
         with self._read_lock():
             v1 = self._slots["lock"].copy()
             table = self._slots.copy()
             v2 = self._slots["lock"].copy()
         ok = (v1 == v2) & (v1 % 2 == 0) & (table["valid"] == 1)
-        rows = table[ok]
-        rows = rows[np.argsort(rows["seq"], kind="stable")]
-        slots = np.nonzero(ok)[0][np.argsort(table["seq"][ok], kind="stable")]
+        order = np.argsort(table["seq"][ok], kind="stable")
+        return np.nonzero(ok)[0][order], table[ok][order]
+
+    @staticmethod
+    def _infos_of(slots: np.ndarray, rows: np.ndarray) -> list[EntryInfo]:
         return [EntryInfo(slot=int(i), seq=int(r["seq"]), key=bytes(r["key"][:r["key_len"]]).decode(),
                           step=int(r["step"]), policy_version=int(r["policy_version"]), finished=bool(r["finished"]),
                           prompt_len=int(r["prompt_len"]), length=int(r["length"]), nbytes=int(r["nbytes"]))
                 for i, r in zip(slots, rows, strict=True)]
+
+    def infos(self) -> list[EntryInfo]:
+        """The visible (completely written) entries, oldest first."""
+        return self._infos_of(*self._visible())
 
     def read(self, info: EntryInfo) -> BufferEntry | None:
         """A copy of the entry, or None when it was overwritten meanwhile (never a torn copy)."""
@@ -342,9 +348,10 @@ class DataBuffer:
         """
         if n < 0 or not 0.0 <= offset_ratio <= 1.0:
             raise ValueError(f"sample needs n >= 0 and offset_ratio in [0, 1], got n={n}, offset_ratio={offset_ratio}")
-        infos = self.infos()
-        current = [i for i in infos if i.step == step and i.finished]
-        previous = sorted((i for i in infos if i.step == step - 1), key=lambda i: (-i.response_len, i.seq))
+        slots, rows = self._visible()  # filtered as arrays: only the candidates become EntryInfo objects
+        cur, prev = (rows["step"] == step) & (rows["finished"] != 0), rows["step"] == step - 1
+        current = self._infos_of(slots[cur], rows[cur])
+        previous = sorted(self._infos_of(slots[prev], rows[prev]), key=lambda i: (-i.response_len, i.seq))
         n_prev = min(round(n * offset_ratio), len(previous))
         n_cur = min(n - n_prev, len(current))
         n_prev = min(n - n_cur, len(previous))
@@ -353,9 +360,9 @@ class DataBuffer:
         return [e for e in map(self.read, picks) if e is not None]
 
     def stats(self) -> dict[str, float]:
-        infos = self.infos()
-        used = sum(i.nbytes for i in infos)
-        return {"buffer/entries": float(len(infos)), "buffer/bytes": float(used),
+        _, rows = self._visible()
+        used = int(rows["nbytes"].sum())
+        return {"buffer/entries": float(len(rows)), "buffer/bytes": float(used),
                 "buffer/fill": used / self.capacity_bytes, "buffer/capacity_bytes": float(self.capacity_bytes)}
 
     # -- lifetime ------------------------------------------------------------------------------------

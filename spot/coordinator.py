@@ -36,20 +36,20 @@ from spot.trainer import SpotTrainer
 def weighted_average(named: list[tuple[str, torch.Tensor]], weight: float) -> list[tuple[str, torch.Tensor]] | None:
     """sum_r w_r * theta_r / sum_r w_r over the process group, in one all-reduce; None when every
     weight is 0 (nobody trained: keep the weights). Identical on every rank: an all-reduce hands
-    every rank the same sum."""
-    flat = torch.cat([t.detach().reshape(-1).double() for _, t in named])  # [N] float64: the sum does not round
-    buf = torch.cat([flat * weight, torch.tensor([float(weight)], dtype=torch.float64)])  # [N + 1]
+    every rank the same sum. A rank of weight 0 sends zeros without reading its weights."""
+    sizes = [t.numel() for _, t in named]
+    N = sum(sizes)
+    buf = torch.zeros(N + 1, dtype=torch.float64)  # [N + 1] float64: the sum does not round
+    if weight:
+        buf[:N].copy_(torch.cat([t.detach().reshape(-1) for _, t in named])).mul_(weight)
+        buf[N] = weight
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(buf)
-    total = float(buf[-1])
+    total = float(buf[N])
     if total <= 0:
         return None
-    avg = buf[:-1] / total
-    out, at = [], 0
-    for name, t in named:
-        out.append((name, avg[at : at + t.numel()].view(t.shape).to(t.dtype)))
-        at += t.numel()
-    return out
+    avg = buf[:N].div_(total)
+    return [(name, a.view(t.shape).to(t.dtype)) for (name, t), a in zip(named, avg.split(sizes))]
 
 
 @dataclass(kw_only=True)
@@ -112,13 +112,15 @@ class SpotWork:
         useful_s = max(0.0, min(t1, end) - t0)
         overrun_s = max(0.0, t1 - max(end, t0))
         n = float(result["spot/micro_steps"])
-        averaged = weighted_average(self.trainer.named_weights(), n)
         sums = torch.tensor([n, useful_s, idle_s, result.get("spot/drafter_loss", 0.0) * n,
                              result.get("spot/top1", 0.0) * n, result.get("spot/aborted", 0.0)], dtype=torch.float64)
         overrun = torch.tensor([overrun_s], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums)
             dist.all_reduce(overrun, op=dist.ReduceOp.MAX)
+        averaged = None  # the weights' all-reduce only when some rank trained (every rank sees the same sums)
+        if sums[0] > 0:
+            averaged = weighted_average([(k, p) for k, p in self.trainer.model.named_parameters()], n)
         metrics = {"spot/micro_steps": float(sums[0]), "spot/train_s": float(sums[1]), "spot/idle_s": float(sums[2]),
                    "spot/overrun_s": float(overrun), "spot/drafter_version": float(self.drafter_version),
                    "spot/aborted": float(sums[5])}  # micro-steps dropped inside when the window ended
