@@ -1,6 +1,9 @@
 """`python -m bench.bubble --config configs/tiny.yaml [--lrs 3e-5,1e-4,3e-4,1e-3] [--plot F.png] [--json]`:
 bubble drafts at step t+1, pre-generated with policy t.
 
+(With `--steps N` under `torchrun --nproc-per-node=2` it runs N whole RL steps with and without
+bubble drafts instead, covering what the idle windows really pre-generate: bench.bubble_run.)
+
 For each actor learning rate: step t+1's prompts (the data loader's next shard) are rolled out
 with policy t and step t+1's sampling params (what an idle rank pre-generates); then one real RL
 step (pipeline.trainer: rollouts, GRPO update, weight sync) makes policy t+1; then step t+1's
@@ -141,9 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lrs", default=None, help="actor learning rates, comma-separated (default: the config's)")
     p.add_argument("--plot", default=None)
     p.add_argument("--batch1", type=int, default=0, help="also time the first K prompts' sample 0 one at a time (batch 1)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="instead: N RL steps with and without bubble drafts under torchrun (bench.bubble_run)")
+    p.add_argument("--out", default=None, help="with --steps: folder for the runs (default: a temporary one)")
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*", help="section.key=value")
     args = p.parse_args(argv)
+    if args.steps is not None:
+        from bench.bubble_run import run_steps
+
+        return run_steps(args.config, args.steps, args.overrides, args.out, args.json)
     common = ["metrics.wandb=false", "metrics.console=false", "metrics.dashboard=false", "spot.enabled=false",
               "bubble.enabled=false", "trainer.async_steps=0", *args.overrides]
     try:

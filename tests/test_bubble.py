@@ -87,6 +87,22 @@ def test_drafts_of_another_step_or_an_updated_policy_are_accepted_less_and_chang
     assert other_step.stats.accept_len < same_step.stats.accept_len
 
 
+def test_under_the_tuner_bubble_drafts_take_the_depth_it_chooses_and_change_no_token(target):
+    pre = by_key(RolloutEngine(target, EngineConfig(max_batch=16, max_len=128)).generate(requests(), params(step=4)))
+    torch.manual_seed(0)
+    eagle = EagleDrafter(EagleModel(EagleConfig.for_target(target.config), target))
+    spec = SpecConfig(depth=DEPTH, topk=1, verify_tokens=DEPTH, tuner_arms=["off", "d2k1v2", f"d{DEPTH}k1v{DEPTH}"],
+                      tuner_epsilon=0.5)
+    e = RolloutEngine(target, EngineConfig(max_batch=16, max_len=128, spec=spec), FallbackDrafter([PregeneratedDrafter(), eagle]))
+    batch = e.generate(requests(as_drafts(pre)), params(step=4))
+    assert by_key(batch) == pre
+    assert {s.shape for s in batch.steps} == {"off", "d2k1v2", f"d{DEPTH}k1v{DEPTH}"}  # every arm ran
+    for s in batch.steps:  # and drafted within its depth (a draft that runs out gives fewer)
+        depth = 0 if s.shape == "off" else int(s.shape[1:].split("k")[0])
+        assert max(s.drafted, default=0) <= depth
+    assert max(max(s.drafted) for s in batch.steps if s.shape == f"d{DEPTH}k1v{DEPTH}") == DEPTH
+
+
 def window(step: int, stop_after: int | None) -> IdleWindow:
     calls = []
 
