@@ -20,14 +20,10 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 from bench.common import cpu_model, finish
-from bench.e2e import COMPARED, final_weights, mean, read_metrics
+from bench.runs import bench_overrides, mean, read_metrics, same_steps, same_weights, train_runs
 from launch.config import load_config
 from launch.run_config import TrainConfig
-from launch.train import run as train_run
-from pipeline.dist import init_ranks, shutdown
 
 
 def row_passes(run_dir: Path) -> dict[int, int]:
@@ -45,9 +41,13 @@ def run_steps(config: str, steps: int, overrides: list[str], out: str | None, as
         print("error: --steps must be >= 2 (step 1 has no pre-generated drafts)", file=sys.stderr)
         return 1
     folder = Path(out or tempfile.mkdtemp(prefix="tailspec-bubble-run-"))
-    common = [f"trainer.steps={steps}", "trainer.eval_every=0", "trainer.save_every=0", "metrics.wandb=false",
-              "metrics.console=false", "metrics.dashboard=false", "task.eval_problems=1", *overrides]
-    r, runs = None, {}
+    common = bench_overrides(steps, overrides)
+
+    def check(cfg, r) -> None:
+        if r.world < 2:
+            raise ValueError("bubble drafts are made in idle windows, which need two or more ranks: "
+                             "run it under torchrun --nproc-per-node=2")
+
     try:
         base = load_config(TrainConfig, config, common).engine.spec
         if not base.enabled or "+" in base.drafter:
@@ -55,24 +55,14 @@ def run_steps(config: str, steps: int, overrides: list[str], out: str | None, as
         plan = [("warmup", ["trainer.steps=1"]),
                 ("bubble", ["bubble.enabled=true", f"engine.spec.drafter=pregenerated+{base.drafter}"]),
                 ("plain", ["bubble.enabled=false"])]
-        for name, extra in plan:
-            cfg = load_config(TrainConfig, config, [*common, *extra, f"run.out_dir={folder / name}", f"run.name=bubble-{name}"])
-            r = r or init_ranks(cfg.actor.device)
-            if r.world < 2:
-                raise ValueError("bubble drafts are made in idle windows, which need two or more ranks: "
-                                 "run it under torchrun --nproc-per-node=2")
-            runs[name] = Path(train_run(cfg, r)["run_dir"])
+        runs, r = train_runs(config, plan, common, folder, "bubble", check)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    finally:
-        shutdown()
-    if r is not None and not r.main:
+    if not r.main:
         return 0
     on, off = read_metrics(runs["bubble"]), read_metrics(runs["plain"])
-    w_on, w_off = final_weights(runs["bubble"], steps), final_weights(runs["plain"], steps)
-    identical = (len(on) == len(off) and all(a.get(k) == b.get(k) for a, b in zip(on, off) for k in COMPARED)
-                 and w_on.keys() == w_off.keys() and all(torch.equal(w_on[k], w_off[k]) for k in w_on))
+    identical = same_steps(on, off) and same_weights(runs["bubble"], runs["plain"], steps)
     p_on, p_off = row_passes(runs["bubble"]), row_passes(runs["plain"])
     later = range(2, steps + 1)
     t_on = [m["timing/rollout_max"] for m in on[1:]]
@@ -82,7 +72,7 @@ def run_steps(config: str, steps: int, overrides: list[str], out: str | None, as
         "rollout_ratio": round(mean(t_off) / mean(t_on), 3),
         "coverage": round(mean([m.get("bubble/coverage", 0.0) for m in on[1:]]), 3),
         "token_coverage": round(mean([m.get("bubble/token_coverage", 0.0) for m in on[1:]]), 3),
-        "accept_len_covered": round(mean([m["bubble/accept_len"] for m in on[1:] if "bubble/accept_len" in m]), 3),
+        "accept_len_covered": round(mean(acc), 3) if (acc := [m["bubble/accept_len"] for m in on[1:] if "bubble/accept_len" in m]) else None,
         "decode_steps_saved": int(sum(m.get("bubble/decode_steps_saved", 0.0) for m in on[1:])),
         "identical": identical, "steps": steps, "world_size": r.world, "config": config, "overrides": overrides,
         "cpu": cpu_model(), "runs": {k: str(v) for k, v in runs.items()},
@@ -96,6 +86,6 @@ def run_steps(config: str, steps: int, overrides: list[str], out: str | None, as
               f"{p_on[s]:>18} {p_off[s]:>7} {a['timing/rollout_max']:>17.2f} {b['timing/rollout_max']:>7.2f}", file=sys.stderr)
     print(f"steps 2..{steps}: row passes bubble / plain {result['decode_steps_ratio']:.3f}, rollout speed-up "
           f"{result['rollout_ratio']:.2f}x, coverage {result['coverage']:.0%} of rollouts ({result['token_coverage']:.0%} of "
-          f"tokens), accept length of covered rows {result['accept_len_covered']:.2f}; identical: {identical}", file=sys.stderr)
+          f"tokens), accept length of covered rows {result['accept_len_covered']}; identical: {identical}", file=sys.stderr)
     finish(result, as_json)
     return 0 if identical else 2

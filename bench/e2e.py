@@ -17,37 +17,12 @@ Under `torchrun` every rank runs both. Prints the CPU model and the kernel state
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 from bench.common import cpu_model, finish
-from launch.config import load_config
-from launch.run_config import TrainConfig
-from launch.train import run as train_run
-from pipeline.dist import init_ranks, shutdown
-
-COMPARED = ("reward/mean", "train/pg_loss", "train/grad_norm", "rollout/response_length/mean")
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r for r in rows if "timing/step" in r]
-
-
-def final_weights(run_dir: Path, steps: int) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    folder = run_dir / "checkpoints" / f"step-{steps}" / "actor"
-    return load_file(str(next(folder.glob("*.safetensors"))))
-
-
-def mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else float("nan")
-
+from bench.runs import bench_overrides, mean, read_metrics, same_steps, same_weights, train_runs
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.splitlines()[0])
@@ -61,32 +36,22 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --steps must be >= 2 (step 1 is excluded from the timing)", file=sys.stderr)
         return 1
     out = Path(args.out or tempfile.mkdtemp(prefix="tailspec-e2e-"))
-    common = [f"trainer.steps={args.steps}", "trainer.eval_every=0", "trainer.save_every=0", "metrics.wandb=false",
-              "metrics.console=false", "metrics.dashboard=false", "task.eval_problems=1", *args.overrides]
+    plan = [("on", []), ("off", ["engine.spec.enabled=false", "spot.enabled=false"])]
     try:
-        runs = {}
-        r = None
-        for name, spec in (("on", []), ("off", ["engine.spec.enabled=false", "spot.enabled=false"])):
-            cfg = load_config(TrainConfig, args.config, [*common, *spec, f"run.out_dir={out / name}", f"run.name=e2e-{name}"])
-            r = r or init_ranks(cfg.actor.device)
-            runs[name] = Path(train_run(cfg, r)["run_dir"])
+        runs, _ = train_runs(args.config, plan, bench_overrides(args.steps, args.overrides), out, "e2e")
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    finally:
-        shutdown()
     on, off = read_metrics(runs["on"]), read_metrics(runs["off"])
-    same_steps = all(a.get(k) == b.get(k) for a, b in zip(on, off) for k in COMPARED) and len(on) == len(off)
-    w_on, w_off = final_weights(runs["on"], args.steps), final_weights(runs["off"], args.steps)
-    same_weights = w_on.keys() == w_off.keys() and all(torch.equal(w_on[k], w_off[k]) for k in w_on)
+    identical_steps, identical_weights = same_steps(on, off), same_weights(runs["on"], runs["off"], args.steps)
     t_on, t_off = mean([m["timing/step"] for m in on[1:]]), mean([m["timing/step"] for m in off[1:]])
     r_gen = mean([m["timing/rollout"] / m["timing/step"] for m in off[1:]])
     alpha = mean([m["spec/accept_len"] for m in on[1:] if "spec/accept_len" in m]) if any("spec/accept_len" in m for m in on) else 1.0
     ceiling = 1.0 / (r_gen / alpha + 1.0 - r_gen)
     result = {
         "step_ratio": round(t_off / t_on, 3), "r_gen": round(r_gen, 3), "accept_len": round(alpha, 3),
-        "ceiling": round(ceiling, 3), "of_ceiling": round(t_off / t_on / ceiling, 3), "identical": same_steps and same_weights,
-        "identical_steps": same_steps, "identical_weights": same_weights, "step_s_on": round(t_on, 3),
+        "ceiling": round(ceiling, 3), "of_ceiling": round(t_off / t_on / ceiling, 3), "identical": identical_steps and identical_weights,
+        "identical_steps": identical_steps, "identical_weights": identical_weights, "step_s_on": round(t_on, 3),
         "step_s_off": round(t_off, 3),
         "rollout_s_on": round(mean([m["timing/rollout"] for m in on[1:]]), 3),
         "rollout_s_off": round(mean([m["timing/rollout"] for m in off[1:]]), 3),

@@ -31,14 +31,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 
 from bench.common import cpu_model, finish, save_plot
-from bench.e2e import COMPARED, final_weights, mean, read_metrics
-from launch.config import load_config
-from launch.run_config import TrainConfig
-from launch.train import run as train_run
-from pipeline.dist import init_ranks, shutdown
+from bench.runs import bench_overrides, mean, read_metrics, same_steps, same_weights, train_runs
 
 
 def smooth(xs: list[float], k: int) -> list[float]:
@@ -79,40 +74,28 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --steps must be >= 2 (step 1 is excluded from the timing) and --repeats >= 1", file=sys.stderr)
         return 1
     out = Path(args.out or tempfile.mkdtemp(prefix="tailspec-spot-"))
-    common = [f"trainer.steps={args.steps}", "trainer.eval_every=0", "trainer.save_every=0", "metrics.wandb=false",
-              "metrics.console=false", "metrics.dashboard=false", "task.eval_problems=1", *args.overrides]
-    r = None
+    # A discarded one-step run first: one-time costs (kernel builds, caches) would favour the second run.
+    plan = [("warmup", ["spot.enabled=false", "trainer.steps=1"])] if args.warmup else []
+    ways = [("spot", ["spot.enabled=true"]), ("frozen", ["spot.enabled=false"])]
+    for k in range(args.repeats):  # ABBA: linear drift of the machine's speed cancels in the pooled ratio
+        plan += [(f"{name}{'' if k == 0 else k + 1}", extra) for name, extra in (ways if k % 2 == 0 else ways[::-1])]
+
+    def check(cfg, r) -> None:
+        if not cfg.engine.spec.enabled:
+            raise ValueError("bench.spot compares drafters: it needs engine.spec.enabled=true")
+
     try:
-        runs = {}
-        # A discarded one-step run first: one-time costs (kernel builds, caches) would favour the second run.
-        plan = [("warmup", ["spot.enabled=false", "trainer.steps=1"])] if args.warmup else []
-        ways = [("spot", ["spot.enabled=true"]), ("frozen", ["spot.enabled=false"])]
-        for k in range(args.repeats):  # ABBA: linear drift of the machine's speed cancels in the pooled ratio
-            plan += [(f"{name}{'' if k == 0 else k + 1}", extra) for name, extra in (ways if k % 2 == 0 else ways[::-1])]
-        for name, extra in plan:
-            cfg = load_config(TrainConfig, args.config, [*common, *extra, f"run.out_dir={out / name}", f"run.name=spot-{name}"])
-            if not cfg.engine.spec.enabled:
-                raise ValueError("bench.spot compares drafters: it needs engine.spec.enabled=true")
-            r = r or init_ranks(cfg.actor.device)
-            runs[name] = Path(train_run(cfg, r)["run_dir"])
+        runs, r = train_runs(args.config, plan, bench_overrides(args.steps, args.overrides), out, "spot", check)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    finally:
-        shutdown()
-    if r is not None and not r.main:
+    if not r.main:
         return 0
     reps = {way: [read_metrics(runs[way + ("" if k == 0 else str(k + 1))]) for k in range(args.repeats)]
             for way in ("spot", "frozen")}
     on, off = reps["spot"][0], reps["frozen"][0]
-    others = [m for ms in reps.values() for m in ms]
-    same_steps = all(len(m) == len(on) and all(a.get(k) == b.get(k) for a, b in zip(on, m) for k in COMPARED) for m in others)
-    w_on = final_weights(runs["spot"], args.steps)
-    same_weights = True
-    for name in runs:
-        if name != "warmup" and name != "spot":
-            w = final_weights(runs[name], args.steps)
-            same_weights &= w.keys() == w_on.keys() and all(torch.equal(w_on[k], w[k]) for k in w_on)
+    identical = (all(same_steps(on, m) for ms in reps.values() for m in ms)
+                 and all(same_weights(runs["spot"], runs[name], args.steps) for name in runs if name not in ("warmup", "spot")))
     acc_on = [m.get("spec/accept_len", float("nan")) for m in on]
     acc_off = [m.get("spec/accept_len", float("nan")) for m in off]
     s_on, s_off = smooth(acc_on, args.smooth), smooth(acc_off, args.smooth)
@@ -131,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         "accept_spot": [round(x, 3) for x in acc_on], "accept_frozen": [round(x, 3) for x in acc_off],
         "accept_ratio_last": round(s_on[-1] / s_off[-1], 3), "accept_spot_vs_start": round(s_on[-1] / s_on[0], 3),
         "accept_frozen_vs_start": round(s_off[-1] / s_off[0], 3), "smooth": args.smooth,
-        "identical": same_steps and same_weights, "steps": args.steps, "world_size": r.world if r else 1,
+        "identical": identical, "steps": args.steps, "world_size": r.world,
         "config": args.config, "overrides": args.overrides, "cpu": cpu_model(), "runs": {k: str(v) for k, v in runs.items()},
     }
     print(f"cpu: {result['cpu']}", file=sys.stderr)
