@@ -27,6 +27,7 @@ from engine.model import causal_mask
 from engine.sampling import SamplingParams, mask_logits, prompt_key, row_keys, sample
 from engine.slots import SlotState
 from engine.spec.drafter import Admission, DraftContext, DraftShape
+from engine.spec.pregenerated import sibling_corpus
 from engine.spec.tree import DraftTree, PaddedTree, tree_mask, tree_positions
 from engine.spec.verify import Verdict, coupled_verify
 from engine.types import FinishReason, Request, Rollout, RolloutBatch, StepRecord
@@ -200,7 +201,7 @@ class GenerateRun:
             self.meta.append((c.index, k, now))
             state.prompt_ids[slot], state.prompts[slot] = r.prompt_id, pre.ids
             state.drafts[slot] = drafts.get(k)
-            state.siblings[slot] = tuple(d for j, d in drafts.items() if j != k)
+            state.siblings[slot] = sibling_corpus([d for j, d in drafts.items() if j != k])
 
     def _admission(self, chunks, slots_of, ids_list, feats, first_tokens) -> Admission:
         P = len(chunks)

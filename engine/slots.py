@@ -26,7 +26,7 @@ class SlotState:
         self.prompt_ids: list[str] = [""] * max_batch
         self.prompts: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long)] * max_batch
         self.drafts: list[torch.Tensor | None] = [None] * max_batch
-        self.siblings: list[tuple[torch.Tensor, ...]] = [()] * max_batch  # the request's other samples' drafts
+        self.siblings: list[torch.Tensor | None] = [None] * max_batch  # the request's other samples' drafts, joined
         self.active = 0
 
     def _tensors(self) -> list[torch.Tensor]:

@@ -8,7 +8,7 @@ import torch
 
 from engine.sampling import SamplingParams
 from engine.spec.drafter import DraftContext, DraftShape
-from engine.spec.pregenerated import PregeneratedDrafter
+from engine.spec.pregenerated import PregeneratedDrafter, sibling_corpus
 
 T = torch.tensor
 
@@ -25,7 +25,7 @@ def ctx(responses: list[list[int]], drafts: list[list[int] | None], siblings: li
         responses=padded, generated=generated, prompts=[T([1, 2])] * b, prompt_ids=["p"] * b,
         samples=torch.arange(b), drafts=[T(d) if d is not None else None for d in drafts], params=SamplingParams(),
         shape=DraftShape(depth=depth, topk=1, verify_tokens=depth),
-        siblings=[tuple(T(s) for s in row) for row in siblings] if siblings is not None else [],
+        siblings=[sibling_corpus([T(s) for s in row]) for row in siblings] if siblings is not None else [],
     )
 
 
@@ -71,6 +71,21 @@ def test_rows_without_any_match_get_no_draft_and_others_are_unaffected():
     tree = PregeneratedDrafter(realign=2).propose(
         ctx([[1, 2], [70, 71, 72], [3]], [[1, 2, 3, 4], [5, 6, 7], None], [[], [[8, 9]], []]))
     assert drafted(tree, 0) == [3, 4] and drafted(tree, 1) == [] and drafted(tree, 2) == []
+
+
+def test_sibling_drafts_are_searched_together_but_a_match_never_spans_two_and_a_continuation_stops_at_its_end():
+    a, b = [7, 8, 9, 1, 2], [3, 4, 40, 41]
+    d = PregeneratedDrafter(realign=2)
+    across = d.propose(ctx([[5, 6, 2, 3]], [None], [[a, b]]))  # 2 3 only occurs across a's end and b's start
+    inside = d.propose(ctx([[5, 6, 1, 2]], [None], [[a, b]]))  # 1 2 ends a: nothing follows within a
+    later = d.propose(ctx([[5, 6, 3, 4]], [None], [[a, b]]))
+    assert drafted(across, 0) == [] and drafted(inside, 0) == [] and drafted(later, 0) == [40, 41]
+
+
+def test_among_siblings_the_match_nearest_the_rows_position_wins():
+    near, far = [9, 9, 9, 1, 2, 50], [1, 2, 60, 9, 9, 9]
+    tree = PregeneratedDrafter(realign=2).propose(ctx([[5, 5, 5, 1, 2]], [None], [[far, near]]))
+    assert drafted(tree, 0) == [50]  # near's 1 2 ends at position 5, as the row's does; far's at 2
 
 
 def test_realign_must_be_positive():

@@ -84,9 +84,10 @@ class DraftContext:
     drafts: list[torch.Tensor | None]  # per row: a pre-generated response for this sample, or None
     params: SamplingParams
     shape: DraftShape
-    # per row: the pre-generated responses of the request's other samples (bubble drafts to
-    # re-align against once the row's own draft has diverged); empty when there are none
-    siblings: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
+    # per row: the pre-generated responses of the request's other samples joined by engine.spec.ngram.SEP
+    # (pregenerated.sibling_corpus: bubble drafts to re-align against once the row's own draft has
+    # diverged), or None; an empty list: none for any row
+    siblings: list[torch.Tensor | None] = field(default_factory=list)
 
 
 class Drafter(Protocol):

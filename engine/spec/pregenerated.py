@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from engine.spec.drafter import DraftContext, DrafterBase
+from engine.spec.ngram import SEP
 from engine.spec.tree import DraftTree
 
 
@@ -39,31 +40,36 @@ class PregeneratedDrafter(DrafterBase):
         generated = ctx.generated.tolist()
         for r in range(b):
             own = ctx.drafts[r] if r < len(ctx.drafts) else None
-            siblings = ctx.siblings[r] if r < len(ctx.siblings) else ()
-            if own is None and not siblings:
+            siblings = ctx.siblings[r] if r < len(ctx.siblings) else None
+            if own is None and siblings is None:
                 continue
             cont = self._continuation(own, siblings, ctx.responses[r, : generated[r]], D)
             tokens[r, : len(cont)] = cont
             lengths[r] = len(cont)
         return DraftTree.chains(tokens, lengths)
 
-    def _continuation(self, own: torch.Tensor | None, siblings: tuple[torch.Tensor, ...], done: torch.Tensor,
+    def _continuation(self, own: torch.Tensor | None, siblings: torch.Tensor | None, done: torch.Tensor,
                       D: int) -> torch.Tensor:
         """Up to D tokens that follow `done` (the response so far): own draft first, then siblings'."""
         g = done.shape[0]
-        if own is not None and g <= own.shape[0] and torch.equal(own[:g], done):
-            return own[g : g + D]
-        for i, draft in enumerate((own, *siblings) if own is not None else siblings):
-            sibling = own is None or i > 0
-            if sibling and g < self.realign:  # a sibling shares no position with this row: ask for a full window
-                continue
-            start = self._realign(draft, done)
+        if own is not None:
+            if g <= own.shape[0] and torch.equal(own[:g], done):
+                return own[g : g + D]
+            start = self._realign(own, done)
             if start is not None:
-                return draft[start : start + D]
-        return done[:0]
+                return own[start : start + D]
+        if siblings is None or g < self.realign:  # a sibling shares no position with this row: ask for a full window
+            return done[:0]
+        start = self._realign(siblings, done, segments=True)
+        if start is None:
+            return done[:0]
+        cont = siblings[start : start + D]
+        cut = (cont == SEP).nonzero()
+        return cont[: int(cut[0])] if cut.numel() else cont
 
-    def _realign(self, draft: torch.Tensor, done: torch.Tensor) -> int | None:
-        """Where in `draft` the row's last `realign` tokens end (nearest the row's position), or None."""
+    def _realign(self, draft: torch.Tensor, done: torch.Tensor, segments: bool = False) -> int | None:
+        """Where in `draft` the row's last `realign` tokens end, nearest the row's position, or None.
+        With `segments`, `draft` is several drafts joined by SEP and the position counts within each."""
         g = done.shape[0]
         k = min(self.realign, g)
         if k == 0 or draft.shape[0] <= k:
@@ -72,4 +78,18 @@ class PregeneratedDrafter(DrafterBase):
         if hits.numel() == 0:
             return None
         ends = hits + k
-        return int(ends[(ends - g).abs().argmin()])
+        at = ends
+        if segments:  # the response position of each end: its offset after the SEP before it
+            seps = (draft == SEP).nonzero().squeeze(1)
+            starts = torch.cat([seps.new_zeros(1), seps + 1])  # [S] where each segment begins
+            at = ends - starts[torch.searchsorted(starts, ends, right=True) - 1]
+        return int(ends[(at - g).abs().argmin()])
+
+
+def sibling_corpus(drafts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The request's other samples' drafts joined by SEP (no window that matches a row's tokens spans two), or None."""
+    if not drafts:
+        return None
+    sep = drafts[0].new_full((1,), SEP)
+    parts = [p for d in drafts for p in (d, sep)][:-1]
+    return torch.cat(parts)
