@@ -143,6 +143,50 @@ def test_a_cached_choice_is_read_back_and_a_changed_key_measures_again(tmp_path,
     assert len(calls) == 3
 
 
+def test_a_cached_choice_that_lost_somewhere_is_measured_again_and_the_better_one_kept(tmp_path, monkeypatch):
+    monkeypatch.delenv("TAILSPEC_CPU_TUNE", raising=False)
+    results = iter([(P(1, 8, 16, 64), {"1": 1.5, "256": 0.8}),  # measured under load: lost at 256 rows
+                    (P(2, 6, 32, 64), {"1": 1.2, "256": 0.9}),  # worse overall: the first is kept
+                    (P(2, 6, 0, 64), {"1": 1.6, "256": 1.1})])  # better, and wins everywhere
+    calls = []
+
+    def fake_measure(lib, base, path):
+        params, ratios = next(results)
+        calls.append(params)
+        guard = {m: {"kernel_ms": 1.0, "torch_ms": r, "ratio": r} for m, r in ratios.items()}
+        t = tuning_cache.Tuning(**base, params=params.as_dict(), source="measured", guard=guard,
+                                slower_rows=sorted(int(m) for m, r in ratios.items() if r < 1))
+        path.write_text(json.dumps(t.__dict__))
+        return t
+
+    monkeypatch.setattr(tuning_cache, "_measure", fake_measure)
+    lib = FakeLib()
+    first = tuning_cache.settle(lib, tmp_path, "digest", ["-O3"])
+    second = tuning_cache.settle(lib, tmp_path, "digest", ["-O3"])
+    assert first.chosen == second.chosen == P(1, 8, 16, 64) and second.measures == 2 and second.source == "cached"
+    third = tuning_cache.settle(lib, tmp_path, "digest", ["-O3"])
+    assert third.chosen == P(2, 6, 0, 64) and third.measures == 3 and not third.slower_rows
+    assert tuning_cache.settle(lib, tmp_path, "digest", ["-O3"]).chosen == P(2, 6, 0, 64)  # settled: read back
+    assert len(calls) == 3 and lib.applied == (2, 6, 0, 64)
+
+
+def test_a_choice_that_still_loses_after_the_last_measure_is_kept_without_measuring_more(tmp_path, monkeypatch):
+    monkeypatch.delenv("TAILSPEC_CPU_TUNE", raising=False)
+    calls = []
+
+    def fake_measure(lib, base, path):
+        calls.append(1)
+        guard = {"1": {"kernel_ms": 1.0, "torch_ms": 0.9, "ratio": 0.9}}
+        t = tuning_cache.Tuning(**base, params=P(1, 8, 16, 64).as_dict(), source="measured", guard=guard, slower_rows=[1])
+        path.write_text(json.dumps(t.__dict__))
+        return t
+
+    monkeypatch.setattr(tuning_cache, "_measure", fake_measure)
+    for _ in range(tuning_cache.MEASURES + 2):
+        t = tuning_cache.settle(FakeLib(), tmp_path, "digest", ["-O3"])
+    assert len(calls) == tuning_cache.MEASURES and t.measures == tuning_cache.MEASURES and t.slower_rows == [1]
+
+
 @needs_kernels
 def test_every_tuning_candidate_keeps_rows_bit_for_bit_independent_and_equal_across_candidates():
     lib = library()

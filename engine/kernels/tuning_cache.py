@@ -9,6 +9,10 @@ and read. If tuning fails, the hand-tuned defaults are used with one warning (no
 written, so the next process tries again). `TAILSPEC_CPU_TUNE=0` skips tuning: defaults, no
 measurements, and the guard is not consulted; `TAILSPEC_CPU_TUNE=force` measures again and
 replaces the cached choice (`python -m engine.kernels --retune`).
+
+A cached choice that lost to torch at some row count is measured again by the next process, up
+to MEASURES times in all, and the better of the two (by the geometric mean of the guard's
+ratios) is kept: a tuning made while other work shared the machine is not final.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -29,6 +34,7 @@ from engine.kernels import params as kparams
 from engine.kernels import tune
 
 BUDGET_S = 30.0
+MEASURES = 3  # tunings in all for a key whose cached choice still loses somewhere
 HERE = Path(__file__).parent
 
 
@@ -62,6 +68,13 @@ class Tuning:
     guard: dict = field(default_factory=dict)  # rows -> {"kernel_ms", "torch_ms", "ratio"} (torch / kernel)
     search: dict = field(default_factory=dict)  # stage -> candidate -> rows -> seconds
     seconds: float = 0.0
+    measures: int = 1  # how many tunings this choice is the best of
+
+    @property
+    def score(self) -> float:
+        """Geometric mean of torch / kernel over the guard's row counts (0 when not measured)."""
+        ratios = [v["ratio"] for v in self.guard.values()]
+        return math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else 0.0
 
     @property
     def chosen(self) -> kparams.KernelParams:
@@ -89,7 +102,11 @@ def settle(lib, build_dir: Path, build_digest: str, flags: list[str]) -> Tuning:
             with open(build_dir / "tuning.lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 force = os.environ.get("TAILSPEC_CPU_TUNE") == "force"
-                t = (None if force else _read(path)) or _measure(lib, base, path)
+                t = None if force else _read(path)
+                if t is None:
+                    t = _measure(lib, base, path)
+                elif t.slower_rows and t.measures < MEASURES:
+                    t = _remeasure(lib, base, path, t)
         except Exception as e:  # any failure of the measurement: the defaults still work (warned once)
             warnings.warn(f"TailSpec CPU kernels: tuning failed, using the default parameters: {e!r}", stacklevel=3)
             t = Tuning(**base, params=base["defaults"], source=f"defaults (tuning failed: {e!r})")
@@ -103,6 +120,23 @@ def _read(path: Path) -> Tuning | None:
     t = Tuning(**json.loads(path.read_text()))
     t.source = "cached"
     return t
+
+
+def _remeasure(lib, base: dict, path: Path, cached: Tuning) -> Tuning:
+    """Tunes again for a cached choice that lost at rows `cached.slower_rows`; keeps the better."""
+    print(f"engine.kernels: the cached tuning lost to torch at {cached.slower_rows} rows; measuring again "
+          f"({cached.measures + 1} of at most {MEASURES})", file=sys.stderr, flush=True)
+    fresh = _measure(lib, base, path)
+    best = fresh if fresh.score >= cached.score else cached
+    best.measures, best.source = cached.measures + 1, "measured" if best is fresh else "cached"
+    _write(path, best)
+    return best
+
+
+def _write(path: Path, t: Tuning) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(t), indent=1))
+    os.replace(tmp, path)
 
 
 def _measure(lib, base: dict, path: Path) -> Tuning:
@@ -128,7 +162,5 @@ def _measure(lib, base: dict, path: Path) -> Tuning:
                search=log, seconds=round(time.perf_counter() - t0, 2))
     print(f"\r  chose {chosen.label()} in {t.seconds:.1f} s" + ("" if serves else "; slower than torch here: kernels off"),
           file=sys.stderr, flush=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(t), indent=1))
-    os.replace(tmp, path)
+    _write(path, t)
     return t
