@@ -31,9 +31,9 @@ def log_step(run_dir: Path, step: int, rank: int, scored) -> None:
     """scored: pipeline.rollouts.ScoredRollouts of this rank's step."""
     _append(run_dir / FILES[0], [{"step": step, "rank": rank, **r.as_dict()} for r in scored.batch.steps])
     _append(run_dir / FILES[1], [
-        {"step": step, "rank": rank, "prompt_id": ro.prompt_id, "sample": ro.sample, "length": len(ro.tokens),
-         "finish_reason": ro.finish_reason.value, "reward": float(rew)}
-        for ro, rew in zip(scored.batch, scored.rewards.tolist())
+        {"step": step, "rank": rank, "prompt_id": ro.prompt_id, "sample": ro.sample, "prompt_len": len(scored.prompts[i // scored.n]),
+         "length": len(ro.tokens), "finish_reason": ro.finish_reason.value, "reward": float(rew)}
+        for i, (ro, rew) in enumerate(zip(scored.batch, scored.rewards.tolist()))
     ])
 
 

@@ -245,13 +245,14 @@ class Trainer:
         stats = scored.batch.stats
         per_rank = gather_floats(self.r, [rollout_s, idle_s, float(stats.new_tokens), float(scored.rewards.sum()),
                                           float(scored.rewards.numel()), stats.accept_len, float(stats.speculative_steps),
-                                          float(stats.accepted), float(stats.drafted)])
+                                          float(stats.accepted), float(stats.drafted), stats.prefill_s])
         m = {"step": float(self.step_index), "timing/step": step_s, "timing/logprob": logprob_s, "timing/update": update_s,
              "timing/sync": sync_s, "world_size": float(self.r.world)}
         tokens = sum(row[2] for row in per_rank)
         rollout_max = max(row[0] for row in per_rank)
         for rank, row in enumerate(per_rank):
             m[f"timing/rollout/rank{rank}"], m[f"timing/idle/rank{rank}"] = row[0], row[1]
+            m[f"timing/prefill/rank{rank}"] = row[9]  # the prompts' prefill within the rollout (sim.calibrate)
         # Means over ranks: rollout + idle is the time to the barrier, the same on every rank.
         m["timing/rollout"] = sum(row[0] for row in per_rank) / len(per_rank)
         m["timing/rollout_max"] = rollout_max

@@ -174,10 +174,17 @@ def test_two_ranks_under_torchrun_roll_out_their_shards_and_train_together(char_
     rows = step_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2] and all(r["world_size"] == 2 for r in rows)
     assert all({"timing/rollout/rank0", "timing/rollout/rank1", "timing/idle/rank0", "timing/idle/rank1"} <= r.keys() for r in rows)
+    # the prompts' prefill is part of each rank's rollout time (the simulator calibrates it)
+    assert all(0 < r[f"timing/prefill/rank{k}"] < r[f"timing/rollout/rank{k}"] for r in rows for k in (0, 1))
     assert all(r["rollout/batch_size"] == 16 for r in rows)  # 4 prompts x 4 samples over both ranks
     assert (run_dir / "checkpoints" / "step-2" / "state.json").is_file()
     rollouts = [json.loads(x) for x in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     assert sorted((r["step"], r["rank"]) for r in rollouts) == sorted([(s, k) for s in (1, 2) for k in (0, 1)] * 8)
+    assert all(r["prompt_len"] > 0 for r in rollouts)
+    by_prompt = {}
+    for r in rollouts:  # one prompt length per prompt: its samples share it
+        by_prompt.setdefault((r["step"], r["prompt_id"]), set()).add(r["prompt_len"])
+    assert all(len(v) == 1 for v in by_prompt.values())
 
 
 @pytest.mark.slow
