@@ -67,12 +67,13 @@ def run_steps(config: str, steps: int, overrides: list[str], out: str | None, as
     later = range(2, steps + 1)
     t_on = [m["timing/rollout_max"] for m in on[1:]]
     t_off = [m["timing/rollout_max"] for m in off[1:]]
+    accepts = [m["bubble/accept_len"] for m in on[1:] if "bubble/accept_len" in m]  # steps where bubble drafts ran
     result = {
         "decode_steps_ratio": round(sum(p_on[s] for s in later) / sum(p_off[s] for s in later), 3),
         "rollout_ratio": round(mean(t_off) / mean(t_on), 3),
         "coverage": round(mean([m.get("bubble/coverage", 0.0) for m in on[1:]]), 3),
         "token_coverage": round(mean([m.get("bubble/token_coverage", 0.0) for m in on[1:]]), 3),
-        "accept_len_covered": round(mean(acc), 3) if (acc := [m["bubble/accept_len"] for m in on[1:] if "bubble/accept_len" in m]) else None,
+        "accept_len_covered": round(mean(accepts), 3) if accepts else None,
         "decode_steps_saved": int(sum(m.get("bubble/decode_steps_saved", 0.0) for m in on[1:])),
         "identical": identical, "steps": steps, "world_size": r.world, "config": config, "overrides": overrides,
         "cpu": cpu_model(), "runs": {k: str(v) for k, v in runs.items()},

@@ -24,6 +24,7 @@ from pathlib import Path
 from bench.common import cpu_model, finish
 from bench.runs import bench_overrides, mean, read_metrics, same_steps, same_weights, train_runs
 
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/tiny.yaml")

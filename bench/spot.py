@@ -31,9 +31,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-
 from bench.common import cpu_model, finish, save_plot
 from bench.runs import bench_overrides, mean, read_metrics, same_steps, same_weights, train_runs
+
+
+def run_name(way: str, repeat: int) -> str:
+    """The run folder of a way's repeat: spot, frozen, then spot2, frozen2, ..."""
+    return way if repeat == 0 else f"{way}{repeat + 1}"
 
 
 def smooth(xs: list[float], k: int) -> list[float]:
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = [("warmup", ["spot.enabled=false", "trainer.steps=1"])] if args.warmup else []
     ways = [("spot", ["spot.enabled=true"]), ("frozen", ["spot.enabled=false"])]
     for k in range(args.repeats):  # ABBA: linear drift of the machine's speed cancels in the pooled ratio
-        plan += [(f"{name}{'' if k == 0 else k + 1}", extra) for name, extra in (ways if k % 2 == 0 else ways[::-1])]
+        plan += [(run_name(way, k), extra) for way, extra in (ways if k % 2 == 0 else ways[::-1])]
 
     def check(cfg, r) -> None:
         if not cfg.engine.spec.enabled:
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if not r.main:
         return 0
-    reps = {way: [read_metrics(runs[way + ("" if k == 0 else str(k + 1))]) for k in range(args.repeats)]
+    reps = {way: [read_metrics(runs[run_name(way, k)]) for k in range(args.repeats)]
             for way in ("spot", "frozen")}
     on, off = reps["spot"][0], reps["frozen"][0]
     identical = (all(same_steps(on, m) for ms in reps.values() for m in ms)

@@ -120,7 +120,7 @@ class SpotWork:
             dist.all_reduce(overrun, op=dist.ReduceOp.MAX)
         averaged = None  # the weights' all-reduce only when some rank trained (every rank sees the same sums)
         if sums[0] > 0:
-            averaged = weighted_average([(k, p) for k, p in self.trainer.model.named_parameters()], n)
+            averaged = weighted_average(list(self.trainer.model.named_parameters()), n)
         metrics = {"spot/micro_steps": float(sums[0]), "spot/train_s": float(sums[1]), "spot/idle_s": float(sums[2]),
                    "spot/overrun_s": float(overrun), "spot/drafter_version": float(self.drafter_version),
                    "spot/aborted": float(sums[5])}  # micro-steps dropped inside when the window ended

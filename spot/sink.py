@@ -37,9 +37,8 @@ class DataBufferSink:
     def _reset(self, rows: int) -> None:
         F = self.buffer.feature_size
         self.prompts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # prompt_id -> (tokens [P], features [P, F])
-        self.slots: dict[tuple[str, int], int] = {}  # (prompt_id, sample) -> row of the block (its rollout index)
+        self.keys: dict[int, tuple[str, int]] = {}  # row of the block (its rollout index) -> (prompt_id, sample)
         self.block = torch.empty(rows, self.max_len, F, dtype=self.dtype)  # [R, L, F]
-        self.seen: set[int] = set()  # block rows given to a rollout in this call
 
     # -- FeatureSink -----------------------------------------------------------------------
     def prompt(self, prompt_id: str, tokens: torch.Tensor, features: torch.Tensor, policy_version: int) -> None:
@@ -49,9 +48,8 @@ class DataBufferSink:
         slot_of_row = entries.rollouts.cpu()  # [b] a rollout's block row is its index in the generate call
         self._grow(int(slot_of_row.max()) + 1)
         for r, slot in enumerate(slot_of_row.tolist()):
-            if slot not in self.seen:  # a row seen for the first time (it was just admitted)
-                self.seen.add(slot)
-                self.slots[(entries.prompt_ids[r], int(entries.samples[r]))] = slot
+            if slot not in self.keys:  # a row seen for the first time (it was just admitted)
+                self.keys[slot] = (entries.prompt_ids[r], int(entries.samples[r]))
         rows = slot_of_row[entries.row.cpu()]  # [M]
         pos = entries.position.cpu()
         keep = pos < self.max_len
@@ -67,9 +65,10 @@ class DataBufferSink:
     def flush(self, rollouts: Sequence[Rollout], step: int) -> int:
         """Puts one entry per rollout of this generate call; returns how many were put."""
         put = 0
+        slots = {key: slot for slot, key in self.keys.items()}
         for ro in rollouts:
             L = len(ro.tokens)
-            slot = self.slots.get((ro.prompt_id, ro.sample))
+            slot = slots.get((ro.prompt_id, ro.sample))
             if L < 2 or slot is None or ro.prompt_id not in self.prompts:
                 self.skipped += 1
                 continue
@@ -83,5 +82,5 @@ class DataBufferSink:
             ))
             put += 1
         # The entries are copies: the block is kept for the next call, so its pages are not faulted in anew.
-        self.prompts, self.slots, self.seen = {}, {}, set()
+        self.prompts, self.keys = {}, {}
         return put

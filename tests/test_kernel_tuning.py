@@ -3,6 +3,7 @@ and its keys, the fallback, and that every candidate keeps the bit-for-bit row i
 
 from __future__ import annotations
 
+import itertools
 import json
 import warnings
 
@@ -120,17 +121,27 @@ def test_a_failed_tuning_falls_back_to_the_defaults_with_one_warning_and_writes_
     assert not list(tmp_path.glob("tuning-*.json"))
 
 
-def test_a_cached_choice_is_read_back_and_a_changed_key_measures_again(tmp_path, monkeypatch):
-    monkeypatch.delenv("TAILSPEC_CPU_TUNE", raising=False)
+def fake_measurements(monkeypatch, results) -> list:
+    """Replaces the tuner's measurement: each call takes the next (params, {rows: torch / kernel}) of
+    `results`, writes it as the cache file would be and returns it; the list returned records the calls."""
     calls = []
 
     def fake_measure(lib, base, path):
-        calls.append(path.name)
-        t = tuning_cache.Tuning(**base, params=P(1, 8, 16, 64).as_dict(), source="measured")
+        params, ratios = next(results)
+        calls.append(params)
+        guard = {m: {"kernel_ms": 1.0, "torch_ms": r, "ratio": r} for m, r in ratios.items()}
+        t = tuning_cache.Tuning(**base, params=params.as_dict(), source="measured", guard=guard,
+                                slower_rows=sorted(int(m) for m, r in ratios.items() if r < 1))
         path.write_text(json.dumps(t.__dict__))
         return t
 
     monkeypatch.setattr(tuning_cache, "_measure", fake_measure)
+    return calls
+
+
+def test_a_cached_choice_is_read_back_and_a_changed_key_measures_again(tmp_path, monkeypatch):
+    monkeypatch.delenv("TAILSPEC_CPU_TUNE", raising=False)
+    calls = fake_measurements(monkeypatch, itertools.repeat((P(1, 8, 16, 64), {})))
     lib = FakeLib()
     first = tuning_cache.settle(lib, tmp_path, "digest-a", ["-O3"])
     again = tuning_cache.settle(lib, tmp_path, "digest-a", ["-O3"])
@@ -145,21 +156,10 @@ def test_a_cached_choice_is_read_back_and_a_changed_key_measures_again(tmp_path,
 
 def test_a_cached_choice_that_lost_somewhere_is_measured_again_and_the_better_one_kept(tmp_path, monkeypatch):
     monkeypatch.delenv("TAILSPEC_CPU_TUNE", raising=False)
-    results = iter([(P(1, 8, 16, 64), {"1": 1.5, "256": 0.8}),  # measured under load: lost at 256 rows
-                    (P(2, 6, 32, 64), {"1": 1.2, "256": 0.9}),  # worse overall: the first is kept
-                    (P(2, 6, 0, 64), {"1": 1.6, "256": 1.1})])  # better, and wins everywhere
-    calls = []
-
-    def fake_measure(lib, base, path):
-        params, ratios = next(results)
-        calls.append(params)
-        guard = {m: {"kernel_ms": 1.0, "torch_ms": r, "ratio": r} for m, r in ratios.items()}
-        t = tuning_cache.Tuning(**base, params=params.as_dict(), source="measured", guard=guard,
-                                slower_rows=sorted(int(m) for m, r in ratios.items() if r < 1))
-        path.write_text(json.dumps(t.__dict__))
-        return t
-
-    monkeypatch.setattr(tuning_cache, "_measure", fake_measure)
+    calls = fake_measurements(monkeypatch, iter([
+        (P(1, 8, 16, 64), {"1": 1.5, "256": 0.8}),  # measured under load: lost at 256 rows
+        (P(2, 6, 32, 64), {"1": 1.2, "256": 0.9}),  # worse overall: the first is kept
+        (P(2, 6, 0, 64), {"1": 1.6, "256": 1.1})]))  # better, and wins everywhere
     lib = FakeLib()
     first = tuning_cache.settle(lib, tmp_path, "digest", ["-O3"])
     second = tuning_cache.settle(lib, tmp_path, "digest", ["-O3"])
@@ -172,16 +172,7 @@ def test_a_cached_choice_that_lost_somewhere_is_measured_again_and_the_better_on
 
 def test_a_choice_that_still_loses_after_the_last_measure_is_kept_without_measuring_more(tmp_path, monkeypatch):
     monkeypatch.delenv("TAILSPEC_CPU_TUNE", raising=False)
-    calls = []
-
-    def fake_measure(lib, base, path):
-        calls.append(1)
-        guard = {"1": {"kernel_ms": 1.0, "torch_ms": 0.9, "ratio": 0.9}}
-        t = tuning_cache.Tuning(**base, params=P(1, 8, 16, 64).as_dict(), source="measured", guard=guard, slower_rows=[1])
-        path.write_text(json.dumps(t.__dict__))
-        return t
-
-    monkeypatch.setattr(tuning_cache, "_measure", fake_measure)
+    calls = fake_measurements(monkeypatch, itertools.repeat((P(1, 8, 16, 64), {"1": 0.9})))
     for _ in range(tuning_cache.MEASURES + 2):
         t = tuning_cache.settle(FakeLib(), tmp_path, "digest", ["-O3"])
     assert len(calls) == tuning_cache.MEASURES and t.measures == tuning_cache.MEASURES and t.slower_rows == [1]

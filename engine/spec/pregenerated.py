@@ -39,7 +39,7 @@ class PregeneratedDrafter(DrafterBase):
         lengths = torch.zeros(b, dtype=torch.long, device=device)
         generated = ctx.generated.tolist()
         for r in range(b):
-            own = ctx.drafts[r] if r < len(ctx.drafts) else None
+            own = ctx.drafts[r]
             siblings = ctx.siblings[r] if r < len(ctx.siblings) else None
             if own is None and siblings is None:
                 continue
@@ -77,8 +77,7 @@ class PregeneratedDrafter(DrafterBase):
         hits = (draft.unfold(0, k, 1)[: draft.shape[0] - k] == done[g - k :]).all(-1).nonzero().squeeze(1)  # windows followed by a token
         if hits.numel() == 0:
             return None
-        ends = hits + k
-        at = ends
+        ends = at = hits + k
         if segments:  # the response position of each end: its offset after the SEP before it
             seps = (draft == SEP).nonzero().squeeze(1)
             starts = torch.cat([seps.new_zeros(1), seps + 1])  # [S] where each segment begins
