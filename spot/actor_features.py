@@ -35,7 +35,7 @@ from engine.model_config import ModelConfig
 from engine.types import FinishReason, Rollout
 from spot.buffer import BufferEntry, DataBuffer
 
-EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+EMBED, HEAD, NORM = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
 
 
 class ActorFeatures:
@@ -91,8 +91,9 @@ class ActorFeatures:
 
 
 class HeadTarget(nn.Module):
-    """A target's embedding and LM head only, under the names an EagleModel reads (`model.embed_tokens`,
-    `lm_head`, `config`, `device`, `dtype`); zeros until the first `follow`ed weight sync."""
+    """A target's embedding, LM head and final norm only, under the names an EagleModel reads
+    (`model.embed_tokens`, `lm_head`, `model.norm`, `config`, `device`, `dtype`); zeros (the norm:
+    ones) until the first `follow`ed weight sync."""
 
     def __init__(self, config: ModelConfig, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -105,6 +106,9 @@ class HeadTarget(nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
             p.zero_()
+        # The final norm's weight: an mtp drafter divides it out of the features (engine.spec.eagle).
+        self.model.norm = nn.Module()
+        self.model.norm.weight = nn.Parameter(torch.ones(config.hidden_size, device=device, dtype=dtype), requires_grad=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -116,7 +120,7 @@ class HeadTarget(nn.Module):
 
     def follow(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Passes the policy's (HF name, tensor) pairs through, copying the embedding and LM head as they go by."""
-        want = {EMBED: self.model.embed_tokens.weight}
+        want = {EMBED: self.model.embed_tokens.weight, NORM: self.model.norm.weight}
         if not self.config.tie_word_embeddings:
             want[HEAD] = self.lm_head.weight
         seen = set()
@@ -127,4 +131,4 @@ class HeadTarget(nn.Module):
             yield name, t
         if seen != set(want):
             raise ValueError(f"the policy's weights had no {sorted(set(want) - seen)}: the spot drafter reads the "
-                             "target's embedding and LM head by these Hugging Face names")
+                             "target's embedding, LM head and final norm by these Hugging Face names")

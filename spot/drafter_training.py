@@ -54,9 +54,10 @@ def batch_loss(model, packed: PackedPairs, idx: torch.Tensor, ce_weight: float):
     b = packed.batch(idx).to(model.fc.weight.device, model.fc.weight.dtype)
     pred = model(b.tokens, b.features, b.positions, attn_mask=b.attn_mask)  # [B, W, F]
     pred, targets = pred[b.loss_mask], b.targets[b.loss_mask]  # [M, F]
+    goal = model.prediction_target(targets)  # [M, F] the target's f_{t+1} in the prediction's space
     with torch.no_grad():
-        target_logits = model.logits(targets)  # [M, Vd]: the target's own head rows
-    loss, metrics = eagle_loss(pred, targets, model.logits(pred), target_logits, ce_weight=ce_weight)
+        target_logits = model.logits(goal)  # [M, Vd]: the target's own head rows
+    loss, metrics = eagle_loss(pred, goal, model.logits(pred), target_logits, ce_weight=ce_weight)
     return loss, metrics, pred, targets
 
 

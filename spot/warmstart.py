@@ -1,6 +1,6 @@
 """Offline drafter warm-start: the target writes its own training data, the drafter learns it.
 
-    python -m spot.warmstart --target DIR --prompts FILE.jsonl --out DIR [--kind eagle|eagle3] ...
+    python -m spot.warmstart --target DIR --prompts FILE.jsonl --out DIR [--kind eagle|eagle3|mtp] ...
 
 1-3. data (spot.warmstart_data): the target's own responses (n per prompt, `--chat` applies the
    tokenizer's chat template), their features, a draft vocabulary;
@@ -32,13 +32,13 @@ import torch
 
 from engine.atomic import atomic_folder
 from engine.checkpoint import load_checkpoint, read_config
-from engine.spec.eagle import EagleConfig, EagleModel
+from engine.spec.eagle import KINDS as DRAFTER_KINDS, EagleConfig, EagleModel
 from common.text import load_tokenizer, read_prompts
 from spot.drafter_training import DrafterOptim, evaluate, log, train
 from spot.pairs import PackedPairs
 from spot.warmstart_data import choose_draft_vocab, collect_rows
 
-KINDS = ("eagle", "eagle3")
+KINDS = DRAFTER_KINDS  # engine.spec.eagle: eagle, eagle3, mtp
 
 
 @dataclass(kw_only=True)
@@ -89,6 +89,9 @@ class WarmstartConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.draft_vocab is not None and self.draft_vocab < 0:
             raise ValueError(f"draft_vocab must be >= 0 (0 = full vocabulary), got {self.draft_vocab}")
+        if self.kind == "mtp" and self.draft_vocab:
+            raise ValueError("an mtp head predicts over the full vocabulary (vLLM's mtp method has no draft-vocab map): "
+                             "drop --draft-vocab or pass --draft-vocab 0")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -123,7 +126,7 @@ def warmstart(cfg: WarmstartConfig, target_path: str | Path, prompts_path: str |
     out.parent.mkdir(parents=True, exist_ok=True)
 
     rows, data_stats = collect_rows(target, tokenizer, prompts, cfg)
-    vocab = choose_draft_vocab(rows, target.config.vocab_size, cfg.draft_vocab)
+    vocab = choose_draft_vocab(rows, target.config.vocab_size, 0 if cfg.kind == "mtp" else cfg.draft_vocab)
     train_rows, held_rows = rows.split_by_prompt(cfg.holdout, torch.Generator().manual_seed(cfg.seed))
     packed = PackedPairs(train_rows.rows, cfg.window)
     held = PackedPairs(held_rows.rows, cfg.window) if len(held_rows) else None

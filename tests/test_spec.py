@@ -49,6 +49,7 @@ DRAFTERS = {
     "random": lambda t, ref: RandomDrafter(t.config.vocab_size),
     "eagle": lambda t, ref: eagle(t, "eagle"),
     "eagle3": lambda t, ref: eagle(t, "eagle3"),
+    "mtp": lambda t, ref: eagle(t, "mtp"),
     "ngram+eagle": lambda t, ref: FallbackDrafter([NgramDrafter(), eagle(t, "eagle")]),
 }
 

@@ -42,7 +42,7 @@ def buffer_name():
             os.unlink(p)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp"])
 def test_sink_entries_hold_the_rollouts_tokens_and_their_teacher_forced_features(hf_folders, buffer_name, kind):
     target = load_checkpoint(hf_folders["llama"])
     torch.manual_seed(0)

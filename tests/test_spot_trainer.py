@@ -344,3 +344,15 @@ def test_pruning_keeps_the_newest_complete_checkpoints_and_drops_older_ones(tiny
     assert prune_checkpoints(tmp_path, keep=3) == []  # only two complete ones: nothing goes
     with pytest.raises(ValueError, match="keep must be >= 1"):
         prune_checkpoints(tmp_path, keep=0)
+
+
+def test_an_mtp_head_learns_from_the_same_rows(tiny):
+    """The spot trainer is the drafter's kind-agnostic: an mtp head (vLLM's mtp method) trains on the same rows."""
+    target, rows, _ = tiny
+    torch.manual_seed(0)
+    trainer = SpotTrainer(EagleModel(EagleConfig.for_target(target.config, "mtp"), target), OPTIM, window=32, rows_per_step=6)
+    packed = PackedPairs(rows, 32)
+    before = evaluate(trainer.model, packed, OPTIM.ce_weight)
+    trainer.train(lambda i: rows, lambda: False, max_micro_steps=30)
+    after = evaluate(trainer.model, packed, OPTIM.ce_weight)
+    assert after["loss"] < 0.8 * before["loss"] and after["top1_agreement"] > before["top1_agreement"] + 0.2, (before, after)

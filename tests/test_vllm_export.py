@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.buckets import buckets_of
-from engine.backends.vllm_engine import sample_seed, speculative_config
+from engine.backends.vllm_engine import sample_seed, served_model, speculative_config
 from engine.backends.vllm_export import EXPECTED, export_eagle, vllm_eagle_config
 from engine.backends.vllm_schedule import schedule_from_tuner, vllm_schedule
 from engine.config import EngineConfig
@@ -80,8 +80,19 @@ def test_the_speculative_config_follows_engine_spec(drafter_dir, tmp_path):
     out = speculative_config(tuned, tmp_path)
     assert out["method"] == "eagle" and (tmp_path / "eagle" / "config.json").is_file()
     assert out["num_speculative_tokens"] == 4 and out["num_speculative_tokens_per_batch_size"] == [(1, 7, 4), (8, 32, 4)]
-    with pytest.raises(ValueError, match="eagle or ngram"):
+    with pytest.raises(ValueError, match="eagle, mtp or ngram"):
         EngineConfig(backend="vllm", spec=SpecConfig(enabled=True, drafter="ngram+eagle", drafter_path=str(path))).validate()
+
+
+def test_an_mtp_drafter_is_served_inside_the_policys_mimo_export(hf_folders, tmp_path):
+    target = load_checkpoint(hf_folders["llama"])
+    EagleModel(EagleConfig.for_target(target.config, "mtp"), target).save(tmp_path / "mtp")
+    cfg = EngineConfig(backend="vllm", spec=SpecConfig(enabled=True, drafter="mtp", drafter_path=str(tmp_path / "mtp"),
+                                                       depth=2, verify_tokens=2))
+    assert speculative_config(cfg, tmp_path) == {"method": "mtp", "num_speculative_tokens": 2}  # no draft model folder
+    served = served_model(hf_folders["llama"], cfg, tmp_path)
+    assert json.loads((served / "config.json").read_text())["architectures"] == ["MiMoForCausalLM"]
+    assert served_model(hf_folders["llama"], EngineConfig(backend="vllm"), tmp_path) == hf_folders["llama"]
 
 
 def test_pushes_are_cut_into_buckets_of_at_most_the_budget():

@@ -16,7 +16,9 @@ What differs from the native engine, and how it shows:
 - no hidden states while it speculates: spot training's DataBuffer is filled from the actor's
   log-prob forward instead (spot.actor_features), and `sink` must stay None;
 - no preemption mid-call (`should_stop`), so bubble pre-generation needs the native engine;
-- the drafter is exported to vLLM's EAGLE format (engine.backends.vllm_export); the tuner's
+- the drafter is exported to vLLM's EAGLE format (engine.backends.vllm_export); an `mtp` drafter
+  is served as the policy's own MTP head (vLLM's mtp method): the policy and the head are exported
+  together in MiMo's layout (engine.backends.vllm_mtp) and vLLM serves that folder; the tuner's
   choices become vLLM's per-batch-size schedule (engine.backends.vllm_schedule);
 - after a level-2 sleep vLLM has dropped the drafter's weights with the target's: wake_up
   re-sends the last drafter weights (a known pitfall that silently zeroes acceptance).
@@ -35,6 +37,7 @@ from pathlib import Path
 
 from common.buckets import buckets_of
 from engine.backends.vllm_export import export_eagle
+from engine.backends.vllm_mtp import export_mtp, mtp_tensors, with_zero_biases
 from engine.backends.vllm_schedule import arm_tokens, vllm_schedule
 from engine.checkpoint import read_config
 from engine.config import EngineConfig
@@ -71,11 +74,22 @@ def speculative_config(cfg: EngineConfig, export_dir: Path) -> dict | None:
     elif spec.drafter == "eagle":
         out = {"method": "eagle", "model": str(export_eagle(spec.drafter_path, export_dir / "eagle")),
                "num_speculative_tokens": k}
+    elif spec.drafter == "mtp":  # the head is in the served model's own folder (served_model)
+        out = {"method": "mtp", "num_speculative_tokens": k}
     else:
-        raise ValueError(f"engine.backend=vllm serves engine.spec.drafter eagle or ngram, got {spec.drafter!r}")
+        raise ValueError(f"engine.backend=vllm serves engine.spec.drafter eagle, mtp or ngram, got {spec.drafter!r}")
     if schedule is not None:
         out["num_speculative_tokens_per_batch_size"] = schedule
     return out
+
+
+def serves_mtp(cfg: EngineConfig) -> bool:
+    return cfg.spec.enabled and cfg.spec.drafter == "mtp"
+
+
+def served_model(model_path: str | Path, cfg: EngineConfig, export_dir: Path) -> Path:
+    """The folder vLLM loads: the policy's own, or with an mtp drafter the policy and its MTP head in MiMo's layout."""
+    return export_mtp(model_path, cfg.spec.drafter_path, export_dir / "mimo") if serves_mtp(cfg) else Path(model_path)
 
 
 def sample_seed(seed: int, step: int, prompt_id: str, sample: int) -> int:
@@ -100,7 +114,7 @@ class VllmEngine:
         self._drafter_named: list | None = None  # the last drafter push, re-sent after a level-2 sleep
         self._slept = 0
         v = cfg.vllm
-        kwargs = dict(model=str(model_path), dtype=cfg.dtype, max_model_len=cfg.max_len, max_num_seqs=cfg.max_batch,
+        kwargs = dict(model=str(served_model(model_path, cfg, self._export)), dtype=cfg.dtype, max_model_len=cfg.max_len, max_num_seqs=cfg.max_batch,
                       tensor_parallel_size=v.tensor_parallel_size, enforce_eager=v.enforce_eager,
                       gpu_memory_utilization=v.gpu_memory_utilization, seed=seed, disable_log_stats=False,
                       worker_extension_cls=WORKER, logprobs_mode="processed_logprobs",
@@ -188,19 +202,30 @@ class VllmEngine:
     def load_weights(self, named_tensors, version: int) -> None:
         """The policy's weights by Hugging Face name, served as `version` from now on."""
         items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
+        if serves_mtp(self.cfg):  # served as MiMo (Qwen2): its attention has biases, zero for a Llama-style policy
+            items = with_zero_biases(items)
         self._push("tailspec_load_weights", items, "version", version)
 
     def load_drafter_weights(self, named_tensors, version: int) -> None:
-        """The EAGLE drafter's weights by this project's names (`fc.weight`, `layers.0.*`)."""
-        if not (self.cfg.spec.enabled and self.cfg.spec.drafter == "eagle"):
-            raise ValueError("load_drafter_weights: this vLLM engine serves no eagle drafter (engine.spec.drafter=eagle)")
+        """The drafter's weights by this project's names (`fc.weight`, `layers.0.*`; an mtp head's are
+        renamed to MiMo's `model.mtp_layers.0.*`)."""
+        if not (self.cfg.spec.enabled and self.cfg.spec.drafter in ("eagle", "mtp")):
+            raise ValueError("load_drafter_weights: this vLLM engine serves no model drafter (engine.spec.drafter=eagle "
+                             "or mtp)")
         items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
         named = [(n, t.detach().to("cpu").clone()) for n, t in items if n != "draft_vocab"]
+        if serves_mtp(self.cfg):
+            named = list(mtp_tensors(dict(named)).items())
         self._drafter_named = named
         self._push("tailspec_load_drafter_weights", named, "drafter_version", version)
 
     def drafter_nets(self) -> list:
         return []  # the drafter lives in vLLM's worker processes; checkpoints take the spot trainer's copy
+
+    def close(self) -> None:
+        """Stops vLLM's engine-core process and removes this engine's exports."""
+        self.llm.llm_engine.engine_core.shutdown()
+        shutil.rmtree(self._export, ignore_errors=True)
 
     # -- memory (colocated actor) -----------------------------------------------------------
     def sleep(self) -> None:

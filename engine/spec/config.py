@@ -5,14 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-DRAFTERS = ("eagle", "eagle3", "ngram", "ngram+eagle", "ngram+eagle3", "pregenerated+eagle", "pregenerated+eagle3",
+DRAFTERS = ("eagle", "eagle3", "mtp", "ngram", "ngram+eagle", "ngram+eagle3", "pregenerated+eagle", "pregenerated+eagle3",
             "pregenerated+ngram", "pregenerated+ngram+eagle", "pregenerated+ngram+eagle3")
 
 
 @dataclass(kw_only=True)
 class SpecConfig:
     enabled: bool = False
-    # eagle | eagle3 (a trained one-layer drafter at `drafter_path`), ngram (model-free), or a
+    # eagle | eagle3 | mtp (a trained one-layer drafter at `drafter_path`; mtp: a MiMo-style
+    # multi-token-prediction head, which vLLM serves with its mtp method), ngram (model-free), or a
     # fallback composition "ngram+eagle": n-gram drafts where a match exists, eagle elsewhere;
     # "pregenerated+...": a row's pre-generated response first (bubble drafts, pipeline.bubble).
     drafter: str = "eagle"
@@ -69,7 +70,7 @@ class SpecConfig:
             raise ValueError(f"engine.spec (max_)depth * (max_)topk must be <= 512, got {depth} * {topk}")
         if verify > 64:
             raise ValueError(f"engine.spec (max_)verify_tokens must be <= 64, got {verify}")
-        if self.enabled and "eagle" in self.drafter and not self.drafter_path:
+        if self.enabled and ("eagle" in self.drafter or "mtp" in self.drafter) and not self.drafter_path:
             raise ValueError(
                 f"engine.spec.drafter={self.drafter} needs engine.spec.drafter_path (a folder from "
                 "`python -m spot.warmstart` or `make drafters`)"

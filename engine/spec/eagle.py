@@ -14,6 +14,19 @@ module and are not saved with it. An optional draft vocabulary (`draft_vocab`, E
 restricts the drafter's head to the target's most frequent tokens, which cuts the LM-head cost
 per draft step on large vocabularies. Saved as a folder: config.json + model.safetensors with
 names `fc.weight`, `layers.0.*` (and `fc_out.weight` for eagle3, `draft_vocab`).
+
+`mtp` is the multi-token-prediction head of MiMo-style models (vLLM's `mtp` method; NeMo-RL's
+native path), computed as vLLM's MiMoMultiTokenPredictorLayer computes it: `input_proj` over
+[hidden_norm(h_t); token_norm(embed(x_{t+1}))] (stored here as `fc` with its two halves in this
+module's order, [emb; f]), a full decoder layer (input norm included), then `final_norm`, whose
+output goes to the target's LM head as it is and is fed back as the next step's hidden state. Two
+differences of space, each undone exactly: MiMo's head reads the target's *pre-norm* state h_t
+where this engine hands drafters the post-norm feature f_t = g * h_t / rms(h_t) (g: the target's
+final-norm weight), and RMSNorm is scale-invariant, so hidden_norm(f_t / g) = hidden_norm(h_t) (up
+to eps); and the head's output o is returned as o * g, so that feeding it back divides g out again
+and its logits are o @ W^T (`head_t` is stored divided by g). `prediction_target` maps the
+target's f_{t+1} into that space for the feature loss. Saved like the others, plus
+`token_norm.weight`, `hidden_norm.weight`, `final_norm.weight` and layer 0's input norm.
 """
 
 from __future__ import annotations
@@ -28,16 +41,17 @@ from torch import nn
 
 from engine.atomic import atomic_write
 from engine.kv_cache import KVCache
-from engine.model import DecoderLayer, Transformer, default_slots_and_mask
+from engine.model import DecoderLayer, RMSNorm, Transformer, default_slots_and_mask
 from engine.model_config import ModelConfig
 from engine.rope import RopeSource, inverse_frequencies
 
 ARCH = "TailSpecEagleDrafter"
+KINDS = ("eagle", "eagle3", "mtp")
 
 
 @dataclass(kw_only=True)
 class EagleConfig:
-    kind: str = "eagle"  # eagle | eagle3
+    kind: str = "eagle"  # eagle | eagle3 | mtp (KINDS)
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int
@@ -99,8 +113,14 @@ class EagleModel(RopeSource, nn.Module):
         self.config = cfg
         H, F = cfg.hidden_size, cfg.feature_size
         self.fc = nn.Linear(H + F, H, bias=False)
+        if cfg.kind not in KINDS:
+            raise ValueError(f"drafter kind must be one of {KINDS}, got {cfg.kind!r}")
+        self.mtp = cfg.kind == "mtp"
         layer = DecoderLayer(cfg.layer_config(), 0)
-        layer.input_layernorm = nn.Identity()  # fc's output is the layer's input as it is (TLT)
+        if self.mtp:  # MiMo's norms around its block (see the module docstring)
+            self.token_norm, self.hidden_norm, self.final_norm = (RMSNorm(H, cfg.rms_norm_eps) for _ in range(3))
+        else:
+            layer.input_layernorm = nn.Identity()  # fc's output is the layer's input as it is (TLT)
         self.layers = nn.ModuleList([layer])
         # eagle3 also predicts the auxiliary layers' features, to feed them back in when drafting.
         self.fc_out = nn.Linear(H, F - H, bias=False) if F > H else None
@@ -121,7 +141,15 @@ class EagleModel(RopeSource, nn.Module):
         """Re-reads the target's LM head rows of the draft vocabulary (after the target's weights change)."""
         w = self.target.lm_head.weight.detach()  # [V, H]
         # Stored [H, Vd] contiguous: few-row products are fastest with that operand (engine.layout).
-        self.__dict__["head_t"] = (w[self.draft_vocab] if self.draft_vocab.numel() else w).t().contiguous()
+        head_t = (w[self.draft_vocab] if self.draft_vocab.numel() else w).t()
+        if self.mtp:
+            g = self.target.model.norm.weight.detach()  # [H] the target's final-norm weight
+            if bool((g.abs() < 1e-6).any()):
+                raise ValueError("an mtp drafter needs a target whose final-norm weights are all nonzero (it divides "
+                                 "them out of the post-norm features); use an eagle drafter for this target")
+            self.__dict__["out_scale"] = g
+            head_t = head_t / g[:, None]  # logits of a prediction o * g are o @ W^T
+        self.__dict__["head_t"] = head_t.contiguous()
 
     @property
     def vocab_ids(self) -> torch.Tensor | None:
@@ -138,14 +166,30 @@ class EagleModel(RopeSource, nn.Module):
         attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Returns the predicted features f_{t+1}: [B, T, F]."""
-        emb = self.target.model.embed_tokens(tokens).detach()  # [B, T, H]
-        x = self.fc(torch.cat([emb, features], -1))  # [B, T, H]
+        x = self.fc(self.fc_input(tokens, features, positions))  # [B, T, H]
         cache_pos, attn_mask = default_slots_and_mask(positions, cache, cache_pos, attn_mask)
         cos, sin = self.rope(positions, x.dtype)
-        h = self.layers[0](x, cos, sin, attn_mask.unsqueeze(1), cache, cache_pos)  # [B, T, H]
+        return self.finish(self.layers[0](x, cos, sin, attn_mask.unsqueeze(1), cache, cache_pos))
+
+    def fc_input(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[B, T] x_{t+1}, [B, T, F] f_t, [B, T] positions -> [B, T, H + F] the input of `fc`."""
+        emb = self.target.model.embed_tokens(tokens).detach()  # [B, T, H]
+        if not self.mtp:
+            return torch.cat([emb, features], -1)
+        emb = emb.masked_fill((positions == 0).unsqueeze(-1), 0)  # MiMo masks the token at position 0
+        return torch.cat([self.token_norm(emb), self.hidden_norm(features / self.out_scale)], -1)
+
+    def finish(self, h: torch.Tensor) -> torch.Tensor:
+        """[B, T, H] the layer's output -> [B, T, F] the prediction."""
+        if self.mtp:
+            return self.final_norm(h) * self.out_scale
         if self.fc_out is None:
             return h
         return torch.cat([self.fc_out(h), h], -1)  # aux levels first, final hidden last (as features)
+
+    def prediction_target(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., F] the target's f_{t+1} -> what the prediction should be (its logits are the target's)."""
+        return features * self.out_scale if self.mtp else features
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """[..., F] predicted features -> [..., Vd] draft logits (frozen target head, draft vocab rows)."""

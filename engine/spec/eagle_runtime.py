@@ -56,17 +56,16 @@ class EagleRuntime:
         net = self.net
         if self.layer is None or torch.is_grad_enabled():
             return net(tokens, features, positions, cache, cache_pos, attn_mask)
-        emb = net.target.model.embed_tokens(tokens)  # [B, T, H]
-        pair = torch.cat([emb, features], -1)  # [B, T, H + F]
+        pair = net.fc_input(tokens, features, positions)  # [B, T, H + F]
         x = self.fc(pair.reshape(-1, pair.shape[-1])).view(*pair.shape[:-1], -1) if self.fc is not None else net.fc(pair)
         cache_pos, attn_mask = default_slots_and_mask(positions, cache, cache_pos, attn_mask)
         cos, sin = net.rope(positions, x.dtype)
         c = net.config
         s = step_inputs(cos, sin, attn_mask, cache_pos, c.num_attention_heads // c.num_key_value_heads)
         h = packed_forward(self.layer, x, s, cache, 0)  # [B, T, H]
-        if net.fc_out is None:
-            return h
-        aux = self.fc_out(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1) if self.fc_out is not None else net.fc_out(h)
+        if net.fc_out is None or self.fc_out is None:
+            return net.finish(h)
+        aux = self.fc_out(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
         return torch.cat([aux, h], -1)
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:

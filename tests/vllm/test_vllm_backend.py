@@ -104,13 +104,18 @@ def test_a_drafter_push_changes_acceptance_and_pushing_it_back_restores_it(serve
     from safetensors.torch import load_file
 
     trained = {k: v for k, v in load_file(str(models[1] / "model.safetensors")).items() if k != "draft_vocab"}
+    scramble_and_restore(served, trained, requests, "drafter_push")
+
+
+def scramble_and_restore(served, trained: dict, requests, key: str) -> None:
+    """Pushes scrambled drafter weights, then the trained ones back: acceptance must fall, then return."""
     before = served.generate(requests, greedy()).stats.accept_rate
     torch.manual_seed(0)
     served.load_drafter_weights({k: torch.randn_like(v) * 0.5 for k, v in trained.items()}, version=1)
     scrambled = served.generate(requests, greedy()).stats.accept_rate
     served.load_drafter_weights(trained, version=2)
     restored = served.generate(requests, greedy()).stats.accept_rate
-    record("drafter_push", {"before": before, "scrambled": scrambled, "restored": restored})
+    record(key, {"before": before, "scrambled": scrambled, "restored": restored})
     assert scrambled < before - 0.2 and restored == pytest.approx(before, abs=0.02), (before, scrambled, restored)
     assert served.drafter_version == 2
 
