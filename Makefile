@@ -101,13 +101,19 @@ checkpoints/tiny-mtp/config.json: checkpoints/tiny-drafter/config.json
 	$(PY) -m spot.warmstart --kind mtp --target checkpoints/tiny --prompts checkpoints/tiny-drafter-prompts.jsonl \
 		--out checkpoints/tiny-mtp --max-minutes 8
 
+# The tiny model's EAGLE-3 in vLLM's network (engine.spec.drafter=eagle3_vllm: docs/VLLM.md).
+checkpoints/tiny-eagle3-vllm/config.json: checkpoints/tiny-drafter/config.json
+	$(PY) -m spot.warmstart --kind eagle3_vllm --draft-vocab 16 --target checkpoints/tiny \
+		--prompts checkpoints/tiny-drafter-prompts.jsonl --out checkpoints/tiny-eagle3-vllm --max-minutes 8
+
 checkpoints/smollm2-drafter/config.json: checkpoints/smollm2-135m-instruct/config.json
 	$(PY) -m pipeline.tasks.prompts --split train --num 800 --seed 3 --out checkpoints/smollm2-drafter-prompts.jsonl
 	$(PY) -m spot.warmstart --target checkpoints/smollm2-135m-instruct --chat --n 1 --temperature 1 \
 		--max-new-tokens 128 --steps 1200 --prompts checkpoints/smollm2-drafter-prompts.jsonl \
 		--out checkpoints/smollm2-drafter --max-minutes 28
 
-drafters: setup checkpoints/tiny-drafter/config.json checkpoints/tiny-mtp/config.json checkpoints/smollm2-drafter/config.json
+drafters: setup checkpoints/tiny-drafter/config.json checkpoints/tiny-mtp/config.json checkpoints/tiny-eagle3-vllm/config.json \
+	checkpoints/smollm2-drafter/config.json
 
 bench: models
 	$(PY) -m bench.engine --model checkpoints/smollm2-135m-instruct --batch 1,8

@@ -31,6 +31,6 @@ class EngineConfig:
             raise ValueError(f"engine.threads must be >= 0, got {self.threads}")
         self.spec.validate()
         self.vllm.validate()
-        if self.backend == "vllm" and self.spec.enabled and self.spec.drafter not in ("eagle", "mtp", "ngram"):
-            raise ValueError(f"engine.backend=vllm serves engine.spec.drafter eagle, mtp or ngram, got {self.spec.drafter!r} "
+        if self.backend == "vllm" and self.spec.enabled and self.spec.drafter not in ("eagle", "eagle3_vllm", "mtp", "ngram"):
+            raise ValueError(f"engine.backend=vllm serves engine.spec.drafter eagle, eagle3_vllm, mtp or ngram, got {self.spec.drafter!r} "
                              "(compositions and pre-generated drafts are the native engine's)")

@@ -149,7 +149,7 @@ class TrainConfig:
         if self.bubble.enabled:
             raise ValueError("bubble.enabled needs engine.backend=native: vLLM cannot preempt a generate call nor take "
                              "pre-generated drafts; set bubble.enabled=false with engine.backend=vllm")
-        if self.spot.enabled and not (self.engine.spec.enabled and self.engine.spec.drafter in ("eagle", "mtp")):
+        if self.spot.enabled and not (self.engine.spec.enabled and self.engine.spec.drafter in ("eagle", "eagle3_vllm", "mtp")):
             raise ValueError("spot.enabled with engine.backend=vllm trains the drafter vLLM serves: set "
-                             "engine.spec.enabled=true and engine.spec.drafter=eagle or mtp "
+                             "engine.spec.enabled=true and engine.spec.drafter=eagle, eagle3_vllm or mtp "
                              f"(got {self.engine.spec.drafter!r})")

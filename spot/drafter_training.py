@@ -56,8 +56,9 @@ def batch_loss(model, packed: PackedPairs, idx: torch.Tensor, ce_weight: float):
     pred, targets = pred[b.loss_mask], b.targets[b.loss_mask]  # [M, F]
     goal = model.prediction_target(targets)  # [M, F] the target's f_{t+1} in the prediction's space
     with torch.no_grad():
-        target_logits = model.logits(goal)  # [M, Vd]: the target's own head rows
-    loss, metrics = eagle_loss(pred, goal, model.logits(pred), target_logits, ce_weight=ce_weight)
+        target_logits = model.target_logits(targets)  # [M, Vd]: the target's own head rows
+    loss, metrics = eagle_loss(model.feature_view(pred), model.feature_view(goal), model.logits(pred), target_logits,
+                               ce_weight=ce_weight)
     return loss, metrics, pred, targets
 
 

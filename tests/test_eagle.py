@@ -39,7 +39,7 @@ def proposals(drafter: EagleDrafter, target) -> tuple[list[int], list[int]]:
     return tree.tokens.tolist(), tree.parents.tolist()
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3_vllm", "mtp"])
 def test_drafter_save_then_load_gives_the_same_proposals(target, kind, tmp_path):
     torch.manual_seed(1)
     net = EagleModel(EagleConfig.for_target(target.config, kind, draft_vocab_size=40), target, torch.arange(0, 80, 2))

@@ -50,6 +50,7 @@ DRAFTERS = {
     "eagle": lambda t, ref: eagle(t, "eagle"),
     "eagle3": lambda t, ref: eagle(t, "eagle3"),
     "mtp": lambda t, ref: eagle(t, "mtp"),
+    "eagle3_vllm": lambda t, ref: eagle(t, "eagle3_vllm"),
     "ngram+eagle": lambda t, ref: FallbackDrafter([NgramDrafter(), eagle(t, "eagle")]),
 }
 

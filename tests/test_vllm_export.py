@@ -47,7 +47,7 @@ def test_the_export_refuses_what_vllms_eagle_cannot_hold_and_says_what_to_do(dra
     base = json.loads((path / "config.json").read_text())
     with pytest.raises(ValueError, match="--draft-vocab 0"):
         vllm_eagle_config({**base, "draft_vocab_size": 8})
-    with pytest.raises(ValueError, match="--kind eagle"):
+    with pytest.raises(ValueError, match="eagle3_vllm drafter"):
         vllm_eagle_config({**base, "kind": "eagle3"})
 
 
@@ -80,8 +80,29 @@ def test_the_speculative_config_follows_engine_spec(drafter_dir, tmp_path):
     out = speculative_config(tuned, tmp_path)
     assert out["method"] == "eagle" and (tmp_path / "eagle" / "config.json").is_file()
     assert out["num_speculative_tokens"] == 4 and out["num_speculative_tokens_per_batch_size"] == [(1, 7, 4), (8, 32, 4)]
-    with pytest.raises(ValueError, match="eagle, mtp or ngram"):
+    with pytest.raises(ValueError, match="eagle, eagle3_vllm, mtp or ngram"):
         EngineConfig(backend="vllm", spec=SpecConfig(enabled=True, drafter="ngram+eagle", drafter_path=str(path))).validate()
+
+
+def test_an_eagle3_vllm_drafter_exports_in_specforges_layout_with_d2t(hf_folders, tmp_path):
+    target = load_checkpoint(hf_folders["llama"])
+    vocab = torch.arange(0, 80, 2)
+    net = EagleModel(EagleConfig.for_target(target.config, "eagle3_vllm", len(vocab)), target, vocab)
+    net.save(tmp_path / "d")
+    out = export_eagle(tmp_path / "d", tmp_path / "v")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 40
+    L = target.config.num_hidden_layers
+    assert L == 3 and config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # our layers + 1
+    t = load_file(str(out / "model.safetensors"))
+    H = target.config.hidden_size
+    assert t["fc.weight"].shape == (H, 3 * H) and t["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * H
+    assert "midlayer.hidden_norm.weight" in t and "norm.weight" in t and t["lm_head.weight"].shape == (40, H)
+    assert (torch.arange(40) + t["d2t"]).tolist() == vocab.tolist()  # vLLM maps draft id i to i + d2t[i]
+    assert not any(k.startswith(("layers.", "embed_tokens")) for k in t)  # the embedding is the target's
+    cfg = EngineConfig(backend="vllm", spec=SpecConfig(enabled=True, drafter="eagle3_vllm", drafter_path=str(tmp_path / "d"),
+                                                       depth=2, verify_tokens=2))
+    assert speculative_config(cfg, tmp_path)["method"] == "eagle3"
 
 
 def test_an_mtp_drafter_is_served_inside_the_policys_mimo_export(hf_folders, tmp_path):

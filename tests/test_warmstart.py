@@ -157,7 +157,7 @@ def write_prompts(path, n: int) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3_vllm", "mtp"])
 def test_warmstart_writes_a_drafter_that_loads_and_whose_loss_went_down(char_model_dir, tmp_path, kind):
     cfg = WarmstartConfig(kind=kind, n=2, max_new_tokens=24, steps=40, batch_windows=2, window=64, lr=3e-3,
                           warmup_steps=5, threads=1, log_every=20, holdout=0.2)

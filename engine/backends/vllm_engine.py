@@ -36,7 +36,7 @@ from pathlib import Path
 
 
 from common.buckets import buckets_of
-from engine.backends.vllm_export import export_eagle
+from engine.backends.vllm_export import export_eagle, vllm_eagle3_tensors
 from engine.backends.vllm_mtp import export_mtp, mtp_tensors, with_zero_biases
 from engine.backends.vllm_schedule import arm_tokens, vllm_schedule
 from engine.checkpoint import read_config
@@ -46,6 +46,7 @@ from engine.types import FinishReason, Request, Rollout, RolloutBatch
 
 WORKER = "engine.backends.vllm_worker.TailSpecWorkerExtension"
 SHM = "/dev/shm"  # pushes travel as safetensors files here (engine.backends.vllm_worker says why)
+MODEL_DRAFTERS = ("eagle", "eagle3_vllm", "mtp")  # the drafters with weights to push
 COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
             "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
 
@@ -71,13 +72,14 @@ def speculative_config(cfg: EngineConfig, export_dir: Path) -> dict | None:
         raise ValueError("engine.spec.tuner_arms are all 'off': set engine.spec.enabled=false instead")
     if spec.drafter == "ngram":
         out = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": cfg.vllm.ngram_max}
-    elif spec.drafter == "eagle":
-        out = {"method": "eagle", "model": str(export_eagle(spec.drafter_path, export_dir / "eagle")),
+    elif spec.drafter in ("eagle", "eagle3_vllm"):
+        method = "eagle" if spec.drafter == "eagle" else "eagle3"
+        out = {"method": method, "model": str(export_eagle(spec.drafter_path, export_dir / method)),
                "num_speculative_tokens": k}
     elif spec.drafter == "mtp":  # the head is in the served model's own folder (served_model)
         out = {"method": "mtp", "num_speculative_tokens": k}
     else:
-        raise ValueError(f"engine.backend=vllm serves engine.spec.drafter eagle, mtp or ngram, got {spec.drafter!r}")
+        raise ValueError(f"engine.backend=vllm serves engine.spec.drafter eagle, eagle3_vllm, mtp or ngram, got {spec.drafter!r}")
     if schedule is not None:
         out["num_speculative_tokens_per_batch_size"] = schedule
     return out
@@ -90,6 +92,16 @@ def serves_mtp(cfg: EngineConfig) -> bool:
 def served_model(model_path: str | Path, cfg: EngineConfig, export_dir: Path) -> Path:
     """The folder vLLM loads: the policy's own, or with an mtp drafter the policy and its MTP head in MiMo's layout."""
     return export_mtp(model_path, cfg.spec.drafter_path, export_dir / "mimo") if serves_mtp(cfg) else Path(model_path)
+
+
+def _draft_vocab(cfg: EngineConfig):
+    """An eagle3_vllm drafter's draft vocabulary (its pushes carry d2t), or None."""
+    if not (cfg.spec.enabled and cfg.spec.drafter == "eagle3_vllm"):
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(Path(cfg.spec.drafter_path) / "model.safetensors"), "pt") as f:
+        return f.get_tensor("draft_vocab") if "draft_vocab" in f.keys() else None
 
 
 def sample_seed(seed: int, step: int, prompt_id: str, sample: int) -> int:
@@ -113,6 +125,7 @@ class VllmEngine:
         self._export = Path(tempfile.mkdtemp(prefix="tailspec-vllm-"))
         self._drafter_named: list | None = None  # the last drafter push, re-sent after a level-2 sleep
         self._slept = 0
+        self._draft_vocab = _draft_vocab(cfg)
         v = cfg.vllm
         kwargs = dict(model=str(served_model(model_path, cfg, self._export)), dtype=cfg.dtype, max_model_len=cfg.max_len, max_num_seqs=cfg.max_batch,
                       tensor_parallel_size=v.tensor_parallel_size, enforce_eager=v.enforce_eager,
@@ -209,13 +222,15 @@ class VllmEngine:
     def load_drafter_weights(self, named_tensors, version: int) -> None:
         """The drafter's weights by this project's names (`fc.weight`, `layers.0.*`; an mtp head's are
         renamed to MiMo's `model.mtp_layers.0.*`)."""
-        if not (self.cfg.spec.enabled and self.cfg.spec.drafter in ("eagle", "mtp")):
-            raise ValueError("load_drafter_weights: this vLLM engine serves no model drafter (engine.spec.drafter=eagle "
-                             "or mtp)")
+        if not (self.cfg.spec.enabled and self.cfg.spec.drafter in MODEL_DRAFTERS):
+            raise ValueError("load_drafter_weights: this vLLM engine serves no model drafter (engine.spec.drafter="
+                             f"{' / '.join(MODEL_DRAFTERS)})")
         items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
         named = [(n, t.detach().to("cpu").clone()) for n, t in items if n != "draft_vocab"]
         if serves_mtp(self.cfg):
             named = list(mtp_tensors(dict(named)).items())
+        elif self.cfg.spec.drafter == "eagle3_vllm":  # SpecForge names, and the draft vocabulary's d2t again
+            named = list(vllm_eagle3_tensors(dict(named), self._draft_vocab).items())
         self._drafter_named = named
         self._push("tailspec_load_drafter_weights", named, "drafter_version", version)
 

@@ -1,4 +1,4 @@
-"""The project's EAGLE drafter in vLLM's format (`python -m engine.backends.vllm_export DRAFTER OUT`).
+"""The project's EAGLE drafters in vLLM's format (`python -m engine.backends.vllm_export DRAFTER OUT`).
 
 vLLM (0.32) serves an EAGLE-1 drafter for a Llama-style target as `EagleLlamaForCausalLM`: a
 folder whose config.json names a one-layer `LlamaForCausalLM` and whose weights are `fc.weight`
@@ -7,9 +7,16 @@ embedding and no LM head: vLLM shares the target's. That is this project's Eagle
 (engine.spec.eagle: fc over [emb, f_t], layer 0's input_layernorm is the identity, logits through
 the target's head without a final norm), so the export renames nothing; it only writes vLLM's
 config. What vLLM's EAGLE-1 cannot hold is refused with the reason: a reduced draft vocabulary
-(it has no draft-to-target map for EAGLE-1) and this project's EAGLE-3 (one fc over [emb,
+(it has no draft-to-target map for EAGLE-1) and this project's `eagle3` (one fc over [emb,
 aux features] where vLLM's Eagle3 normalises embedding and hidden apart and widens attention's
 input to 2H: a different network, not a renaming).
+
+An `eagle3_vllm` drafter (engine.spec.eagle3_vllm) *is* vLLM's `Eagle3LlamaForCausalLM`: it is
+written in SpecForge's layout, `fc.weight` over the three levels, `midlayer.*` (with
+`hidden_norm` and 2H-wide q / k / v), `norm.weight`, its own `lm_head.weight` over the draft
+vocabulary and `d2t` (draft id -> target id offset) when that vocabulary is reduced, with
+`eagle_config.eagle_aux_hidden_state_layer_ids` = its target layers + 1 (vLLM counts the residual
+stream entering a layer, this project the output of the one before).
 """
 
 from __future__ import annotations
@@ -32,9 +39,9 @@ EXPECTED = {"fc.weight", *(f"layers.0.{k}" for k in LAYER_KEYS)}
 def vllm_eagle_config(drafter: dict) -> dict:
     """vLLM's draft config.json from this project's drafter config.json."""
     if drafter.get("kind") != "eagle":
-        raise ValueError(f"vLLM export supports this project's eagle drafters, not {drafter.get('kind')!r}: its EAGLE-3 "
-                         "fuses embedding and features in one fc, vLLM's Eagle3 is a different network; warm-start an "
-                         "eagle drafter (spot.warmstart --kind eagle) for the vLLM backend")
+        raise ValueError(f"vLLM export supports this project's eagle and eagle3_vllm drafters, not {drafter.get('kind')!r}: "
+                         "its eagle3 fuses embedding and features in one fc, vLLM's Eagle3 is a different network; "
+                         "warm-start an eagle or eagle3_vllm drafter (spot.warmstart --kind eagle3_vllm) for the vLLM backend")
     if drafter.get("draft_vocab_size") not in (None, drafter["vocab_size"]):
         raise ValueError(f"this drafter proposes from a reduced vocabulary ({drafter['draft_vocab_size']} of "
                          f"{drafter['vocab_size']} tokens); vLLM's EAGLE-1 has no draft-to-target map: warm-start with "
@@ -61,14 +68,49 @@ def vllm_eagle_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def vllm_eagle3_config(drafter: dict) -> dict:
+    """vLLM's EAGLE-3 config.json from an eagle3_vllm drafter's config.json."""
+    base = vllm_eagle_config(drafter | {"kind": "eagle", "draft_vocab_size": None})
+    return base | {
+        "architectures": ["LlamaForCausalLMEagle3"], "target_hidden_size": drafter["hidden_size"],
+        "draft_vocab_size": drafter.get("draft_vocab_size") or drafter["vocab_size"],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in drafter["aux_layers"]],
+                         "use_aux_hidden_state": True},
+    }
+
+
+def vllm_eagle3_tensors(state: dict[str, torch.Tensor], draft_vocab: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """An eagle3_vllm drafter's weights under SpecForge / vLLM names (+ `d2t` for a reduced vocabulary)."""
+    vocab = state.get("draft_vocab", draft_vocab)
+    out = {}
+    for name, t in state.items():
+        if name == "draft_vocab":
+            continue
+        if name.startswith("layers.0."):
+            name = "midlayer." + name.removeprefix("layers.0.")
+        elif name == "final_norm.weight":
+            name = "norm.weight"
+        elif name not in ("fc.weight", "lm_head.weight"):
+            raise ValueError(f"eagle3_vllm weight {name!r} has no place in vLLM's EAGLE-3 layout")
+        out[name] = t.contiguous()
+    if vocab is not None and vocab.numel():
+        out["d2t"] = (vocab.long() - torch.arange(vocab.numel())).contiguous()
+    return out
+
+
 def export_eagle(drafter_path: str | Path, out: str | Path) -> Path:
-    """Writes vLLM's EAGLE folder for the drafter folder `drafter_path` (atomically); returns it."""
+    """Writes vLLM's EAGLE (or EAGLE-3, for an eagle3_vllm drafter) folder for the drafter folder
+    `drafter_path` (atomically); returns it."""
     drafter_path = Path(drafter_path)
     for name in ("config.json", "model.safetensors"):
         if not (drafter_path / name).is_file():
             raise FileNotFoundError(f"drafter folder {drafter_path} has no {name} (spot.warmstart writes both)")
-    config = vllm_eagle_config(json.loads((drafter_path / "config.json").read_text()))
-    tensors = vllm_eagle_tensors(load_file(str(drafter_path / "model.safetensors")))
+    meta = json.loads((drafter_path / "config.json").read_text())
+    state = load_file(str(drafter_path / "model.safetensors"))
+    if meta.get("kind") == "eagle3_vllm":
+        config, tensors = vllm_eagle3_config(meta), vllm_eagle3_tensors(state)
+    else:
+        config, tensors = vllm_eagle_config(meta), vllm_eagle_tensors(state)
     with atomic_folder(Path(out)) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"))

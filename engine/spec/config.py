@@ -5,15 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-DRAFTERS = ("eagle", "eagle3", "mtp", "ngram", "ngram+eagle", "ngram+eagle3", "pregenerated+eagle", "pregenerated+eagle3",
+DRAFTERS = ("eagle", "eagle3", "eagle3_vllm", "mtp", "ngram", "ngram+eagle", "ngram+eagle3", "pregenerated+eagle", "pregenerated+eagle3",
             "pregenerated+ngram", "pregenerated+ngram+eagle", "pregenerated+ngram+eagle3")
 
 
 @dataclass(kw_only=True)
 class SpecConfig:
     enabled: bool = False
-    # eagle | eagle3 | mtp (a trained one-layer drafter at `drafter_path`; mtp: a MiMo-style
-    # multi-token-prediction head, which vLLM serves with its mtp method), ngram (model-free), or a
+    # eagle | eagle3 | eagle3_vllm | mtp (a trained one-layer drafter at `drafter_path`;
+    # eagle3_vllm: EAGLE-3 in vLLM's network, mtp: a MiMo-style multi-token-prediction head, which
+    # vLLM serves with its mtp method), ngram (model-free), or a
     # fallback composition "ngram+eagle": n-gram drafts where a match exists, eagle elsewhere;
     # "pregenerated+...": a row's pre-generated response first (bubble drafts, pipeline.bubble).
     drafter: str = "eagle"

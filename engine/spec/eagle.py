@@ -46,12 +46,12 @@ from engine.model_config import ModelConfig
 from engine.rope import RopeSource, inverse_frequencies
 
 ARCH = "TailSpecEagleDrafter"
-KINDS = ("eagle", "eagle3", "mtp")
+KINDS = ("eagle", "eagle3", "mtp", "eagle3_vllm")
 
 
 @dataclass(kw_only=True)
 class EagleConfig:
-    kind: str = "eagle"  # eagle | eagle3 | mtp (KINDS)
+    kind: str = "eagle"  # eagle | eagle3 | mtp | eagle3_vllm (KINDS; eagle3_vllm: engine.spec.eagle3_vllm)
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int
@@ -81,6 +81,11 @@ class EagleConfig:
     def for_target(cls, target: ModelConfig, kind: str = "eagle", draft_vocab_size: int | None = None) -> EagleConfig:
         L = target.num_hidden_layers
         aux = sorted({1, max(L // 2 - 1, 0)}) if kind == "eagle3" else []
+        if kind == "eagle3_vllm":  # vLLM's layer ids k: the residual stream entering layer k (our k - 1's output)
+            if L < 3:
+                raise ValueError(f"an eagle3_vllm drafter reads three distinct target layers; this target has {L}")
+            # Below the last layer where there are enough (an HF actor's forward does not return its raw output).
+            aux = [k - 1 for k in ((1, L // 2, L - 1) if L >= 4 else (1, 2, 3))]
         return cls(
             kind=kind, hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
             num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
@@ -108,13 +113,20 @@ def copy_named_weights(module: nn.Module, named) -> None:
 
 
 class EagleModel(RopeSource, nn.Module):
+    def __new__(cls, cfg: EagleConfig, *args, **kwargs):
+        if cls is EagleModel and cfg.kind == "eagle3_vllm":  # a network of its own (engine.spec.eagle3_vllm)
+            from engine.spec.eagle3_vllm import Eagle3VllmModel
+
+            cls = Eagle3VllmModel
+        return super().__new__(cls)
+
     def __init__(self, cfg: EagleConfig, target: Transformer, draft_vocab: torch.Tensor | None = None) -> None:
         super().__init__()
+        if cfg.kind not in KINDS:
+            raise ValueError(f"drafter kind must be one of {KINDS}, got {cfg.kind!r}")
         self.config = cfg
         H, F = cfg.hidden_size, cfg.feature_size
         self.fc = nn.Linear(H + F, H, bias=False)
-        if cfg.kind not in KINDS:
-            raise ValueError(f"drafter kind must be one of {KINDS}, got {cfg.kind!r}")
         self.mtp = cfg.kind == "mtp"
         layer = DecoderLayer(cfg.layer_config(), 0)
         if self.mtp:  # MiMo's norms around its block (see the module docstring)
@@ -190,6 +202,14 @@ class EagleModel(RopeSource, nn.Module):
     def prediction_target(self, features: torch.Tensor) -> torch.Tensor:
         """[..., F] the target's f_{t+1} -> what the prediction should be (its logits are the target's)."""
         return features * self.out_scale if self.mtp else features
+
+    def target_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., F] the target's features -> [..., Vd] the target's own logits on the draft vocabulary."""
+        return self.logits(self.prediction_target(features))
+
+    def feature_view(self, x: torch.Tensor) -> torch.Tensor:
+        """What the feature loss compares of a prediction and its target (here: all of it)."""
+        return x
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """[..., F] predicted features -> [..., Vd] draft logits (frozen target head, draft vocab rows)."""

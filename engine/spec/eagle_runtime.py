@@ -30,10 +30,11 @@ class EagleRuntime:
         net = self.net
         net.refresh_head()
         w = net.fc.weight
-        kernel = use_kernel(w)
+        own = net.config.kind == "eagle3_vllm"  # vLLM's EAGLE-3 network: torch's ops only (engine.spec.eagle3_vllm)
+        kernel = use_kernel(w) and not own
         if w.device.type == "cpu" and not kernel:
             transpose_storage(net)
-        self.layer: PackedLayer | None = pack_layer(net.layers[0]) if packable(w) else None
+        self.layer: PackedLayer | None = pack_layer(net.layers[0]) if packable(w) and not own else None
         # Packed copies for the compiled kernels (None: torch's ops serve).
         self.head = Product(net.head_t, True) if kernel else None
         self.fc = Product(w.detach().t(), True) if kernel else None
@@ -70,7 +71,7 @@ class EagleRuntime:
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """[..., F] predicted features -> [..., Vd] draft logits."""
-        h = predicted[..., -self.net.config.hidden_size :]
         if self.head is None or torch.is_grad_enabled():
-            return h @ self.net.head_t
+            return self.net.logits(predicted)
+        h = predicted[..., -self.net.config.hidden_size :]
         return self.head(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
