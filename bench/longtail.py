@@ -171,19 +171,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.requests < 1 or args.n < 1:
             raise ValueError("--requests and --n must be >= 1")
         target = load_checkpoint(args.model, device=args.device)
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        prompts = longtail_prompts(tokenizer, args.requests, args.seed, args.max_digits, args.tail)
         rows = args.requests * args.n
-        max_len = min(2048, target.config.max_position_embeddings)
+        # Caches sized for the longest prompt and its response, no more (SmolLM2's 2048 positions x 256
+        # rows would be ~24 GB per engine).
+        max_len = min(2048, target.config.max_position_embeddings,
+                      max(map(len, prompts)) + args.new_tokens + verify + depth * topk + 2)
         spec = SpecConfig(enabled=True, drafter=args.spec, drafter_path=args.drafter, depth=depth, topk=topk, verify_tokens=verify)
         ar = RolloutEngine(copy.deepcopy(target), EngineConfig(max_batch=rows, max_len=max_len, device=args.device))  # each runtime packs its own model
         sp = RolloutEngine(target, EngineConfig(max_batch=rows, max_len=max_len, device=args.device, spec=spec), build_drafter(spec, target))
         TunerPolicy(arms, args.buckets, epsilon=args.epsilon, explore_within=args.explore_within)  # validates buckets and epsilon before any run
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # a missing folder or file, a bad flag
         print(f"error: {e}", file=sys.stderr)
         return 1
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
     stops = stop_tokens(target.config, tokenizer)
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=args.seed, stop_token_ids=stops)
-    prompts = longtail_prompts(tokenizer, args.requests, args.seed, args.max_digits, args.tail)
     requests = [Request(prompt_id=f"longtail-{i}", prompt=x, n=args.n) for i, x in enumerate(prompts)]
 
     # First calls pay one-time costs (allocation, kernel loading) per engine and draft shape: not timed.

@@ -52,14 +52,26 @@ def window_stream(num_windows: int, batch: int, generator: torch.Generator) -> I
 def batch_loss(model, packed: PackedPairs, idx: torch.Tensor, ce_weight: float):
     """-> (loss, metrics, pred [M, F], targets [M, F]) over the loss pairs of windows idx."""
     b = packed.batch(idx).to(model.fc.weight.device, model.fc.weight.dtype)
-    pred = model(b.tokens, b.features, b.positions, attn_mask=b.attn_mask)  # [B, W, F]
-    pred, targets = pred[b.loss_mask], b.targets[b.loss_mask]  # [M, F]
+    full = model(b.tokens, b.features, b.positions, attn_mask=b.attn_mask)  # [B, W, F]
+    pred, targets = full[b.loss_mask], b.targets[b.loss_mask]  # [M, F]
+    loss, metrics = pair_loss(model, pred, targets, ce_weight)
+    if hasattr(model, "fed_back"):  # eagle3_vllm: one fed-back step too (engine.spec.eagle3_vllm)
+        out2, valid = model.fed_back(b.tokens, b.features, full, b.positions, b.attn_mask)
+        keep = b.loss_mask[:, 1:] & valid  # [B, W - 1]
+        if bool(keep.any()):
+            loss2, m2 = pair_loss(model, out2[keep], b.targets[:, 1:][keep], ce_weight)
+            loss = loss + loss2
+            metrics = metrics | {"spot/drafter_loss": loss.item(), "spot/top1_fed_back": m2["spot/top1_draft_vocab"]}
+    return loss, metrics, pred, targets
+
+
+def pair_loss(model, pred: torch.Tensor, targets: torch.Tensor, ce_weight: float):
+    """The TLT loss of predictions [M, .] against the target's next features [M, F]."""
     goal = model.prediction_target(targets)  # [M, F] the target's f_{t+1} in the prediction's space
     with torch.no_grad():
         target_logits = model.target_logits(targets)  # [M, Vd]: the target's own head rows
-    loss, metrics = eagle_loss(model.feature_view(pred), model.feature_view(goal), model.logits(pred), target_logits,
-                               ce_weight=ce_weight)
-    return loss, metrics, pred, targets
+    return eagle_loss(model.feature_view(pred), model.feature_view(goal), model.logits(pred), target_logits,
+                      ce_weight=ce_weight)
 
 
 class DrafterTrainer:

@@ -62,3 +62,30 @@ def test_a_target_with_fewer_than_three_layers_is_refused():
                       num_attention_heads=2, num_key_value_heads=1, head_dim=8)
     with pytest.raises(ValueError, match="three distinct target layers"):
         EagleConfig.for_target(cfg, "eagle3_vllm")
+
+
+@torch.no_grad()
+def test_the_training_time_step_sees_what_a_fed_back_draft_sees(target):
+    """fed_back's pair i (its feature the drafter's own prediction) equals the drafting step: pairs
+    0..i-1 cached from the target's features, then pair i on the prediction, attending to them."""
+    net = net_for(target)
+    W, H = 6, target.config.hidden_size
+    tokens = torch.tensor([[5, 9, 14, 20, 7, 33]])
+    feats = torch.randn(1, W, net.config.feature_size, dtype=torch.float64)
+    pos = torch.arange(W)[None]
+    causal = torch.ones(W, W, dtype=torch.bool).tril()[None]
+    pred = net(tokens, feats, pos, attn_mask=causal)  # [1, W, H]
+    out2, valid = net.fed_back(tokens, feats, pred, pos, causal)
+    assert out2.shape == (1, W - 1, H) and valid.all()
+    for i in range(1, W):
+        cache = net.new_cache(1, W + 1)
+        slots = torch.arange(i)[None]
+        net(tokens[:, :i], feats[:, :i], pos[:, :i], cache=cache, cache_pos=slots)
+        cache.lengths[0] = i
+        step = net(tokens[:, i : i + 1], pred[:, i - 1 : i], pos[:, i : i + 1], cache=cache, cache_pos=torch.tensor([[i]]))
+        assert torch.allclose(step[0, 0], out2[0, i - 1], atol=1e-9), i
+    # A pair whose predecessor lies in another segment has no fed-back step.
+    two = causal.clone()
+    two[:, 3:, :3] = False
+    _, valid = net.fed_back(tokens, feats, pred, pos, two)
+    assert valid.tolist() == [[True, True, False, True, True]]

@@ -15,10 +15,12 @@ and `out` (pre-norm) is fed back as the next draft step's g. The network takes e
 target's features (F = 4H wide: the three levels, then the final hidden, which only the loss
 reads) or its own predictions (H wide), told apart by width. Its LM head is a parameter of its
 own (EAGLE-3 trains it; vLLM loads it with `d2t`, the draft-to-target id offsets), initialised
-from the target's rows of the draft vocabulary. The feature loss regresses `out` onto the
-next position's g (detached; both RMS-normalised, `feature_view`), EAGLE-1's trick in fc's
-space, so that fed-back drafts stay in distribution without EAGLE-3's training-time test. No compiled kernel serves it: it runs
-through torch (engine.spec.eagle_runtime).
+from the target's rows of the draft vocabulary. Training (spot.drafter_training) also runs one
+fed-back step, EAGLE-3's training-time test one level deep (`fed_back`): each pair again with
+its feature replaced by the drafter's own prediction of it, attending to the target-fed pairs
+before it as a fed-back draft does; and the feature loss regresses `out` onto the next
+position's g (detached; both RMS-normalised, `feature_view`), EAGLE-1's trick in fc's space.
+No compiled kernel serves it: it runs through torch (engine.spec.eagle_runtime).
 """
 
 from __future__ import annotations
@@ -81,6 +83,31 @@ class Eagle3VllmModel(EagleModel):
         cos, sin = self.rope(positions, g.dtype)
         h = g + layer.self_attn(x, cos, sin, attn_mask.unsqueeze(1), cache, cache_pos)
         return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def fed_back(
+        self,
+        tokens: torch.Tensor,  # [B, W] x_{i+1}
+        features: torch.Tensor,  # [B, W, F] the target's f_i
+        pred: torch.Tensor,  # [B, W, H] the first step's outputs (pair i's is its prediction of f_{i+1})
+        positions: torch.Tensor,  # [B, W]
+        attn_mask: torch.Tensor,  # [B, W, W] causal within a segment
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training-time test's second level: pair i (i >= 1) with the feature the drafter itself
+        predicted for it (pred at i - 1), attending to the target-fed pairs before it and to
+        itself, as a fed-back draft does at inference. -> (outputs [B, W - 1, H] for pairs 1..W-1,
+        valid [B, W - 1]: pair i - 1 is in the same segment)."""
+        B, W = tokens.shape
+        dev = tokens.device
+        g = torch.cat([self.encode(features), pred[:, :-1]], 1)  # [B, 2W - 1, H]: target-fed pairs, then fed-back
+        toks = torch.cat([tokens, tokens[:, 1:]], 1)
+        pos = torch.cat([positions, positions[:, 1:]], 1)
+        i = torch.arange(1, W, device=dev)
+        earlier = attn_mask[:, 1:, :] & (torch.arange(W, device=dev) < i.unsqueeze(1))  # [B, W-1, W]: pairs < i
+        top = torch.cat([attn_mask, attn_mask.new_zeros(B, W, W - 1)], 2)
+        bottom = torch.cat([earlier, torch.eye(W - 1, dtype=torch.bool, device=dev).expand(B, -1, -1)], 2)
+        out = self(toks, g, pos, attn_mask=torch.cat([top, bottom], 1))  # [B, 2W - 1, H]
+        valid = attn_mask[:, 1:, :].gather(2, (i - 1).view(1, -1, 1).expand(B, -1, 1)).squeeze(2)
+        return out[:, W:], valid
 
     def encode(self, features: torch.Tensor) -> torch.Tensor:
         """The target's features [.., F] -> g [.., H] (fc over the three levels); own predictions pass."""
