@@ -1,6 +1,6 @@
 """Offline drafter warm-start: the target writes its own training data, the drafter learns it.
 
-    python -m spot.warmstart --target DIR --prompts FILE.jsonl --out DIR [--kind eagle|eagle3|mtp] ...
+    python -m spot.warmstart --target DIR --prompts FILE.jsonl --out DIR [--kind eagle|eagle3|mtp|eagle3_vllm] ...
 
 1-3. data (spot.warmstart_data): the target's own responses (n per prompt, `--chat` applies the
    tokenizer's chat template), their features, a draft vocabulary;
@@ -38,7 +38,7 @@ from spot.drafter_training import DrafterOptim, evaluate, log, train
 from spot.pairs import PackedPairs
 from spot.warmstart_data import choose_draft_vocab, collect_rows
 
-KINDS = DRAFTER_KINDS  # engine.spec.eagle: eagle, eagle3, mtp
+KINDS = DRAFTER_KINDS  # engine.spec.eagle: eagle, eagle3, mtp, eagle3_vllm
 
 
 @dataclass(kw_only=True)
