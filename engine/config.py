@@ -17,6 +17,10 @@ class EngineConfig:
     max_batch: int = 64  # decode slots: rows generated together
     max_len: int = 2048  # KV cache length per row (prompt + response), capped by the model's context
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    # bfloat16: the CPU kernels stream the target's matrices as bf16 (rounded; float32 arithmetic):
+    # half the bytes of a memory-bound decode pass, still exact under speculation, but the served
+    # model is the bf16-rounded policy (engine.runtime; measured in docs/BENCHMARKS.md).
+    weights: Literal["float32", "bfloat16"] = "float32"
     device: str = "cpu"
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -29,6 +33,11 @@ class EngineConfig:
             raise ValueError(f"engine.max_len must be >= 2, got {self.max_len}")
         if self.threads < 0:
             raise ValueError(f"engine.threads must be >= 0, got {self.threads}")
+        if self.weights not in ("float32", "bfloat16"):
+            raise ValueError(f"engine.weights must be float32 or bfloat16, got {self.weights!r}")
+        if self.weights == "bfloat16" and (self.dtype != "float32" or self.backend != "native"):
+            raise ValueError(f"engine.weights=bfloat16 is the native CPU engine's float32 mode with bf16 weights; it needs "
+                             f"engine.dtype=float32 and engine.backend=native (got {self.dtype}, {self.backend})")
         self.spec.validate()
         self.vllm.validate()
         if self.backend == "vllm" and self.spec.enabled and self.spec.drafter not in ("eagle", "eagle3_vllm", "mtp", "ngram"):

@@ -48,7 +48,7 @@ class RolloutEngine:
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
         self.model = model.eval()
-        self.runtime = TargetRuntime(self.model)
+        self.runtime = TargetRuntime(self.model, bf16_weights=self.cfg.weights == "bfloat16")
         spec = self.cfg.spec
         iid = spec.verify == "rejection"
         self.shape = DraftShape(depth=spec.depth, topk=spec.topk, verify_tokens=spec.verify_tokens, iid_children=iid,

@@ -16,6 +16,14 @@ optimiser step, `load_state_dict`, `param.mul_`, even a `param.data.copy_`, whic
 not count, wherever the sample sees it) is refused instead of served from stale copies.
 
 bf16 and anything needing gradients run the modules as they are (`model.forward`).
+
+bf16 weights (`TargetRuntime(model, bf16_weights=True)`, `engine.weights: bfloat16`): a float32
+model whose matrices (every linear layer's weight, the embedding and the LM head) are rounded to
+bf16 in place at every (re)pack, and whose kernels stream them as bf16: half the bytes of a
+memory-bound decode pass. The arithmetic stays float32 (each weight is widened exactly), so this
+serves exactly the float32 function of the rounded model, every pass through the same
+row-independent kernels: speculation still changes no token. What differs is the model: its
+logits are those of the bf16-rounded policy (docs/BENCHMARKS.md measures how far from float32's).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import torch
 from torch import nn
 
 from engine.kernels.decode_ops import MAX_TOKENS, rms_norm
+from engine.kernels.library import available
 from engine.kv_cache import KVCache
 from engine.layout import transpose_storage
 from engine.model import ModelOutput, Transformer, default_slots_and_mask
@@ -62,9 +71,24 @@ def packable(w: torch.Tensor) -> bool:
     return w.dtype in (torch.float32, torch.float64)
 
 
+def round_matrices_to_bf16_(model: nn.Module) -> None:
+    """Rounds every parameter of 2+ dimensions (linear weights, embeddings, LM head) to bf16
+    values in place (to nearest even, as `Tensor.bfloat16()`); norms and biases stay float32."""
+    for p in model.parameters():
+        if p.dim() >= 2:
+            p.copy_(p.bfloat16())
+
+
 class TargetRuntime:
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, bf16_weights: bool = False) -> None:
         self.model = model.eval()
+        self.bf16_weights = bf16_weights
+        if bf16_weights:
+            w = model.lm_head.weight
+            if not use_kernel(w):
+                raise ValueError(f"bf16 weights (engine.weights=bfloat16) stream through the CPU kernels, which do not "
+                                 f"serve this model here ({w.dtype} on {w.device}; kernels: {available()[1]}); "
+                                 "use engine.weights=float32, or engine.dtype=bfloat16 for torch's own bf16")
         self.version = 0
         self.layers: list[PackedLayer] | None = None
         self.head: Product | None = None
@@ -78,8 +102,10 @@ class TargetRuntime:
         kernels = use_kernel(w)
         if w.device.type == "cpu" and not kernels:
             transpose_storage(m)  # with the kernels, the hot products have packed copies instead
-        self.layers = [pack_layer(layer) for layer in m.model.layers] if packable(w) else None
-        self.head = Product(w.t(), True) if kernels else None  # without the kernels lm_head serves
+        if self.bf16_weights:
+            round_matrices_to_bf16_(m)
+        self.layers = [pack_layer(layer, self.bf16_weights) for layer in m.model.layers] if packable(w) else None
+        self.head = Product(w.t(), True, self.bf16_weights) if kernels else None  # without the kernels lm_head serves
         self.version = version
         self.fingerprint = WeightsFingerprint(m)
 

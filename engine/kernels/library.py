@@ -85,7 +85,9 @@ def _loaded() -> tuple[ctypes.CDLL, tuning_cache.Tuning]:
     P, I, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     signatures = {
         "skinny_gemm": [P, I, P, P, P, I, P, I, I, I, I, INT],
+        "skinny_gemm_bf16": [P, I, P, P, P, I, P, I, I, I, I, INT],
         "skinny_pack": [P, I, P, I, I],
+        "skinny_pack_bf16": [P, I, P, I, I],
         "rms_norm_rows": [P, I, P, F32, P, I, I, I],
         "attend_rows": [P, I, I, P, P, I, I, P, P, I, I, I, I, I, I, F32, INT],
         "rope_write_attend": [P, P, P, P, P, P, I, I, P, P, I, I, I, I, I, I, F32, INT],

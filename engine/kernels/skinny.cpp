@@ -32,6 +32,15 @@ constexpr int R_CAP = 12;
 constexpr int r_max(int nv) { return (NREG - 1 - nv) / nv < R_CAP ? (NREG - 1 - nv) / nv : R_CAP; }
 
 static inline vf ld(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+// VW bf16 weights widened to float32 exactly (a bf16 is a float32's top 16 bits): half the bytes
+// streamed, the same float32 arithmetic after the load.
+static inline vf ld(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+#else
+  return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+#endif
+}
 static inline void st(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
 // a + s * w, fused, always: left to the compiler, `a += s * w` became an FMA in some tile shapes
 // and a multiply then an add in others (GCC's -mtune=znver* splits lone FMA chains for latency),
@@ -56,8 +65,9 @@ struct Params {
 };
 Params g;
 
-template <int NV, int R>
-void panel(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, const float* c, int64_t ldc,
+// WT: the packed weights' type, float (float32) or uint16_t (bf16 bits).
+template <typename WT, int NV, int R>
+void panel(const float* x, int64_t ldx, const WT* w, int64_t K, const float* bias, const float* c, int64_t ldc,
            float* y, int64_t ldy, int ncols, int64_t pf) {
   constexpr int TN = NV * VW;
   vf a[R][NV];
@@ -66,7 +76,7 @@ void panel(const float* x, int64_t ldx, const float* w, int64_t K, const float* 
   for (int64_t k = 0; k < K; ++k) {
     if (pf) {  // past the panel's end: harmless hints
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; v += 64 / (VW * 4)) __builtin_prefetch(w + (k + pf) * TN + v * VW);
+      for (int v = 0; v < NV; v += 64 / (VW * (int)sizeof(WT))) __builtin_prefetch(w + (k + pf) * TN + v * VW);
     }
     vf wv[NV];
 #pragma GCC unroll 4
@@ -90,24 +100,65 @@ void panel(const float* x, int64_t ldx, const float* w, int64_t K, const float* 
   }
 }
 
-typedef void (*panel_fn)(const float*, int64_t, const float*, int64_t, const float*, const float*, int64_t, float*,
-                         int64_t, int, int64_t);
+template <typename WT>
+using panel_fn = void (*)(const float*, int64_t, const WT*, int64_t, const float*, const float*, int64_t, float*,
+                          int64_t, int, int64_t);
 
-template <int NV, int... Rs>
-constexpr void fill_row(panel_fn* row, std::integer_sequence<int, Rs...>) {
-  ((row[Rs + 1] = (Rs + 1 <= r_max(NV) ? &panel<NV, (Rs + 1 <= r_max(NV) ? Rs + 1 : 1)> : nullptr)), ...);
+template <typename WT, int NV, int... Rs>
+constexpr void fill_row(panel_fn<WT>* row, std::integer_sequence<int, Rs...>) {
+  ((row[Rs + 1] = (Rs + 1 <= r_max(NV) ? &panel<WT, NV, (Rs + 1 <= r_max(NV) ? Rs + 1 : 1)> : nullptr)), ...);
 }
 
+template <typename WT>
 struct Table {
-  panel_fn fn[NV_MAX + 1][R_CAP + 1] = {};
+  panel_fn<WT> fn[NV_MAX + 1][R_CAP + 1] = {};
   Table() {
-    fill_row<1>(fn[1], std::make_integer_sequence<int, R_CAP>{});
-    fill_row<2>(fn[2], std::make_integer_sequence<int, R_CAP>{});
-    fill_row<3>(fn[3], std::make_integer_sequence<int, R_CAP>{});
-    fill_row<4>(fn[4], std::make_integer_sequence<int, R_CAP>{});
+    fill_row<WT, 1>(fn[1], std::make_integer_sequence<int, R_CAP>{});
+    fill_row<WT, 2>(fn[2], std::make_integer_sequence<int, R_CAP>{});
+    fill_row<WT, 3>(fn[3], std::make_integer_sequence<int, R_CAP>{});
+    fill_row<WT, 4>(fn[4], std::make_integer_sequence<int, R_CAP>{});
   }
 };
-const Table TABLE;
+const Table<float> TABLE_F32;
+const Table<uint16_t> TABLE_BF16;
+
+template <typename WT>
+void gemm(const float* x, int64_t ldx, const WT* wp, const float* bias, const float* c, int64_t ldc, float* y,
+          int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads, const panel_fn<WT>* fns) {
+  const Params p = g;
+  const int64_t TN = p.nv * VW;
+  const int64_t P = (N + TN - 1) / TN;
+  const int64_t mc = ((p.mc < M ? p.mc : M) + p.r - 1) / p.r * p.r;  // whole register blocks per chunk
+  const int64_t C = (M + mc - 1) / mc;
+#pragma omp parallel for collapse(2) num_threads(nthreads) schedule(static)
+  for (int64_t ci = 0; ci < C; ++ci)
+    for (int64_t pi = 0; pi < P; ++pi) {
+      const WT* w = wp + pi * K * TN;
+      const int ncols = (int)((N - pi * TN) < TN ? (N - pi * TN) : TN);
+      float tb[NV_MAX * VW] = {};
+      if (bias)
+        for (int j = 0; j < ncols; ++j) tb[j] = bias[pi * TN + j];
+      const int64_t end = (ci + 1) * mc < M ? (ci + 1) * mc : M;
+      for (int64_t r0 = ci * mc; r0 < end; r0 += p.r) {
+        const int rn = (int)(end - r0 < p.r ? end - r0 : p.r);
+        fns[rn](x + r0 * ldx, ldx, w, K, tb, c ? c + r0 * ldc + pi * TN : nullptr, ldc, y + r0 * ldy + pi * TN, ldy,
+                ncols, p.pf);
+      }
+    }
+}
+
+// W [K, N] (row stride ldw) -> panels [P][K][TN] (TN = skinny_tile_n() now), zero padded.
+template <typename WI, typename WT>
+void pack(const WI* w, int64_t ldw, WT* out, int64_t K, int64_t N) {
+  const int64_t TN = g.nv * VW;
+  const int64_t P = (N + TN - 1) / TN;
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t j = 0; j < TN; ++j) {
+        int64_t n = p * TN + j;
+        out[(p * K + k) * TN + j] = n < N ? w[k * ldw + n] : WT(0);
+      }
+}
 }  // namespace
 
 extern "C" {
@@ -124,38 +175,18 @@ int skinny_set_params(int nv, int r, int64_t pf, int64_t mc) {
 
 void skinny_gemm(const float* x, int64_t ldx, const float* wp, const float* bias, const float* c, int64_t ldc,
                  float* y, int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads) {
-  const Params p = g;
-  const int64_t TN = p.nv * VW;
-  const int64_t P = (N + TN - 1) / TN;
-  const int64_t mc = ((p.mc < M ? p.mc : M) + p.r - 1) / p.r * p.r;  // whole register blocks per chunk
-  const int64_t C = (M + mc - 1) / mc;
-  const panel_fn* fns = TABLE.fn[p.nv];
-#pragma omp parallel for collapse(2) num_threads(nthreads) schedule(static)
-  for (int64_t ci = 0; ci < C; ++ci)
-    for (int64_t pi = 0; pi < P; ++pi) {
-      const float* w = wp + pi * K * TN;
-      const int ncols = (int)((N - pi * TN) < TN ? (N - pi * TN) : TN);
-      float tb[NV_MAX * VW] = {};
-      if (bias)
-        for (int j = 0; j < ncols; ++j) tb[j] = bias[pi * TN + j];
-      const int64_t end = (ci + 1) * mc < M ? (ci + 1) * mc : M;
-      for (int64_t r0 = ci * mc; r0 < end; r0 += p.r) {
-        const int rn = (int)(end - r0 < p.r ? end - r0 : p.r);
-        fns[rn](x + r0 * ldx, ldx, w, K, tb, c ? c + r0 * ldc + pi * TN : nullptr, ldc, y + r0 * ldy + pi * TN, ldy,
-                ncols, p.pf);
-      }
-    }
+  gemm<float>(x, ldx, wp, bias, c, ldc, y, ldy, M, K, N, nthreads, TABLE_F32.fn[g.nv]);
 }
 
-// W [K, N] (row stride ldw) -> panels [P][K][TN] (TN = skinny_tile_n() now), zero padded.
-void skinny_pack(const float* w, int64_t ldw, float* out, int64_t K, int64_t N) {
-  const int64_t TN = g.nv * VW;
-  const int64_t P = (N + TN - 1) / TN;
-  for (int64_t p = 0; p < P; ++p)
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t j = 0; j < TN; ++j) {
-        int64_t n = p * TN + j;
-        out[(p * K + k) * TN + j] = n < N ? w[k * ldw + n] : 0.f;
-      }
+// The same product over bf16 weights (their bits, uint16): each widened to float32 exactly, so the
+// result is the float32 product over the bf16-rounded matrix, with every property above.
+void skinny_gemm_bf16(const float* x, int64_t ldx, const uint16_t* wp, const float* bias, const float* c, int64_t ldc,
+                      float* y, int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads) {
+  gemm<uint16_t>(x, ldx, wp, bias, c, ldc, y, ldy, M, K, N, nthreads, TABLE_BF16.fn[g.nv]);
 }
+
+void skinny_pack(const float* w, int64_t ldw, float* out, int64_t K, int64_t N) { pack(w, ldw, out, K, N); }
+
+// bf16 bits W [K, N] -> bf16 panels, as skinny_pack.
+void skinny_pack_bf16(const uint16_t* w, int64_t ldw, uint16_t* out, int64_t K, int64_t N) { pack(w, ldw, out, K, N); }
 }

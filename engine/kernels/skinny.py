@@ -2,7 +2,9 @@
 
 `SkinnyMatrix(w)` packs a [K, N] float32 matrix into the kernel's column panels once;
 `sm.matmul(x, bias, residual)` computes `x @ w (+ bias) (+ residual)` for x [M, K] with few rows
-(decode and verify passes). Each output row is accumulated on its own in a fixed order, so a
+(decode and verify passes). `SkinnyMatrix(w, bf16=True)` keeps the panels in bf16: half the bytes
+streamed per product, each weight widened back to float32 exactly in the kernel, so the result is
+the float32 product over `w` rounded to bf16 (`w.bfloat16()`), with the same row independence. Each output row is accumulated on its own in a fixed order, so a
 row's result does not depend on M nor on the host's tuned loop parameters (engine/kernels/params.py);
 the panel width those fix is read once, when the library loads, and never changes after.
 """
@@ -22,18 +24,28 @@ MAX_ROWS = 4096
 
 
 class SkinnyMatrix:
-    """A [K, N] float32 matrix packed for few-row products (a copy: the caller keeps its own)."""
+    """A [K, N] float32 matrix packed for few-row products (a copy: the caller keeps its own), in
+    float32 or, with `bf16`, rounded to bf16 (to nearest even, as `w.bfloat16()`)."""
 
-    def __init__(self, w: torch.Tensor) -> None:  # w [K, N]
+    def __init__(self, w: torch.Tensor, bf16: bool = False) -> None:  # w [K, N]
         if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
             raise ValueError(f"SkinnyMatrix takes a 2-D float32 CPU matrix, got {tuple(w.shape)} {w.dtype} on {w.device}")
         lib = library()
         self.lib = lib
         self.K, self.N = w.shape
         tn = lib.skinny_tile_n()
-        w = w.detach().contiguous()
-        self.panels = torch.empty(-(-self.N // tn) * self.K * tn, dtype=torch.float32)  # [P, K, TN]
-        lib.skinny_pack(w.data_ptr(), self.N, self.panels.data_ptr(), self.K, self.N)
+        size = -(-self.N // tn) * self.K * tn
+        self.bf16 = bf16
+        if bf16:
+            w = w.detach().to(torch.bfloat16).contiguous()
+            self.panels = torch.empty(size, dtype=torch.bfloat16)  # [P, K, TN], bf16 bits
+            lib.skinny_pack_bf16(w.data_ptr(), self.N, self.panels.data_ptr(), self.K, self.N)
+            self.gemm = lib.skinny_gemm_bf16
+        else:
+            w = w.detach().contiguous()
+            self.panels = torch.empty(size, dtype=torch.float32)  # [P, K, TN]
+            lib.skinny_pack(w.data_ptr(), self.N, self.panels.data_ptr(), self.K, self.N)
+            self.gemm = lib.skinny_gemm
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N] = x @ w (+ bias [N]) (+ residual [M, N])."""
@@ -43,7 +55,7 @@ class SkinnyMatrix:
         y = torch.empty(M, self.N, dtype=torch.float32)
         if residual is not None and not residual.is_contiguous():
             residual = residual.contiguous()
-        self.lib.skinny_gemm(
+        self.gemm(
             x.data_ptr(), self.K, self.panels.data_ptr(), bias.data_ptr() if bias is not None else None,
             residual.data_ptr() if residual is not None else None, self.N, y.data_ptr(), self.N, M, self.K, self.N,
             torch.get_num_threads(),
