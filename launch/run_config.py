@@ -127,6 +127,7 @@ class TrainConfig:
     def validate(self) -> None:
         if self.engine.backend == "vllm":
             self._validate_vllm()
+        self._validate_weights()
         if self.trainer.resume == "auto" and not self.run.dir:
             raise ValueError("trainer.resume=auto resumes the latest checkpoint of a fixed run folder: set run.dir too")
         if self.spot.enabled and not self.engine.spec.enabled:
@@ -139,6 +140,12 @@ class TrainConfig:
             if self.trainer.async_steps:
                 raise ValueError("bubble.enabled pre-generates step t+1 with policy t in step t's idle window; with "
                                  "trainer.async_steps=1 step t+1 is rolled out before that window: use one or the other")
+
+    def _validate_weights(self) -> None:
+        if self.engine.weights != "float32" and self.trainer.old_logprobs == "engine":
+            raise ValueError("trainer.old_logprobs=engine is wrong with engine.weights=bfloat16: the engine serves the "
+                             "bf16-rounded policy, not the actor's (train/mismatch_kl shows the gap); use "
+                             "trainer.old_logprobs=actor or auto")
 
     def _validate_vllm(self) -> None:
         """What the loop cannot do with engine.backend=vllm (engine.backends.vllm_engine says why)."""

@@ -76,7 +76,9 @@ class Trainer:
         if tc.old_logprobs == "engine" and not policy_sampling:
             raise ValueError("trainer.old_logprobs=engine needs rollout.temperature=1, top_p=1, top_k=0 (the engine's "
                              "log-probs are those of the sampling distribution); use actor or auto")
-        exact = cfg.engine.backend == "native"  # vLLM's log-probs are not exactly the old policy's (launch.run_config)
+        # vLLM's log-probs are not exactly the old policy's (launch.run_config), nor are those of an
+        # engine serving the bf16-rounded policy (engine.weights=bfloat16): the actor recomputes them.
+        exact = cfg.engine.backend == "native" and cfg.engine.weights == "float32"
         self.engine_old_logprobs = tc.old_logprobs == "engine" or (
             tc.old_logprobs == "auto" and policy_sampling and not tc.async_steps and exact)
         if actor_features is not None and self.engine_old_logprobs:

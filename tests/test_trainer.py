@@ -138,6 +138,34 @@ def test_after_a_sync_the_engine_serves_the_actors_weights(char_model_dir, digit
     assert all(r.policy_version == 1 for r in again.rollouts.batch) and engine.version == 2
 
 
+def test_with_bf16_weights_the_engine_serves_the_rounded_actor_and_the_actor_recomputes_old_logprobs(
+        char_model_dir, digits_task, tmp_path):
+    from engine.kernels.library import available
+
+    if not available()[0]:
+        pytest.skip(f"engine.weights=bfloat16 needs the CPU kernels: {available()[1]}")
+    from engine.engine import RolloutEngine
+    from pipeline.actors import build_actor
+    from pipeline.data import PromptLoader
+    from common.text import load_tokenizer
+    from pipeline.trainer import Trainer
+
+    with pytest.raises(ValueError, match="engine.weights=bfloat16"):
+        config(char_model_dir, tmp_path, "engine.weights=bfloat16", "trainer.old_logprobs=engine")
+    cfg = config(char_model_dir, tmp_path, "engine.spec.enabled=false", "engine.weights=bfloat16")
+    engine = RolloutEngine.from_pretrained(char_model_dir, cfg.engine)
+    actor = build_actor(cfg.actor, char_model_dir)
+    trainer = Trainer(cfg, Ranks(), engine, actor, load_tokenizer(char_model_dir), TASKS["digits"],
+                      PromptLoader(TASKS["digits"].make_problems("train", 16, 0), 4, 0), [], tmp_path)
+    assert not trainer.engine_old_logprobs
+    result = trainer.step()
+    assert result.metrics["train/mismatch_kl"] > 1e-9  # the bf16-rounded policy samples, the fp32 actor trains
+    served = dict(engine.model.named_parameters())
+    for name, w in actor.named_weights():
+        if name in served and w.dim() >= 2:
+            assert torch.equal(served[name].detach(), w.detach().cpu().bfloat16().float()), name
+
+
 def test_a_non_finite_reward_is_an_error_naming_the_prompt(char_model_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(TASKS, "nan", Task(name="nan", make_problems=arith.make_problems, reward=lambda t, a: float("nan")))
     with pytest.raises(ValueError, match="reward nan of prompt .* is not a finite number"):
