@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.backends.vllm_config import MODEL_DRAFTERS
 from engine.config import EngineConfig
 from launch.cluster_config import ClusterSection
 from pipeline.actors.base import ActorConfig
@@ -156,7 +157,7 @@ class TrainConfig:
         if self.bubble.enabled:
             raise ValueError("bubble.enabled needs engine.backend=native: vLLM cannot preempt a generate call nor take "
                              "pre-generated drafts; set bubble.enabled=false with engine.backend=vllm")
-        if self.spot.enabled and not (self.engine.spec.enabled and self.engine.spec.drafter in ("eagle", "eagle3_vllm", "mtp")):
+        if self.spot.enabled and not (self.engine.spec.enabled and self.engine.spec.drafter in MODEL_DRAFTERS):
             raise ValueError("spot.enabled with engine.backend=vllm trains the drafter vLLM serves: set "
                              "engine.spec.enabled=true and engine.spec.drafter=eagle, eagle3_vllm or mtp "
                              f"(got {self.engine.spec.drafter!r})")

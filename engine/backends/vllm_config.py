@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The drafters vLLM serves: the model drafters (their weights are exported and pushed), and ngram.
+MODEL_DRAFTERS = ("eagle", "eagle3_vllm", "mtp")
+SERVED_DRAFTERS = (*MODEL_DRAFTERS, "ngram")
+
 
 @dataclass(kw_only=True)
 class VllmConfig:

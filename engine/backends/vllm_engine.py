@@ -36,6 +36,7 @@ from pathlib import Path
 
 
 from common.buckets import buckets_of
+from engine.backends.vllm_config import MODEL_DRAFTERS
 from engine.backends.vllm_export import export_eagle, vllm_eagle3_tensors
 from engine.backends.vllm_mtp import export_mtp, mtp_tensors, with_zero_biases
 from engine.backends.vllm_schedule import arm_tokens, vllm_schedule
@@ -46,7 +47,6 @@ from engine.types import FinishReason, Request, Rollout, RolloutBatch
 
 WORKER = "engine.backends.vllm_worker.TailSpecWorkerExtension"
 SHM = "/dev/shm"  # pushes travel as safetensors files here (engine.backends.vllm_worker says why)
-MODEL_DRAFTERS = ("eagle", "eagle3_vllm", "mtp")  # the drafters with weights to push
 COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
             "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
 
