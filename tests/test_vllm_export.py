@@ -80,7 +80,7 @@ def test_the_speculative_config_follows_engine_spec(drafter_dir, tmp_path):
     out = speculative_config(tuned, tmp_path)
     assert out["method"] == "eagle" and (tmp_path / "eagle" / "config.json").is_file()
     assert out["num_speculative_tokens"] == 4 and out["num_speculative_tokens_per_batch_size"] == [(1, 7, 4), (8, 32, 4)]
-    with pytest.raises(ValueError, match="eagle, eagle3_vllm, mtp or ngram"):
+    with pytest.raises(ValueError, match="eagle, eagle3_vllm, mtp, ngram"):
         EngineConfig(backend="vllm", spec=SpecConfig(enabled=True, drafter="ngram+eagle", drafter_path=str(path))).validate()
 
 
