@@ -147,6 +147,7 @@ def _idle(ax: Axes, h: RunHistory) -> None:
         ax.legend(fontsize=8)
     ax.set_xlabel("rank")
     ax.set_ylabel("share of step time waiting")
+    ax.set_ylim(0, max(0.05, 1.2 * max(s for _, s in shares)))  # all-zero shares would autoscale to nothing
     ax.yaxis.set_major_formatter(lambda v, _: f"{v:.0%}")
 
 
@@ -166,7 +167,8 @@ PANELS = (_reward, _lengths, _time_split, _speculation, _idle, _throughput)
 
 def dashboard_figure(history: RunHistory, title: str) -> Figure:
     fig = Figure(figsize=(15, 8.4), dpi=90, layout="constrained")
-    fig.suptitle(f"{title}: {len(history.rows)} steps", fontsize=13)
+    trained = sum(1 for row in history.rows.values() if "timing/step" in row)  # step 0 holds the first eval only
+    fig.suptitle(f"{title}: {trained} steps", fontsize=13)
     for panel, ax in zip(PANELS, fig.subplots(2, 3).flat):
         panel(ax, history)
         ax.grid(alpha=0.25)
