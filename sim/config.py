@@ -87,10 +87,12 @@ class LatencySpec:
     """`roofline` (from model + hardware) or `fitted` (coefficients from `sim.calibrate`).
 
     fitted, per pass of a group:
-    - forward_s = base_s + query_s * query_tokens + kv_s * kv_tokens, where a measured table
-      (`table_tokens`, ascending, and `table_s`: the forward seconds less the kv term at those
-      query-token counts) replaces the first two terms when present: linear interpolation
-      between its points, and the slope query_s beyond its ends;
+    - forward_s = base_s + query_s * query_tokens + kv_s * kv_tokens + attn_s * query_tokens *
+      mean context (the cached KV read once per row, and each computed token's scores over its
+      row's context: a verify pass of 1 + v tokens per row pays the second 1 + v times), where a
+      measured table (`table_tokens`, ascending, and `table_s`: the forward seconds less the kv
+      and attention terms at those query-token counts) replaces the first two terms when present:
+      linear interpolation between its points, and the slope query_s beyond its ends;
     - draft_s = depth * (draft_base_s + draft_token_s * rows * topk);
     - other_s = other_base_s + other_row_s * rows + other_verify_s * (query_tokens - rows)
       (sampling and emission per row; verification and KV commit per verified draft token);
@@ -102,6 +104,7 @@ class LatencySpec:
     base_s: float = 0.0
     query_s: float = 0.0
     kv_s: float = 0.0
+    attn_s: float = 0.0  # per (computed token, cached context token) pair
     table_tokens: list[float] = field(default_factory=list)
     table_s: list[float] = field(default_factory=list)
     draft_base_s: float = 0.0
@@ -254,6 +257,10 @@ class PhaseSpec:
     # (seconds per padded token on one rank); a log-prob pass costs the largest rank's real
     # tokens x logprob_s_per_token.
     mini_batches: int = 0
+    # > 0: the actor's `micro_batch_tokens` (pipeline/actors/forward.py): a rank's mini-batch is
+    # cut into micro-batches, rows longest first, each at most this many padded tokens, each padded
+    # to its own longest row; 0: a mini-batch is one micro-batch padded to its longest row.
+    micro_batch_tokens: int = 0
     logprob_s_per_token: float | None = None
     update_s_per_token: float | None = None
     sync_s: float | None = None  # None: weight bytes per device / sync_gbps

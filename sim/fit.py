@@ -2,9 +2,10 @@
 
 Fits, over the run's decode passes after the warm-up step (`sim.runs`; non-negative least squares
 on a small basis where a basis):
-- forward_s: the linear basis base_s + query_s * query_tokens + kv_s * kv_tokens (query tokens
-  = rows x (1 + verify tokens), kv tokens = rows x mean context), then a table over query tokens
-  of the median forward seconds less the kv term, every point pooling at least
+- forward_s: the linear basis base_s + query_s * query_tokens + kv_s * kv_tokens + attn_s *
+  attention pairs (query tokens = rows x (1 + verify tokens), kv tokens = rows x mean context,
+  attention pairs = query tokens x mean context), then a table over query tokens of the median
+  forward seconds less the kv and attention terms, every point pooling at least
   `TABLE_MIN_PASSES` passes: a CPU's cost is not linear in the batch (SmolLM2-135M costs the same
   at 7-12 rows and jumps at 13);
 - draft_s = depth * (draft_base_s + draft_token_s * rows * topk) on speculative passes;
@@ -51,13 +52,13 @@ def r_squared(x: np.ndarray, y: np.ndarray, coef: np.ndarray) -> float:
     return 1.0 - float((resid ** 2).sum()) / total if total > 0 else 1.0
 
 
-def forward_table(steps: list[DecodeStep], kv_s: float,
+def forward_table(steps: list[DecodeStep], kv_s: float, attn_s: float = 0.0,
                   min_passes: int = TABLE_MIN_PASSES) -> tuple[list[float], list[float]]:
     """(query tokens, median forward_s - kv_s * kv_tokens): passes pooled in ascending query
     tokens until a pool holds min_passes (a short last pool joins the one before)."""
     by: dict[int, list[float]] = defaultdict(list)
     for s in steps:
-        by[s.query_tokens].append(s.forward_s - kv_s * s.kv_tokens)
+        by[s.query_tokens].append(s.forward_s - kv_s * s.kv_tokens - attn_s * s.attn_pairs)
     pools: list[tuple[list[float], list[float]]] = []
     q_pool: list[float] = []
     y_pool: list[float] = []
@@ -78,7 +79,7 @@ def forward_table(steps: list[DecodeStep], kv_s: float,
 def fit_latency(steps: list[DecodeStep]) -> tuple[LatencySpec, dict[str, float]]:
     if not steps:
         raise ValueError("calibration needs decode passes (decode_steps.jsonl is empty)")
-    x = np.array([[1.0, s.query_tokens, s.kv_tokens] for s in steps])  # [P, 3]
+    x = np.array([[1.0, s.query_tokens, s.kv_tokens, s.attn_pairs] for s in steps])  # [P, 4]
     y = np.array([s.forward_s for s in steps])
     fwd = nnls(x, y)
     xo = np.array([[1.0, s.batch_size, s.query_tokens - s.batch_size] for s in steps])  # [P, 3]
@@ -90,8 +91,8 @@ def fit_latency(steps: list[DecodeStep]) -> tuple[LatencySpec, dict[str, float]]
     if spec:
         xd = np.array([[d, d * s.batch_size * k] for s, (d, k, _) in spec])
         draft = nnls(xd, np.array([s.draft_s for s, _ in spec]))
-    tokens, seconds = forward_table(steps, float(fwd[2]))
-    fitted = LatencySpec(kind="fitted", base_s=float(fwd[0]), query_s=float(fwd[1]), kv_s=float(fwd[2]),
+    tokens, seconds = forward_table(steps, float(fwd[2]), float(fwd[3]))
+    fitted = LatencySpec(kind="fitted", base_s=float(fwd[0]), query_s=float(fwd[1]), kv_s=float(fwd[2]), attn_s=float(fwd[3]),
                          table_tokens=tokens, table_s=seconds,
                          draft_base_s=float(draft[0]), draft_token_s=float(draft[1]),
                          other_base_s=float(other[0]), other_row_s=float(other[1]), other_verify_s=float(other[2]))
@@ -167,7 +168,8 @@ def fit_phases(run: MeasuredRun, prompt: int) -> PhaseSpec:
     """Log-prob and update costs per token (padded, per rank, when config.yaml names the
     trainer's mini-batches; else device-seconds per real token) and the sync time."""
     mini_batches, epochs = run.trainer("mini_batches", 0), run.trainer("ppo_epochs", 1)
-    probe = PhaseSpec(mini_batches=mini_batches, ppo_epochs=epochs)
+    micro = run.setting("actor", "micro_batch_tokens", 0) if mini_batches else 0
+    probe = PhaseSpec(mini_batches=mini_batches, ppo_epochs=epochs, micro_batch_tokens=micro)
     by_rank = run.lengths_by_rank()
     seconds: dict[str, float] = defaultdict(float)
     tokens: dict[str, float] = defaultdict(float)
@@ -191,7 +193,8 @@ def fit_phases(run: MeasuredRun, prompt: int) -> PhaseSpec:
             sync.append(m["timing/sync"])
     per = {k: seconds[k] / tokens[k] for k in tokens}
     return PhaseSpec(logprob_s_per_token=per.get("logprob", 0.0), update_s_per_token=per.get("update", 0.0),
-                     sync_s=float(np.mean(sync)) if sync else 0.0, mini_batches=mini_batches, ppo_epochs=epochs)
+                     sync_s=float(np.mean(sync)) if sync else 0.0, mini_batches=mini_batches, ppo_epochs=epochs,
+                     micro_batch_tokens=micro)
 
 
 def calibrate(run: MeasuredRun) -> tuple[Scenario, dict[str, float]]:

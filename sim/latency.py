@@ -78,7 +78,7 @@ class Fitted:
 
     def forward_s(self, rows: int, query_tokens: float, kv_tokens: float) -> float:
         s = self.spec
-        return self._query_part(query_tokens) + s.kv_s * kv_tokens
+        return self._query_part(query_tokens) + s.kv_s * kv_tokens + s.attn_s * query_tokens * kv_tokens / max(rows, 1)
 
     def _query_part(self, q: float) -> float:
         s = self.spec

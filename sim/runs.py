@@ -66,6 +66,10 @@ class DecodeStep:
     def kv_tokens(self) -> float:
         return self.batch_size * self.context_mean
 
+    @property
+    def attn_pairs(self) -> float:  # (query, cached key) pairs attention scores: each computed token over its row's context
+        return self.query_tokens * self.context_mean
+
 
 @dataclass(frozen=True)
 class RolloutRecord:
@@ -112,7 +116,11 @@ class MeasuredRun:
 
     def trainer(self, key: str, default: int) -> int:
         """An integer of the run's trainer config section (e.g. mini_batches), default without config.yaml."""
-        return int(self.config.get("trainer", {}).get(key, default))
+        return self.setting("trainer", key, default)
+
+    def setting(self, section: str, key: str, default: int) -> int:
+        """An integer of a section of the run's config.yaml (e.g. actor.micro_batch_tokens), default without it."""
+        return int((self.config.get(section) or {}).get(key, default))
 
 
 def rollout_s(m: dict[str, Any]) -> float:

@@ -165,16 +165,33 @@ def chunks(rows: np.ndarray, k: int) -> list[np.ndarray]:
     return [rows[i:i + size] for i in range(0, len(rows), size)]
 
 
+def micro_padded(lengths: np.ndarray, budget: int) -> float:
+    """Padded tokens of one rank's mini-batch of rows with these lengths (prompt + response) as
+    the actor cuts it (pipeline/actors/forward.micro_batches): longest first, a micro-batch takes
+    rows while rows x its longest <= budget and is padded to its longest row; budget 0: one
+    micro-batch."""
+    if budget <= 0 or len(lengths) == 0:
+        return float(len(lengths) * lengths.max()) if len(lengths) else 0.0
+    order = np.sort(lengths)[::-1]
+    padded, start = 0.0, 0
+    for i in range(1, len(order) + 1):
+        if i == len(order) or (i - start + 1) * order[start] > budget:
+            padded += (i - start) * float(order[start])
+            start = i
+    return padded
+
+
 def padded_tokens(phases: PhaseSpec, parts: list[np.ndarray], prompt_len: int) -> tuple[float, float]:
     """(the largest rank's real tokens, one epoch's padded tokens) of ranks holding these
     responses ([n_r] lengths in batch order each): every rank cuts its rows into
-    `phases.mini_batches` mini-batches padded to their longest row, and a mini-batch waits for
-    its largest rank."""
+    `phases.mini_batches` mini-batches, each into micro-batches (`micro_padded`), and a
+    mini-batch waits for its largest rank."""
     real = max(float(p.sum()) + len(p) * prompt_len for p in parts)
     cut = [chunks(p, phases.mini_batches) for p in parts]
     padded = 0.0
     for i in range(max(len(c) for c in cut)):
-        padded += max((len(c[i]) * (prompt_len + float(c[i].max())) for c in cut if i < len(c)), default=0.0)
+        padded += max((micro_padded(c[i] + prompt_len, phases.micro_batch_tokens) for c in cut if i < len(c)),
+                      default=0.0)
     return real, padded
 
 

@@ -101,11 +101,13 @@ def predicted_spec(calibrated: Scenario, run: MeasuredRun) -> SpecSpec | None:
 
 
 def predicted_setup(calibrated: Scenario, run: MeasuredRun) -> Scenario:
-    """The calibrated scenario with the predicted run's trainer mini-batches and epochs."""
+    """The calibrated scenario with the predicted run's trainer mini-batches, epochs and micro-batch budget."""
     if not calibrated.phases.mini_batches or not run.config:
         return calibrated
-    phases = replace(calibrated.phases, mini_batches=run.trainer("mini_batches", calibrated.phases.mini_batches),
-                     ppo_epochs=run.trainer("ppo_epochs", calibrated.phases.ppo_epochs))
+    ph = calibrated.phases
+    phases = replace(ph, mini_batches=run.trainer("mini_batches", ph.mini_batches),
+                     ppo_epochs=run.trainer("ppo_epochs", ph.ppo_epochs),
+                     micro_batch_tokens=run.setting("actor", "micro_batch_tokens", ph.micro_batch_tokens))
     return replace(calibrated, phases=phases)
 
 

@@ -26,7 +26,7 @@ from sim.trace import write_run
 from sim.validation import validate
 from tests.test_sim_model import small_scenario
 
-TRUTH = LatencySpec(kind="fitted", base_s=0.004, query_s=1e-5, kv_s=2e-7, draft_base_s=3e-4, draft_token_s=1e-5,
+TRUTH = LatencySpec(kind="fitted", base_s=0.004, query_s=1e-5, kv_s=2e-7, attn_s=1e-7, draft_base_s=3e-4, draft_token_s=1e-5,
                     other_base_s=2e-4, other_row_s=1e-6, other_verify_s=3e-6, prefill_token_s=2e-5)
 ARM = ArmSpec(name="d3k1v3", depth=3, verify_tokens=3, accept_len=2.5)
 
@@ -59,7 +59,7 @@ def test_nnls_drops_columns_that_would_go_negative():
 def test_calibration_recovers_the_latency_model_of_a_noiseless_run(tmp_path):
     scn = measured_scenario(2, 8)
     fitted, metrics = calibrate(read_run(make_run(tmp_path / "a", scn) / "metrics.jsonl"))
-    for key in ("base_s", "query_s", "kv_s", "draft_base_s", "draft_token_s", "other_base_s", "other_row_s",
+    for key in ("base_s", "query_s", "kv_s", "attn_s", "draft_base_s", "draft_token_s", "other_base_s", "other_row_s",
                 "other_verify_s", "prefill_token_s"):
         assert getattr(fitted.latency, key) == pytest.approx(getattr(TRUTH, key), rel=1e-4, abs=1e-12), key
     assert metrics["calibrate/forward_r2"] == pytest.approx(1.0)
@@ -168,7 +168,8 @@ def test_forward_table_keeps_a_staircase_that_a_line_misses():
     model = Fitted(spec)
     assert [model.forward_s(b, b, 50.0 * b) for b in (1, 6, 7, 12, 13, 16)] == \
         pytest.approx([0.09, 0.09, 0.175, 0.175, 0.255, 0.255])
-    beyond = 0.255 + spec.query_s * 4 + spec.kv_s * 50.0 * 4  # the fitted slopes beyond the last point
+    # the fitted slopes beyond the last point (decode passes: KV tokens and attention pairs are one count)
+    beyond = 0.255 + spec.query_s * 4 + (spec.kv_s + spec.attn_s) * 50.0 * 4
     assert model.forward_s(20, 20, 50.0 * 20) == pytest.approx(beyond)
     line = Fitted(replace(spec, table_tokens=[], table_s=[]))
     assert abs(line.forward_s(6, 6, 300.0) - 0.09) > 0.02  # what the table is for
@@ -204,13 +205,36 @@ def test_padded_update_waits_for_the_longest_row_of_each_mini_batch_on_the_large
     assert phase_times(scn, parts) == pytest.approx((18.0, 26.0, 0.0))
 
 
-def test_calibration_recovers_the_padded_update_cost(tmp_path):
+@pytest.mark.parametrize("budget", [0, 16, 40, 1000])
+def test_micro_batch_padding_is_the_actors_cut(budget):
+    import torch
+
+    from pipeline.actors.forward import micro_batches
+    from sim.step import micro_padded
+
+    rng = np.random.default_rng(budget)
+    for _ in range(20):
+        lengths = rng.integers(1, 60, size=int(rng.integers(1, 30)))
+        mask = torch.arange(60)[None, :] < torch.as_tensor(lengths)[:, None]
+        groups = micro_batches(mask, budget) if budget else [(torch.arange(len(lengths)), int(lengths.max()))]
+        assert micro_padded(lengths, budget) == sum(len(rows) * length for rows, length in groups)
+
+
+def test_verify_passes_cost_attention_pairs_beyond_their_kv_tokens():
+    model = Fitted(replace(TRUTH, base_s=0.0, query_s=0.0, kv_s=0.0))
+    decode, verify = model.forward_s(4, 4, 400.0), model.forward_s(4, 16, 400.0)  # 4 rows at context 100
+    assert decode == pytest.approx(TRUTH.attn_s * 400) and verify == pytest.approx(4 * decode)
+
+
+@pytest.mark.parametrize("micro", [0, 120])
+def test_calibration_recovers_the_padded_update_cost(tmp_path, micro):
     scn = measured_scenario(2, 8)
-    scn = replace(scn, phases=replace(scn.phases, mini_batches=2))
+    scn = replace(scn, phases=replace(scn.phases, mini_batches=2, micro_batch_tokens=micro))
     folder = make_run(tmp_path / "a", scn)
-    (folder / "config.yaml").write_text("trainer:\n  mini_batches: 2\n  ppo_epochs: 1\n")
+    actor = f"actor:\n  micro_batch_tokens: {micro}\n" if micro else ""
+    (folder / "config.yaml").write_text("trainer:\n  mini_batches: 2\n  ppo_epochs: 1\n" + actor)
     fitted, _ = calibrate(read_run(folder))
-    assert fitted.phases.mini_batches == 2
+    assert fitted.phases.mini_batches == 2 and fitted.phases.micro_batch_tokens == micro
     assert fitted.phases.update_s_per_token == pytest.approx(6e-4)
     assert fitted.phases.logprob_s_per_token == pytest.approx(2e-4)
 

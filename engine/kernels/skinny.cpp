@@ -37,8 +37,12 @@ static inline vf ld(const float* p) { return *reinterpret_cast<const vfu*>(p); }
 static inline vf ld(const uint16_t* p) {
 #if defined(__AVX512F__)
   return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-#else
+#elif defined(__AVX2__)
   return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+#else
+  vf r;
+  for (int i = 0; i < VW; ++i) r[i] = __builtin_bit_cast(float, (uint32_t)p[i] << 16);
+  return r;
 #endif
 }
 static inline void st(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
