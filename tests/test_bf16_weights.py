@@ -107,3 +107,16 @@ def test_bf16_weights_config_names_the_conflicting_keys():
         EngineConfig(weights="bfloat16", dtype="bfloat16").validate()
     with pytest.raises(ValueError, match="engine.weights must be"):
         EngineConfig(weights="int8").validate()
+
+
+def test_bf16_weights_without_the_kernels_is_an_error_saying_what_to_use(hf_folders):
+    import os
+    import subprocess
+    import sys
+
+    code = ("from engine.config import EngineConfig; from engine.engine import RolloutEngine\n"
+            f"RolloutEngine.from_pretrained({str(hf_folders['llama'])!r}, EngineConfig(weights='bfloat16'))")
+    env = {**os.environ, "TAILSPEC_CPU_KERNELS": "0"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "engine.weights=bfloat16" in run.stderr and "TAILSPEC_CPU_KERNELS=0" in run.stderr, run.stderr[-1500:]
