@@ -78,13 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    prompts = {b: chat_prompts(tokenizer, b) for b in args.batch}
     best = {(m, b): float("inf") for m in MODES for b in args.batch}
     tokens = {}
     for _ in range(args.repeat):
         for b in args.batch:
-            prompts = chat_prompts(tokenizer, b)
             for m, eng in engines.items():
-                tokens[m, b], t = timed(lambda: generate(eng, prompts, args.new_tokens))
+                tokens[m, b], t = timed(lambda: generate(eng, prompts[b], args.new_tokens))
                 best[m, b] = min(best[m, b], t)
     result = {"ratio": {}, "tok_s": {m: {} for m in MODES}, "numerics": {}, "new_tokens": args.new_tokens}
     print(f"{'batch':>5} " + " ".join(f"{m + ' tok/s':>16}" for m in MODES) + f" {'bf16w/fp32':>11} {'torch-bf16/fp32':>16}",
@@ -97,9 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{b:>5} " + " ".join(f"{tok_s[m]:>16.1f}" for m in MODES)
               + f" {tok_s['bf16w'] / tok_s['fp32']:>11.2f} {tok_s['torch-bf16'] / tok_s['fp32']:>16.2f}", file=sys.stderr)
     b = max(args.batch)
-    prompts = chat_prompts(tokenizer, b)
     for m in ("bf16w", "torch-bf16"):
-        result["numerics"][m] = numerics(engines["fp32"], engines[m], prompts, tokens["fp32", b], tokens[m, b])
+        result["numerics"][m] = numerics(engines["fp32"], engines[m], prompts[b], tokens["fp32", b], tokens[m, b])
         print(f"{m} against fp32 over {b} greedy responses: {result['numerics'][m]}", file=sys.stderr)
     finish(result, args.json)
     return 0

@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     lat = scn.latency
     print(f"calibrated on {run.name}: {metrics['calibrate/decode_passes']:.0f} decode passes after the warm-up, "
           f"{len(run.rollouts)} rollouts")
-    print(f"  forward_s = {lat.base_s:.3g} + {lat.query_s:.3g} * query_tokens + {lat.kv_s:.3g} * kv_tokens + {lat.attn_s:.3g} * query_tokens x context "
+    print(f"  forward_s = {lat.base_s:.3g} + {lat.query_s:.3g} * query_tokens + {lat.kv_s:.3g} * kv_tokens "
+          f"+ {lat.attn_s:.3g} * query_tokens x context "
           f"(R^2 {metrics['calibrate/forward_r2']:.3f}), as a table of {len(lat.table_tokens)} points over "
           f"{min(lat.table_tokens, default=0):.0f}-{max(lat.table_tokens, default=0):.0f} query tokens")
     print(f"  draft_s = depth * ({lat.draft_base_s:.3g} + {lat.draft_token_s:.3g} * rows * topk); "

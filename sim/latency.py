@@ -78,7 +78,8 @@ class Fitted:
 
     def forward_s(self, rows: int, query_tokens: float, kv_tokens: float) -> float:
         s = self.spec
-        return self._query_part(query_tokens) + s.kv_s * kv_tokens + s.attn_s * query_tokens * kv_tokens / max(rows, 1)
+        attn_pairs = query_tokens * kv_tokens / max(rows, 1)  # each computed token over its row's context
+        return self._query_part(query_tokens) + s.kv_s * kv_tokens + s.attn_s * attn_pairs
 
     def _query_part(self, q: float) -> float:
         s = self.spec

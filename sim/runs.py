@@ -67,7 +67,7 @@ class DecodeStep:
         return self.batch_size * self.context_mean
 
     @property
-    def attn_pairs(self) -> float:  # (query, cached key) pairs attention scores: each computed token over its row's context
+    def attn_pairs(self) -> float:  # attention scores: each computed token against its row's context
         return self.query_tokens * self.context_mean
 
 

@@ -170,8 +170,10 @@ def micro_padded(lengths: np.ndarray, budget: int) -> float:
     the actor cuts it (pipeline/actors/forward.micro_batches): longest first, a micro-batch takes
     rows while rows x its longest <= budget and is padded to its longest row; budget 0: one
     micro-batch."""
-    if budget <= 0 or len(lengths) == 0:
-        return float(len(lengths) * lengths.max()) if len(lengths) else 0.0
+    if len(lengths) == 0:
+        return 0.0
+    if budget <= 0:
+        return float(len(lengths) * lengths.max())
     order = np.sort(lengths)[::-1]
     padded, start = 0.0, 0
     for i in range(1, len(order) + 1):

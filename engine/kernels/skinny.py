@@ -4,7 +4,8 @@
 `sm.matmul(x, bias, residual)` computes `x @ w (+ bias) (+ residual)` for x [M, K] with few rows
 (decode and verify passes). `SkinnyMatrix(w, bf16=True)` keeps the panels in bf16: half the bytes
 streamed per product, each weight widened back to float32 exactly in the kernel, so the result is
-the float32 product over `w` rounded to bf16 (`w.bfloat16()`), with the same row independence. Each output row is accumulated on its own in a fixed order, so a
+the float32 product over `w` rounded to bf16 (`w.bfloat16()`), with the same row independence.
+Each output row is accumulated on its own in a fixed order, so a
 row's result does not depend on M nor on the host's tuned loop parameters (engine/kernels/params.py);
 the panel width those fix is read once, when the library loads, and never changes after.
 """
@@ -31,21 +32,13 @@ class SkinnyMatrix:
         if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
             raise ValueError(f"SkinnyMatrix takes a 2-D float32 CPU matrix, got {tuple(w.shape)} {w.dtype} on {w.device}")
         lib = library()
-        self.lib = lib
         self.K, self.N = w.shape
         tn = lib.skinny_tile_n()
-        size = -(-self.N // tn) * self.K * tn
-        self.bf16 = bf16
-        if bf16:
-            w = w.detach().to(torch.bfloat16).contiguous()
-            self.panels = torch.empty(size, dtype=torch.bfloat16)  # [P, K, TN], bf16 bits
-            lib.skinny_pack_bf16(w.data_ptr(), self.N, self.panels.data_ptr(), self.K, self.N)
-            self.gemm = lib.skinny_gemm_bf16
-        else:
-            w = w.detach().contiguous()
-            self.panels = torch.empty(size, dtype=torch.float32)  # [P, K, TN]
-            lib.skinny_pack(w.data_ptr(), self.N, self.panels.data_ptr(), self.K, self.N)
-            self.gemm = lib.skinny_gemm
+        dtype, pack, self.gemm = ((torch.bfloat16, lib.skinny_pack_bf16, lib.skinny_gemm_bf16) if bf16 else
+                                  (torch.float32, lib.skinny_pack, lib.skinny_gemm))
+        w = w.detach().to(dtype).contiguous()
+        self.panels = torch.empty(-(-self.N // tn) * self.K * tn, dtype=dtype)  # [P, K, TN] (bf16: their bits)
+        pack(w.data_ptr(), self.N, self.panels.data_ptr(), self.K, self.N)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N] = x @ w (+ bias [N]) (+ residual [M, N])."""
