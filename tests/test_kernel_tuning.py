@@ -20,8 +20,8 @@ OK, WHY = available()
 needs_kernels = pytest.mark.skipif(not OK, reason=f"CPU kernels unavailable or not serving here: {WHY}")
 
 
-def P(nv, r, pf=32, mc=CHUNK_ALL):
-    return KernelParams(panel_vectors=nv, block_rows=r, prefetch=pf, chunk_rows=mc)
+def P(nv, r, pf=32, mc=CHUNK_ALL, rw=0):
+    return KernelParams(panel_vectors=nv, block_rows=r, prefetch=pf, chunk_rows=mc, wide_block_rows=rw)
 
 
 def test_choose_takes_the_least_total_log_slowdown_not_the_least_total_time():
@@ -44,18 +44,37 @@ def test_choose_ignores_candidates_missing_a_row_count_and_refuses_an_empty_tabl
 
 
 def synthetic(p: KernelParams, m: int) -> float:
-    """A cost model with one best point: nv=2 r=4, prefetch 64, chunks of 128 rows."""
-    tile = abs(p.panel_vectors - 2) + abs(p.block_rows - 4) / 4
-    return (1 + tile) * m + abs(p.prefetch - 64) / 64 + (0 if p.chunk_rows == 128 else 0.5) * m / 256
+    """A cost model with one best point: nv=2, r=4 for narrow passes and 6 for wide ones (>= 128
+    rows), prefetch 64, chunks of about 128 rows."""
+    wide = m >= 128
+    r = (p.wide_block_rows or p.block_rows) if wide else p.block_rows
+    tile = abs(p.panel_vectors - 2) + abs(r - (6 if wide else 4)) / 4
+    return (1 + tile) * m + abs(p.prefetch - 64) / 64 + (0 if 100 <= p.chunk_rows <= 130 else 0.5) * m / 256
 
 
-def test_search_is_deterministic_and_finds_the_synthetic_optimum():
+def test_search_is_deterministic_and_finds_the_synthetic_optimum_with_its_own_wide_block():
     tiles = tune.tiles(8, lambda nv: (15 - nv) // nv)
     runs = [tune.search(synthetic, P(2, 6), tiles) for _ in range(2)]
     assert runs[0] == runs[1]
     chosen, log = runs[0]
-    assert chosen == P(2, 4, 64, 128)
-    assert set(log) == {"tile", "prefetch", "chunk"}
+    assert chosen == P(2, 4, 64, 126, rw=6)  # 126: whole wide blocks of 6 rows
+    assert set(log) == {"tile", "prefetch", "wide"}
+
+
+def test_wide_candidates_share_the_panel_width_and_name_the_narrow_block_zero():
+    tiles = tune.tiles(8, lambda nv: (15 - nv) // nv)
+    cands = tune.wide_candidates(P(2, 4, 64), tiles)
+    assert {c.panel_vectors for c in cands} == {2} and len(set(cands)) == len(cands)
+    assert {c.wide_block_rows for c in cands} == {0, 2, 6}  # 4, the narrow block, is 0
+    assert all(c.chunk_rows == CHUNK_ALL or c.chunk_rows % (c.wide_block_rows or 4) == 0 for c in cands)
+
+
+def test_params_from_an_older_record_take_the_defaults_and_unknown_keys_are_refused():
+    old = {"panel_vectors": 3, "block_rows": 8, "prefetch": 16, "chunk_rows": 512}
+    assert kparams.from_dict(old) == P(3, 8, 16, 512, rw=0)
+    assert kparams.from_dict(P(2, 4, rw=6).as_dict()) == P(2, 4, rw=6)
+    with pytest.raises(ValueError, match="unknown skinny kernel parameters"):
+        kparams.from_dict({**old, "blok_rows": 4})
 
 
 def test_search_out_of_time_keeps_the_starting_point_measured():
@@ -98,8 +117,8 @@ class FakeLib:
     def skinny_max_rows(self, nv):
         return (15 - nv) // nv
 
-    def skinny_set_params(self, nv, r, pf, mc):
-        self.applied = (nv, r, pf, mc)
+    def skinny_set_params(self, nv, r, pf, mc, rw):
+        self.applied = (nv, r, pf, mc, rw)
         return 0
 
 
@@ -116,7 +135,7 @@ def test_a_failed_tuning_falls_back_to_the_defaults_with_one_warning_and_writes_
         t = tuning_cache.settle(lib, tmp_path, "digest", ["-O3"])
     assert [str(w.message) for w in caught if "TailSpec" in str(w.message)] == [
         "TailSpec CPU kernels: tuning failed, using the default parameters: RuntimeError('timer exploded')"], caught
-    assert t.chosen == KernelParams(block_rows=6) and lib.applied == (2, 6, 32, CHUNK_ALL)
+    assert t.chosen == KernelParams(block_rows=6) and lib.applied == (2, 6, 32, CHUNK_ALL, 0)
     assert t.serves and t.source.startswith("defaults (tuning failed")
     assert not list(tmp_path.glob("tuning-*.json"))
 
@@ -146,7 +165,7 @@ def test_a_cached_choice_is_read_back_and_a_changed_key_measures_again(tmp_path,
     first = tuning_cache.settle(lib, tmp_path, "digest-a", ["-O3"])
     again = tuning_cache.settle(lib, tmp_path, "digest-a", ["-O3"])
     assert len(calls) == 1 and again.source == "cached" and again.chosen == first.chosen == P(1, 8, 16, 64)
-    assert lib.applied == (1, 8, 16, 64)
+    assert lib.applied == (1, 8, 16, 64, 0)
     tuning_cache.settle(lib, tmp_path, "digest-b", ["-O3"])  # new kernel sources
     assert len(calls) == 2
     monkeypatch.setenv("TAILSPEC_CPU_TUNE", "force")
@@ -167,7 +186,7 @@ def test_a_cached_choice_that_lost_somewhere_is_measured_again_and_the_better_on
     third = tuning_cache.settle(lib, tmp_path, "digest", ["-O3"])
     assert third.chosen == P(2, 6, 0, 64) and third.measures == 3 and not third.slower_rows
     assert tuning_cache.settle(lib, tmp_path, "digest", ["-O3"]).chosen == P(2, 6, 0, 64)  # settled: read back
-    assert len(calls) == 3 and lib.applied == (2, 6, 0, 64)
+    assert len(calls) == 3 and lib.applied == (2, 6, 0, 64, 0)
 
 
 def test_a_choice_that_still_loses_after_the_last_measure_is_kept_without_measuring_more(tmp_path, monkeypatch):
@@ -184,16 +203,18 @@ def test_every_tuning_candidate_keeps_rows_bit_for_bit_independent_and_equal_acr
     chosen = tuning().chosen
     torch.manual_seed(0)
     K, N = 96, 200
-    w, bias, x = torch.randn(K, N), torch.randn(N), torch.randn(40, K)
+    wide = int(lib.skinny_wide_rows())
+    w, bias, x = torch.randn(K, N), torch.randn(N), torch.randn(wide + 33, K)  # a wide pass, its rows alone and 40 at once
     cands = tune.tiles(lib.skinny_vector_width(), lib.skinny_max_rows)
-    cands += [P(2, 4, pf, mc) for pf in (0, 128) for mc in (4, 12, CHUNK_ALL)]
+    cands += [P(2, 4, pf, mc, rw) for pf in (0, 128) for mc in (4, 12, CHUNK_ALL) for rw in (0, 3, 6)]
     reference = None
     try:
         for p in cands:
             kparams.apply(lib, p)
             sm = SkinnyMatrix(w)
             full = sm.matmul(x, bias=bias)
-            for i in (0, 7, 39):
+            assert torch.equal(sm.matmul(x[:40], bias=bias), full[:40]), p.label()  # narrow pass = wide pass
+            for i in (0, 7, 39, wide + 32):
                 assert torch.equal(sm.matmul(x[i : i + 1], bias=bias), full[i : i + 1]), p.label()
             if reference is None:
                 reference = full

@@ -99,7 +99,8 @@ def _loaded() -> tuple[ctypes.CDLL, tuning_cache.Tuning]:
     for name, args in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
-    lib.skinny_set_params.argtypes, lib.skinny_set_params.restype = [INT, INT, I, I], INT
+    lib.skinny_set_params.argtypes, lib.skinny_set_params.restype = [INT, INT, I, I, INT], INT
+    lib.skinny_wide_rows.argtypes, lib.skinny_wide_rows.restype = [], I
     lib.skinny_max_rows.argtypes, lib.skinny_max_rows.restype = [INT], INT
     return lib, tuning_cache.settle(lib, build_dir, digest.hexdigest()[:16], [cxx, *FLAGS])
 

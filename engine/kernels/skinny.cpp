@@ -10,7 +10,9 @@
 // The shape of the loops is set at run time by `skinny_set_params` (engine/kernels/tune.py
 // measures them per host): NV (panel width, fixed when W is packed), R (rows per register
 // block), the prefetch distance, and MC (rows per chunk: threads split (chunk, panel) pairs, so
-// MC >= M splits columns and a small MC splits rows too). None of them changes a result: every
+// MC >= M splits columns and a small MC splits rows too), and RW (rows per register block of a
+// wide pass, of WIDE rows or more: prefill, long verify passes, where the best block shape is not
+// a decode step's; 0: R). None of them changes a result: every
 // output element is one float accumulator fed x[m, k] * W[k, n] for k = 0..K-1 in order, so a
 // row's result does not depend on M, on the parameters, or on the threads.
 // Called through ctypes (engine/kernels/skinny.py); threads from the OpenMP runtime torch loaded.
@@ -66,7 +68,9 @@ struct Params {
   int r = NREG == 32 ? 8 : 6;  // rows per register block
   int64_t pf = 32;     // panel rows prefetched ahead (0: none)
   int64_t mc = 1 << 30;  // rows per chunk
+  int rw = 0;          // rows per register block from WIDE rows on (0: r)
 };
+constexpr int64_t WIDE = 128;
 Params g;
 
 // WT: the packed weights' type, float (float32) or uint16_t (bf16 bits).
@@ -129,7 +133,8 @@ const Table<uint16_t> TABLE_BF16;
 template <typename WT>
 void gemm(const float* x, int64_t ldx, const WT* wp, const float* bias, const float* c, int64_t ldc, float* y,
           int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads, const panel_fn<WT>* fns) {
-  const Params p = g;
+  Params p = g;
+  if (M >= WIDE && p.rw) p.r = p.rw;
   const int64_t TN = p.nv * VW;
   const int64_t P = (N + TN - 1) / TN;
   const int64_t mc = ((p.mc < M ? p.mc : M) + p.r - 1) / p.r * p.r;  // whole register blocks per chunk
@@ -169,11 +174,12 @@ extern "C" {
 int skinny_vector_width() { return VW; }
 int skinny_max_rows(int nv) { return nv >= 1 && nv <= NV_MAX ? r_max(nv) : 0; }
 int skinny_tile_n() { return g.nv * VW; }
+int64_t skinny_wide_rows() { return WIDE; }
 
-// Returns 0, or -1 (nothing changed) when nv / r are out of range.
-int skinny_set_params(int nv, int r, int64_t pf, int64_t mc) {
-  if (nv < 1 || nv > NV_MAX || r < 1 || r > r_max(nv) || pf < 0 || mc < 1) return -1;
-  g.nv = nv, g.r = r, g.pf = pf, g.mc = mc;
+// Returns 0, or -1 (nothing changed) when nv / r / rw are out of range.
+int skinny_set_params(int nv, int r, int64_t pf, int64_t mc, int rw) {
+  if (nv < 1 || nv > NV_MAX || r < 1 || r > r_max(nv) || rw < 0 || rw > r_max(nv) || pf < 0 || mc < 1) return -1;
+  g.nv = nv, g.r = r, g.pf = pf, g.mc = mc, g.rw = rw;
   return 0;
 }
 

@@ -1,8 +1,10 @@
 """Per-host tuning of the skinny kernel's loop parameters (engine/kernels/params.py), and the guard.
 
 `search(measure, ...)` is a staged coordinate search over `KernelParams`: first the register
-tile (panel width x rows per block) at decode row counts, then the prefetch distance, then the
-row chunk at prefill row counts. Each stage keeps the candidate `choose` picks from the
+tile (panel width x rows per block) at decode row counts, then the prefetch distance, then, at
+prefill row counts (wide passes), the rows per register block and the row chunk together: the
+panel width is shared (it fixes the packed layout), the block is not, since a compute-bound pass
+of a thousand rows wants another block shape than a decode step. Each stage keeps the candidate `choose` picks from the
 measured costs, so the result is a pure function of the measurements (unit-tested on synthetic
 cost tables); `measure(params, rows)` -> seconds is injected (`Timer` times the real kernel).
 `guard(ratios)` says whether the kernel serves at all: torch / kernel time per row count, over
@@ -30,7 +32,7 @@ from engine.kernels.params import CHUNK_ALL, KernelParams, apply
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))
 TILE_ROWS = (1, 4, 16, 64)  # decode and small verify passes: memory-bound to compute-bound
 PREFETCH_ROWS = (1, 16)
-CHUNK_ROWS = (256, 1024)  # long verify passes, prefill and teacher-forced passes
+CHUNK_ROWS = (256, 1024)  # wide passes: long verify passes, prefill and teacher-forced passes (>= skinny_wide_rows())
 GUARD_ROWS = (1, 4, 16, 64, 256, 1024)
 PREFETCH = (0, 16, 32, 64, 128)
 CHUNKS = (CHUNK_ALL, 512, 128, 32)
@@ -87,10 +89,20 @@ def search(measure: Measure, start: KernelParams, tile_set: list[KernelParams],
     tile_cands = [replace(t, prefetch=start.prefetch, chunk_rows=start.chunk_rows) for t in tile_set]
     p = stage("tile", tile_cands, TILE_ROWS, p, measure_core)
     p = stage("prefetch", [replace(p, prefetch=d) for d in PREFETCH], PREFETCH_ROWS, p, measure_core)
-    chunks = [replace(p, chunk_rows=c if c == CHUNK_ALL else max(p.block_rows, c // p.block_rows * p.block_rows))
-              for c in CHUNKS]
-    p = stage("chunk", chunks, CHUNK_ROWS, p)
+    p = stage("wide", wide_candidates(p, tile_set), CHUNK_ROWS, p)
     return p, log
+
+
+def wide_candidates(p: KernelParams, tile_set: list[KernelParams]) -> list[KernelParams]:
+    """`p` with every register block of its panel width in `tile_set` for wide passes, each with
+    every row chunk of `CHUNKS` (a whole number of blocks)."""
+    rows = sorted({t.block_rows for t in tile_set if t.panel_vectors == p.panel_vectors} | {p.block_rows})
+    out = []
+    for r in rows:
+        for c in CHUNKS:
+            out.append(replace(p, wide_block_rows=0 if r == p.block_rows else r,
+                               chunk_rows=c if c == CHUNK_ALL else max(r, c // r * r)))
+    return out
 
 
 def guard(ratios: dict[int, float]) -> tuple[bool, list[int]]:
