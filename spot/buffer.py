@@ -35,7 +35,11 @@ releases a dead process's flock, so the next writer does not wait for it.
 Lifetime: `create` writes a fresh segment under a temporary name and links it into place (a segment
 appears initialised or not at all), registers an atexit `unlink`, and reclaims a segment of the same
 name whose owner is dead (a crashed run); `spot.segment.reclaim_stale` does so for every tailspec segment.
-Payload memory is reserved at create (posix_fallocate), so a full /dev/shm fails there, not later.
+Payload memory is reserved at create (posix_fallocate), so a full /dev/shm fails there, not later,
+and every process maps it populated (MAP_POPULATE, where the platform has it): a flush then writes
+into mapped pages instead of faulting them in one by one on the producer's critical path (a step's
+flush of 128 tiny-model rollouts: ~19 -> ~14 ms on the 2-core Intel host; `put_many` holds the
+writers' lock once for all of them).
 
 Sampling (`sample`) mixes step s's finished entries with step s-1's longest ones (TLT's one-step
 offset): the responses that finish early in a step are the short ones, so training only on them
@@ -139,7 +143,7 @@ class DataBuffer:
         self._thread_lock = threading.Lock()  # flock does not exclude threads sharing this fd
         st = os.fstat(fd)
         size, self._file_id = st.st_size, (st.st_dev, st.st_ino)
-        self._mm = mmap.mmap(fd, size)
+        self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         self._header = np.ndarray((), _HEADER, buffer=self._mm)
         h = self._header
         if size < _PAGE or int(h["magic"]) != _MAGIC or int(h["version"]) != _VERSION:
@@ -215,6 +219,17 @@ class DataBuffer:
 
     def put(self, entry: BufferEntry) -> int:
         """Appends an entry (evicting the oldest to make room); -> its sequence number."""
+        return self.put_many([entry])[0]
+
+    def put_many(self, entries: list[BufferEntry]) -> list[int]:
+        """Appends entries in order under one hold of the writers' lock (a flush of a step's
+        rollouts); -> their sequence numbers. Each entry becomes visible as it is written."""
+        for entry in entries:
+            self._check(entry)
+        with self._write_lock():
+            return [self._write(entry) for entry in entries]
+
+    def _check(self, entry: BufferEntry) -> None:
         T = entry.length
         if entry.features.shape[1] != self.feature_size:
             raise ValueError(f"entry {entry.key!r} has feature size {entry.features.shape[1]}, the buffer holds "
@@ -229,29 +244,34 @@ class DataBuffer:
         if nbytes > self.capacity_bytes:
             raise ValueError(f"entry {entry.key!r} needs {nbytes} bytes, more than the buffer's capacity "
                              f"{self.capacity_bytes}; raise capacity_bytes or shorten rollouts")
+
+    def _write(self, entry: BufferEntry) -> int:
+        """One checked entry into the ring, the writers' lock held; -> its sequence number."""
+        T, key = entry.length, entry.key.encode()
+        tok_bytes = T * 8
+        nbytes = tok_bytes + T * self.feature_size * self.dtype.itemsize
         span = _round_up(nbytes, _ALIGN)
-        with self._write_lock():
-            h = self._header
-            head, wp = int(h["head"]), int(h["wp"])
-            pos = wp if wp + nbytes <= self.capacity_bytes else 0
-            # the bytes this write claims: when it wraps, [wp, capacity) too (the oldest entries lie there)
-            claimed = [(pos, pos + nbytes)] if pos == wp else [(wp, self.capacity_bytes), (0, nbytes)]
-            self._evict(head, claimed)
-            s = self._slots[head % self.max_entries]
-            _make_odd(s)
-            s["seq"], s["offset"], s["nbytes"], s["length"] = head, pos, nbytes, T
-            s["step"], s["policy_version"], s["finished"] = entry.step, entry.policy_version, int(entry.finished)
-            s["prompt_len"], s["key_len"], s["key"] = entry.prompt_len, len(key), key
-            s["valid"] = 1
-            # the ring state moves before the payload: a writer dying below leaves an odd slot that
-            # the ring owns, and the next writers evict it like any other (no sequence number reused)
-            h["wp"], h["head"] = min(pos + span, self.capacity_bytes), head + 1
-            self._data[pos:pos + tok_bytes].view(torch.int64).copy_(entry.tokens)
-            if _MID_WRITE_HOOK is not None:
-                _MID_WRITE_HOOK()
-            self._data[pos + tok_bytes:pos + nbytes].view(self.dtype).view(T, self.feature_size).copy_(
-                entry.features.detach())
-            s["lock"] = int(s["lock"]) + 1  # even: complete
+        h = self._header
+        head, wp = int(h["head"]), int(h["wp"])
+        pos = wp if wp + nbytes <= self.capacity_bytes else 0
+        # the bytes this write claims: when it wraps, [wp, capacity) too (the oldest entries lie there)
+        claimed = [(pos, pos + nbytes)] if pos == wp else [(wp, self.capacity_bytes), (0, nbytes)]
+        self._evict(head, claimed)
+        s = self._slots[head % self.max_entries]
+        _make_odd(s)
+        s["seq"], s["offset"], s["nbytes"], s["length"] = head, pos, nbytes, T
+        s["step"], s["policy_version"], s["finished"] = entry.step, entry.policy_version, int(entry.finished)
+        s["prompt_len"], s["key_len"], s["key"] = entry.prompt_len, len(key), key
+        s["valid"] = 1
+        # the ring state moves before the payload: a writer dying below leaves an odd slot that
+        # the ring owns, and the next writers evict it like any other (no sequence number reused)
+        h["wp"], h["head"] = min(pos + span, self.capacity_bytes), head + 1
+        self._data[pos:pos + tok_bytes].view(torch.int64).copy_(entry.tokens)
+        if _MID_WRITE_HOOK is not None:
+            _MID_WRITE_HOOK()
+        self._data[pos + tok_bytes:pos + nbytes].view(self.dtype).view(T, self.feature_size).copy_(
+            entry.features.detach())
+        s["lock"] = int(s["lock"]) + 1  # even: complete
         return head
 
     def _evict(self, head: int, claimed: list[tuple[int, int]]) -> None:

@@ -64,7 +64,7 @@ class DataBufferSink:
     # -- into the buffer -------------------------------------------------------------------
     def flush(self, rollouts: Sequence[Rollout], step: int) -> int:
         """Puts one entry per rollout of this generate call; returns how many were put."""
-        put = 0
+        entries = []
         slots = {key: slot for slot, key in self.keys.items()}
         for ro in rollouts:
             L = len(ro.tokens)
@@ -76,11 +76,11 @@ class DataBufferSink:
             n = min(L, self.max_len) - 1
             tokens = torch.cat([p_tok, torch.tensor(ro.tokens[:n], dtype=torch.long)])
             features = torch.cat([p_feat, self.block[slot, :n]])
-            self.buffer.put(BufferEntry(
+            entries.append(BufferEntry(
                 key=f"{ro.prompt_id}/{ro.sample}", step=step, policy_version=ro.policy_version,
                 finished=ro.finish_reason == FinishReason.STOP, prompt_len=p_tok.numel(), tokens=tokens, features=features,
             ))
-            put += 1
+        self.buffer.put_many(entries)  # one hold of the writers' lock for the step's rollouts
         # The entries are copies: the block is kept for the next call, so its pages are not faulted in anew.
         self.prompts, self.keys = {}, {}
-        return put
+        return len(entries)

@@ -186,6 +186,18 @@ def test_an_entry_larger_than_the_capacity_is_refused(seg):
                                 tokens=torch.arange(4), features=torch.zeros(4, F + 1)))
 
 
+def test_put_many_writes_in_order_as_single_puts_do_and_checks_every_entry_before_writing(seg):
+    with DataBuffer.create(seg, capacity_bytes=100_000, feature_size=F, max_entries=8) as buf:
+        seqs = buf.put_many([_entry(f"m{i}/0", 10 + i) for i in range(12)])  # more than max_entries: evicts
+        assert seqs == list(range(12))
+        infos = buf.infos()
+        assert [x.seq for x in infos] == list(range(4, 12)) and all(_intact(buf.read(x)) for x in infos)
+        with pytest.raises(ValueError, match="more than the buffer's capacity"):
+            buf.put_many([_entry("ok/0", 4), _entry("big/0", 1000)])
+        assert [x.seq for x in buf.infos()] == list(range(4, 12))  # nothing of the refused batch was written
+        assert buf.put(_entry("after/0", 4)) == 12
+
+
 def test_read_of_an_overwritten_entry_is_none(seg):
     with DataBuffer.create(seg, capacity_bytes=20_000, feature_size=F) as buf:
         buf.put(_entry("first/0", 64))
