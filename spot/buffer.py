@@ -38,7 +38,7 @@ name whose owner is dead (a crashed run); `spot.segment.reclaim_stale` does so f
 Payload memory is reserved at create (posix_fallocate), so a full /dev/shm fails there, not later,
 and every process maps it populated (MAP_POPULATE, where the platform has it): a flush then writes
 into mapped pages instead of faulting them in one by one on the producer's critical path (a step's
-flush of 128 tiny-model rollouts: ~19 -> ~14 ms on the 2-core Intel host; `put_many` holds the
+flush of 128 tiny-model rollouts: 19-24 ms -> 14-18 ms, runs alternated on the 2-core Intel host; `put_many` holds the
 writers' lock once for all of them).
 
 Sampling (`sample`) mixes step s's finished entries with step s-1's longest ones (TLT's one-step
