@@ -304,17 +304,21 @@ class GenerateRun:
         """Committed tokens that stay in the rollout: entry j of the path (0 = the root) at
         response position gen_before - 1 + j, for j < emitted."""
         feats = target_features(out, self.sink_layers)  # [b, 1+N, F]
-        if src is not None:
-            feats = feats.gather(1, src.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
         W = fed.shape[1]
-        j = torch.arange(W, device=self.device)
-        keep = j < emitted.unsqueeze(1)  # [b, W]
-        rows = torch.arange(b, device=self.device).unsqueeze(1).expand(b, W)[keep]
+        if W == 1:  # a plain step: every active row committed its root (retire() left room for it), no mask
+            rows = torch.arange(b, device=self.device)
+            position, tokens, feats = gen_before - 1, fed[:, 0], feats[:, 0]
+        else:
+            if src is not None:
+                feats = feats.gather(1, src.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
+            j = torch.arange(W, device=self.device)
+            keep = j < emitted.unsqueeze(1)  # [b, W]
+            rows = torch.arange(b, device=self.device).unsqueeze(1).expand(b, W)[keep]
+            position, tokens, feats = (gen_before.unsqueeze(1) - 1 + j)[keep], fed[keep], feats[keep]
         state = self.state
         self.e.sink.tokens(CommittedFeatures(
             prompt_ids=state.prompt_ids[:b], samples=state.sample[:b].clone(), rollouts=state.rollout[:b].clone(), row=rows,
-            position=(gen_before.unsqueeze(1) - 1 + j)[keep], tokens=fed[keep], features=feats[keep],
-            policy_version=self.e.version,
+            position=position, tokens=tokens, features=feats, policy_version=self.e.version,
         ))
 
     def _propose(self, b: int, shape: DraftShape) -> DraftTree:

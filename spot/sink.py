@@ -38,6 +38,7 @@ class DataBufferSink:
         F = self.buffer.feature_size
         self.prompts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # prompt_id -> (tokens [P], features [P, F])
         self.keys: dict[int, tuple[str, int]] = {}  # row of the block (its rollout index) -> (prompt_id, sample)
+        self.seen = torch.zeros(rows, dtype=torch.bool)  # [R] rows in `keys`
         self.block = torch.empty(rows, self.max_len, F, dtype=self.dtype)  # [R, L, F]
 
     # -- FeatureSink -----------------------------------------------------------------------
@@ -47,19 +48,25 @@ class DataBufferSink:
     def tokens(self, entries: CommittedFeatures) -> None:
         slot_of_row = entries.rollouts.cpu()  # [b] a rollout's block row is its index in the generate call
         self._grow(int(slot_of_row.max()) + 1)
-        for r, slot in enumerate(slot_of_row.tolist()):
-            if slot not in self.keys:  # a row seen for the first time (it was just admitted)
+        new = (~self.seen[slot_of_row]).nonzero().squeeze(1)
+        if new.numel():  # rows seen for the first time (just admitted): a Python loop over those only
+            for r, slot in zip(new.tolist(), slot_of_row[new].tolist()):
                 self.keys[slot] = (entries.prompt_ids[r], int(entries.samples[r]))
+            self.seen[slot_of_row[new]] = True
         rows = slot_of_row[entries.row.cpu()]  # [M]
         pos = entries.position.cpu()
-        keep = pos < self.max_len
-        self.block[rows[keep], pos[keep]] = entries.features.detach()[keep.to(entries.features.device)].to("cpu", self.dtype)
+        features = entries.features.detach().to("cpu", self.dtype)
+        if pos.numel() and int(pos.max()) >= self.max_len:  # a generate longer than the sink's rollouts: keep what fits
+            keep = pos < self.max_len
+            rows, pos, features = rows[keep], pos[keep], features[keep]
+        self.block.view(-1, self.block.shape[-1]).index_copy_(0, rows * self.max_len + pos, features)  # block[rows, pos]
 
     def _grow(self, rows: int) -> None:
         if rows > self.block.shape[0]:  # grow by doubling: rare, amortised
             grown = torch.empty(max(8, rows, 2 * self.block.shape[0]), *self.block.shape[1:], dtype=self.dtype)
             grown[: self.block.shape[0]] = self.block
             self.block = grown
+            self.seen = torch.cat([self.seen, torch.zeros(grown.shape[0] - self.seen.shape[0], dtype=torch.bool)])
 
     # -- into the buffer -------------------------------------------------------------------
     def flush(self, rollouts: Sequence[Rollout], step: int) -> int:
@@ -83,4 +90,5 @@ class DataBufferSink:
         self.buffer.put_many(entries)  # one hold of the writers' lock for the step's rollouts
         # The entries are copies: the block is kept for the next call, so its pages are not faulted in anew.
         self.prompts, self.keys = {}, {}
+        self.seen = torch.zeros_like(self.seen)  # (not zero_(): it may be an inference-mode tensor)
         return len(entries)
