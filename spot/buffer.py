@@ -37,9 +37,9 @@ appears initialised or not at all), registers an atexit `unlink`, and reclaims a
 name whose owner is dead (a crashed run); `spot.segment.reclaim_stale` does so for every tailspec segment.
 Payload memory is reserved at create (posix_fallocate), so a full /dev/shm fails there, not later,
 and every process maps it populated (MAP_POPULATE, where the platform has it): a flush then writes
-into mapped pages instead of faulting them in one by one on the producer's critical path (a step's
-flush of 128 tiny-model rollouts: 19-24 ms -> 14-18 ms, runs alternated on the 2-core Intel host; `put_many` holds the
-writers' lock once for all of them).
+into mapped pages instead of faulting them in one by one on the producer's critical path. With
+`put_many` holding the writers' lock once for all of them, a step's flush of 128 tiny-model
+rollouts went from 19-24 ms to 14-18 ms (runs alternated, the 2-core Intel host).
 
 Sampling (`sample`) mixes step s's finished entries with step s-1's longest ones (TLT's one-step
 offset): the responses that finish early in a step are the short ones, so training only on them
@@ -239,17 +239,19 @@ class DataBuffer:
         key = entry.key.encode()
         if not 0 < len(key) <= _KEY_BYTES or b"\0" in key:
             raise ValueError(f"entry key {entry.key!r} must be 1..{_KEY_BYTES} UTF-8 bytes without NUL")
-        tok_bytes = T * 8
-        nbytes = tok_bytes + T * self.feature_size * self.dtype.itemsize
+        _, nbytes = self._payload_bytes(T)
         if nbytes > self.capacity_bytes:
             raise ValueError(f"entry {entry.key!r} needs {nbytes} bytes, more than the buffer's capacity "
                              f"{self.capacity_bytes}; raise capacity_bytes or shorten rollouts")
 
+    def _payload_bytes(self, T: int) -> tuple[int, int]:
+        """(token bytes, payload bytes) of an entry of T tokens: int64 ids, then [T, F] features."""
+        return T * 8, T * 8 + T * self.feature_size * self.dtype.itemsize
+
     def _write(self, entry: BufferEntry) -> int:
         """One checked entry into the ring, the writers' lock held; -> its sequence number."""
         T, key = entry.length, entry.key.encode()
-        tok_bytes = T * 8
-        nbytes = tok_bytes + T * self.feature_size * self.dtype.itemsize
+        tok_bytes, nbytes = self._payload_bytes(T)
         span = _round_up(nbytes, _ALIGN)
         h = self._header
         head, wp = int(h["head"]), int(h["wp"])
@@ -346,9 +348,8 @@ class DataBuffer:
             if v1 % 2 or int(row["valid"]) != 1 or int(row["seq"]) != info.seq:
                 return None
             pos, nbytes, T = int(row["offset"]), int(row["nbytes"]), int(row["length"])
-            tok_bytes = T * 8
-            if not (0 <= pos and pos + nbytes <= self.capacity_bytes
-                    and nbytes == tok_bytes + T * self.feature_size * self.dtype.itemsize):
+            tok_bytes, want = self._payload_bytes(T)
+            if not (0 <= pos and pos + nbytes <= self.capacity_bytes and nbytes == want):
                 return None  # header fields changed under us; the lock re-check would fail too
             tokens = self._data[pos:pos + tok_bytes].view(torch.int64).clone()
             features = self._data[pos + tok_bytes:pos + nbytes].view(self.dtype).view(T, self.feature_size).clone()

@@ -4,12 +4,13 @@ Vocabulary: a *panel* is `panel_vectors` vector registers of columns of the pack
 *register block* is `block_rows` rows whose accumulators stay in registers while one panel
 streams past; `prefetch` is how many panel rows ahead the kernel asks for (0: none); rows are
 split into chunks of `chunk_rows`, and the threads share out (chunk, panel) pairs, so a chunk
-at least M rows long splits columns only; a *wide* pass (`skinny_wide_rows()` rows or more: prefill,
-long verify passes) uses `wide_block_rows` rows per register block (0: `block_rows`), since the
-block that suits a decode step need not suit a compute-bound pass. None of these changes a result (each output element is
-one accumulator over k in order), so every set keeps the bit-for-bit row independence; they only
-change speed, which is why engine/kernels/tune.py may pick them per host. `panel_vectors` also
-fixes the packed layout: it is set once per process, before any matrix is packed.
+at least M rows long splits columns only; a *wide* pass (`skinny_wide_rows()` rows or more:
+prefill, long verify passes) uses `wide_block_rows` rows per register block (0: `block_rows`),
+since the block that suits a decode step need not suit a compute-bound pass. None of these
+changes a result (each output element is one accumulator over k in order), so every set keeps
+the bit-for-bit row independence; they only change speed, which is why engine/kernels/tune.py
+may pick them per host. `panel_vectors` also fixes the packed layout: it is set once per
+process, before any matrix is packed.
 """
 
 from __future__ import annotations

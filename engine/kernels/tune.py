@@ -4,9 +4,9 @@
 tile (panel width x rows per block) at decode row counts, then the prefetch distance, then, at
 prefill row counts (wide passes), the rows per register block and the row chunk together: the
 panel width is shared (it fixes the packed layout), the block is not, since a compute-bound pass
-of a thousand rows wants another block shape than a decode step. Each stage keeps the candidate `choose` picks from the
-measured costs, so the result is a pure function of the measurements (unit-tested on synthetic
-cost tables); `measure(params, rows)` -> seconds is injected (`Timer` times the real kernel).
+of a thousand rows wants another block shape than a decode step. Each stage keeps the candidate
+`choose` picks from the measured costs, so the result is a pure function of the measurements
+(unit-tested on synthetic cost tables); `measure(params, rows)` -> seconds is injected (`Timer` times the real kernel).
 `guard(ratios)` says whether the kernel serves at all: torch / kernel time per row count, over
 the row counts it serves. The engine then uses the kernels for the whole model or not at all:
 decode and verify passes of any row count must go through the same row-independent product
