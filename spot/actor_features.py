@@ -4,7 +4,7 @@ hidden states (vLLM while it runs an EAGLE drafter: engine.backends.vllm_engine)
 The native engine hands its features to a DataBufferSink as it decodes (spot.sink). Here the
 same entries come from the forward the loop runs anyway: the actor's old-log-prob recompute over
 the step's rollouts (pipeline.trainer), asked for hidden states too (`logprobs_kwargs`). Per
-rollout of L response tokens, as in DataBufferSink.flush:
+rollout of L response tokens, as in DataBufferSink's entries:
 
     tokens   = prompt + response[:L-1]     (the last response token is never fed to the target)
     features = the target's features at those positions                     [P + L - 1, F]
@@ -84,9 +84,12 @@ class ActorFeatures:
             put += 1
         return put
 
-    def flush(self, rollouts: Sequence[Rollout], step: int) -> int:
-        """spot.coordinator's sink hook after each generate call: nothing to do, the entries come later
-        from the actor forward (`put`)."""
+    # spot.coordinator's sink hooks after each generate call and as the idle window opens: nothing
+    # to do, the entries come later from the actor forward (`put`).
+    def stash(self, rollouts: Sequence[Rollout], step: int) -> None:
+        pass
+
+    def put_stashed(self, defer: int | None = None) -> int:
         return 0
 
 

@@ -6,8 +6,10 @@ plane: no Redis, ZMQ or Ray):
     GENERATING --rollouts done--> IDLE --spot work--> TRAINING --last rank done--> BARRIER
 
 `SpotWork` is the loop's idle-window hook (pipeline.idle.IdleWork). While a rank generates,
-its engine's feature sink collects the target's features; when its rollouts are done they go
-into the node's DataBuffer (`rollouts_done`). In the idle window the rank trains its copy of
+its engine's feature sink collects the target's features (stashed when its rollouts are done,
+`rollouts_done`) and the rank puts them into the node's DataBuffer as its idle window opens; the
+rank that finished last keeps them for its next window instead (spot.sink: nobody is left to
+train on them this step, and the put would delay the step). In the idle window the rank trains its copy of
 the drafter on buffer samples (the current step's finished responses mixed with the previous
 step's long ones) and checks before and inside each micro-step whether every rank is done, so it
 stops within about a third of a micro-step of the window's end (the micro-step in flight is dropped). Then the replicas are averaged, each weighted by the
@@ -88,12 +90,12 @@ class SpotWork:
         self._state(step, RankState.GENERATING)
 
     def rollouts_done(self, step: int, batch) -> None:
-        self.sink.flush(batch.rollouts, step)
+        self.sink.stash(batch.rollouts, step)
 
     def _rows(self, step: int):
         s = self.settings
-        # The newest step the producer has put: this one (the engine's sink, flushed as the rank's
-        # rollouts end) or the one before (the actor's forward, which runs after the idle window).
+        # The newest step the producer has put: this one (the engine's sink, put as the ranks'
+        # windows open) or the one before (the actor's forward, which runs after the idle window).
         newest = step - getattr(self.sink, "lag", 0)
         return [e.to_row() for e in self.buffer.sample(s.rows_per_step, step=newest, offset_ratio=s.offset_ratio,
                                                        generator=self.generator)]
@@ -101,6 +103,8 @@ class SpotWork:
     def work(self, window) -> dict[str, float]:
         step = window.step
         self._state(step, RankState.IDLE)
+        last = window.others_done()  # this rank finished last: its entries wait for its next window
+        self.sink.put_stashed(defer=step if last else None)
         self.trainer.model.refresh_head()  # the target's LM head changed at the last weight sync
         self._state(step, RankState.TRAINING)
         t0 = time.time()

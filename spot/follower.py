@@ -1,7 +1,7 @@
 """Rollout ranks of a run whose drafter is trained by an external spot pool (spot.pool).
 
 With `spot.mode: pool` the RL job does not train the drafter itself: its engines' feature sink
-fills the node's DataBuffer (named `spot.buffer_name`, so that `launch.spot_pool` members can
+fills the node's DataBuffer (as each rank's idle window opens, spot.coordinator's rule) (named `spot.buffer_name`, so that `launch.spot_pool` members can
 attach to it), and once per step, in the idle window where every rank is present, rank 0 reads
 the pool's newest publication (`<spot.pool_dir>/published/LATEST`) and tells the others its
 version through the job's TCPStore, so every rank loads the same drafter before the next step.
@@ -26,7 +26,7 @@ class PoolFollower:
         pass
 
     def rollouts_done(self, step: int, batch) -> None:
-        self.sink.flush(batch.rollouts, step)
+        self.sink.stash(batch.rollouts, step)
 
     def _newest(self, step: int) -> int:
         """The version every rank loads at this step (rank 0 reads the pool's folder)."""
@@ -40,6 +40,9 @@ class PoolFollower:
         return int(self.store.get(key).decode())
 
     def work(self, window) -> dict[str, float]:
+        # Put as the window opens; the rank that finished last keeps its entries for its next
+        # window (spot.sink): the pool trains while the step goes on, not in the window's time.
+        self.sink.put_stashed(defer=window.step if window.others_done() else None)
         version = self._newest(window.step)
         if version > self.drafter_version:
             path = self._folder(version)

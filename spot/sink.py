@@ -5,7 +5,13 @@ The engine hands every committed token's features to its sink as it computes the
 that entered the KV cache and stay in a rollout. `DataBufferSink` scatters them into one
 preallocated block per call of `generate` ([R, L, F], rows given out on first sight of a
 rollout key, grown by doubling, kept across calls), so a step costs one indexed copy, not a loop over tokens.
-`flush(rollouts, step)` then turns each finished rollout into a buffer entry and puts it:
+After a generate call, `stash(rollouts, step)` detaches what it captured (the sink takes a
+spare block for the next call) and `put_stashed()` turns each rollout into a buffer entry and
+puts it; `flush` does both. The rank coordinator puts its stash at the start of its idle window,
+except on the rank that finished last: there nobody is left to train on the entries this step,
+and the put (tens of ms) would be on the step's critical path, so that stash waits for the
+rank's next idle window (`put_stashed(defer=step)`; at most one step is held back, and its
+entries then are the previous step's long responses the sampler's offset wants). An entry:
 
     tokens   = prompt + response[:L-1]     (the last response token is never fed to the target)
     features = prompt features, then those of response positions 0..L-2   [P + L - 1, F]
@@ -17,12 +23,24 @@ are skipped (counted in `skipped`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from engine.features import CommittedFeatures
 from engine.types import FinishReason, Rollout
 from spot.buffer import BufferEntry, DataBuffer
+
+
+@dataclass
+class Stash:
+    """One generate call's captured features, detached from the sink until they are put."""
+
+    step: int
+    rollouts: Sequence[Rollout]
+    prompts: dict[str, tuple[torch.Tensor, torch.Tensor]]  # prompt_id -> (tokens [P], features [P, F])
+    keys: dict[int, tuple[str, int]]  # block row -> (prompt_id, sample)
+    block: torch.Tensor  # [R, L, F]
 
 
 class DataBufferSink:
@@ -32,14 +50,12 @@ class DataBufferSink:
         self.max_len = max_new_tokens
         self.dtype = buffer.dtype
         self.skipped = 0
-        self._reset(rows=0)
-
-    def _reset(self, rows: int) -> None:
-        F = self.buffer.feature_size
+        self.stashed: list[Stash] = []
+        self.spare: list[torch.Tensor] = []  # blocks of put stashes, kept so their pages stay faulted in
         self.prompts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # prompt_id -> (tokens [P], features [P, F])
         self.keys: dict[int, tuple[str, int]] = {}  # row of the block (its rollout index) -> (prompt_id, sample)
-        self.seen = torch.zeros(rows, dtype=torch.bool)  # [R] rows in `keys`
-        self.block = torch.empty(rows, self.max_len, F, dtype=self.dtype)  # [R, L, F]
+        self.seen = torch.zeros(0, dtype=torch.bool)  # [R] rows in `keys`
+        self.block = torch.empty(0, self.max_len, buffer.feature_size, dtype=self.dtype)  # [R, L, F]
 
     # -- FeatureSink -----------------------------------------------------------------------
     def prompt(self, prompt_id: str, tokens: torch.Tensor, features: torch.Tensor, policy_version: int) -> None:
@@ -69,26 +85,42 @@ class DataBufferSink:
             self.seen = torch.cat([self.seen, torch.zeros(grown.shape[0] - self.seen.shape[0], dtype=torch.bool)])
 
     # -- into the buffer -------------------------------------------------------------------
+    def stash(self, rollouts: Sequence[Rollout], step: int) -> None:
+        """Detaches this generate call's captures (for `put_stashed`); the next call fills a spare block."""
+        self.stashed.append(Stash(step, list(rollouts), self.prompts, self.keys, self.block))
+        self.block = self.spare.pop() if self.spare else torch.empty(0, self.max_len, self.block.shape[-1], dtype=self.dtype)
+        self.prompts, self.keys = {}, {}
+        self.seen = torch.zeros(self.block.shape[0], dtype=torch.bool)
+
+    def put_stashed(self, defer: int | None = None) -> int:
+        """Puts every stash except those of step `defer`; returns how many entries were put."""
+        keep = [s for s in self.stashed if s.step == defer]
+        put = sum(self._put(s) for s in self.stashed if s.step != defer)
+        self.stashed = keep
+        return put
+
     def flush(self, rollouts: Sequence[Rollout], step: int) -> int:
-        """Puts one entry per rollout of this generate call; returns how many were put."""
+        """Puts one entry per rollout of this generate call (and anything stashed before); returns how many."""
+        self.stash(rollouts, step)
+        return self.put_stashed()
+
+    def _put(self, s: Stash) -> int:
         entries = []
-        slots = {key: slot for slot, key in self.keys.items()}
-        for ro in rollouts:
+        slots = {key: slot for slot, key in s.keys.items()}
+        for ro in s.rollouts:
             L = len(ro.tokens)
             slot = slots.get((ro.prompt_id, ro.sample))
-            if L < 2 or slot is None or ro.prompt_id not in self.prompts:
+            if L < 2 or slot is None or ro.prompt_id not in s.prompts:
                 self.skipped += 1
                 continue
-            p_tok, p_feat = self.prompts[ro.prompt_id]
+            p_tok, p_feat = s.prompts[ro.prompt_id]
             n = min(L, self.max_len) - 1
             tokens = torch.cat([p_tok, torch.tensor(ro.tokens[:n], dtype=torch.long)])
-            features = torch.cat([p_feat, self.block[slot, :n]])
+            features = torch.cat([p_feat, s.block[slot, :n]])
             entries.append(BufferEntry(
-                key=f"{ro.prompt_id}/{ro.sample}", step=step, policy_version=ro.policy_version,
+                key=f"{ro.prompt_id}/{ro.sample}", step=s.step, policy_version=ro.policy_version,
                 finished=ro.finish_reason == FinishReason.STOP, prompt_len=p_tok.numel(), tokens=tokens, features=features,
             ))
-        self.buffer.put_many(entries)  # one hold of the writers' lock for the step's rollouts
-        # The entries are copies: the block is kept for the next call, so its pages are not faulted in anew.
-        self.prompts, self.keys = {}, {}
-        self.seen = torch.zeros_like(self.seen)  # (not zero_(): it may be an inference-mode tensor)
+        self.buffer.put_many(entries)  # one hold of the writers' lock for the call's rollouts
+        self.spare.append(s.block)  # the entries are copies: the block serves a later call
         return len(entries)

@@ -70,6 +70,23 @@ def test_sink_entries_hold_the_rollouts_tokens_and_their_teacher_forced_features
         assert sink.flush([], step=8) == 0
 
 
+def test_a_held_stash_is_put_with_its_own_step_in_the_next_window(hf_folders, buffer_name):
+    target = load_checkpoint(hf_folders["llama"])
+    with DataBuffer.create(buffer_name, capacity_bytes=8 * 2**20, feature_size=target.config.hidden_size) as buf:
+        sink = DataBufferSink(buf, max_new_tokens=12)
+        engine = RolloutEngine(target, EngineConfig(max_batch=4, max_len=64), sink=sink)
+        params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)
+        for step in (1, 2):
+            sink.stash(engine.generate([Request(prompt_id=f"s{step}", prompt=[5, 9, 17], n=2)], params).rollouts, step)
+            assert sink.put_stashed(defer=step) == (2 if step == 2 else 0)  # the last rank of both steps
+        # Step 1's stash went in at step 2's window, under its own step; step 2's is held.
+        assert sorted((i.key, i.step) for i in buf.infos()) == [("s1/0", 1), ("s1/1", 1)]
+        assert [s.step for s in sink.stashed] == [2]
+        # The blocks circulate: a put stash's block serves the next generate call.
+        assert len(sink.spare) == 1
+        assert sink.put_stashed() == 2 and sorted(i.step for i in buf.infos()) == [1, 1, 2, 2]
+
+
 def fill(buf: DataBuffer, target, count: int, step: int) -> None:
     g = torch.Generator().manual_seed(step)
     seqs = [TokenSequence(f"q{i}", 0, torch.randint(3, target.config.vocab_size, (12 + i % 5,), generator=g).tolist(), 4)
@@ -104,6 +121,10 @@ def test_early_ranks_train_until_the_last_is_done_and_every_rank_serves_the_weig
         torch.testing.assert_close(ranks[0]["served"][k].double(), expect, atol=1e-6, rtol=0)
     assert not torch.equal(ranks[0]["before"][names[0]], ranks[1]["before"][names[0]])  # the replicas did differ
     assert all(r["served_version"] == 1 for r in ranks)
+    # The early ranks put their rollouts' features as their windows opened; the last rank holds
+    # its own for its next window, off the step's critical path.
+    assert [r["put"] for r in ranks[:2]] == [["r0/0", "r0/1"], ["r1/0", "r1/1"]] and ranks[2]["put"] == []
+    assert [r["held"] for r in ranks] == [[], [], [1]]
     m = ranks[0]["metrics"]
     assert m["spot/micro_steps"] == sum(n)
     per_step = m["spot/train_s"] / sum(n)
@@ -164,7 +185,7 @@ def test_pool_mode_ranks_load_the_pools_newest_publication_once(hf_folders, buff
                            EagleDrafter(net))
     window = IdleWindow(step=1, rank=0, world=1, started=0.0, others_done=lambda: True, all_done_at=lambda: 0.0)
     with DataBuffer.create(buffer_name, capacity_bytes=2**20, feature_size=net.config.feature_size) as buf:
-        follower = PoolFollower(engine, buf, None, str(tmp_path / "pool"), None, 0)
+        follower = PoolFollower(engine, buf, DataBufferSink(buf, max_new_tokens=8), str(tmp_path / "pool"), None, 0)
         assert follower.work(window)["spot/drafter_version"] == 0  # nothing published yet: the warm drafter stays
         trained = EagleModel(EagleConfig.for_target(target.config), target)  # another init: "what the pool trained"
         publish(trained, tmp_path / "pool", micro_steps=10, keep=3)

@@ -2,7 +2,8 @@
 
 Rank r finishes its "rollouts" r * STAGGER seconds after the others start, so earlier ranks have
 longer idle windows. Each rank writes what it trained (its replica before the average, its
-micro-steps), what its engine serves after the window, and the metrics, to <out>/rank{r}.pt.
+micro-steps), what its engine serves after the window, the metrics, and where its own rollouts'
+features went (the buffer's keys of them, the steps its sink still holds), to <out>/rank{r}.pt.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def worker(rank: int, world: int, port: int, out: str, model_dir: str, buffer_na
         from engine.spec.config import SpecConfig
         from engine.spec.eagle import EagleConfig, EagleModel
         from engine.spec.eagle_drafter import EagleDrafter
+        from engine.sampling import SamplingParams
+        from engine.types import Request
+        from spot.sink import DataBufferSink
         from pipeline.dist import Ranks
         from pipeline.idle import idle_window
         from spot.buffer import DataBuffer
@@ -45,7 +49,9 @@ def worker(rank: int, world: int, port: int, out: str, model_dir: str, buffer_na
         trainer = SpotTrainer(drafter_copy(net), DrafterOptim(lr=3e-3, warmup_steps=0), window=64, rows_per_step=4,
                               seed=rank)
         control = ControlPlane(dist.distributed_c10d._get_default_store(), rank, world)
-        work = SpotWork(engine, trainer, buffer, None, control, SpotSettings(rows_per_step=4, offset_ratio=0.0, seed=0))
+        sink = DataBufferSink(buffer, max_new_tokens=8)
+        engine.sink = sink
+        work = SpotWork(engine, trainer, buffer, sink, control, SpotSettings(rows_per_step=4, offset_ratio=0.0, seed=0))
         before: dict[str, torch.Tensor] = {}
         load = trainer.load_weights
 
@@ -56,12 +62,17 @@ def worker(rank: int, world: int, port: int, out: str, model_dir: str, buffer_na
         trainer.load_weights = spy
         dist.barrier()
         work.begin(1)
+        batch = engine.generate([Request(prompt_id=f"r{rank}", prompt=[5, 9, 17], n=2)],
+                                SamplingParams(max_new_tokens=8, temperature=1.0, seed=rank))
+        work.rollouts_done(1, batch)  # not yet in the buffer: put as the window opens
         time.sleep(rank * STAGGER)
         seen = control.states()  # the last rank sees the others training while it still generates
         _, metrics = idle_window(Ranks(rank=rank, world=world, local_rank=rank), 1, work)
         torch.save({"before": before, "micro_steps": trainer.micro_steps, "metrics": metrics, "seen": [None if s is None else (s[0], s[1].value) for s in seen],
                     "served": {n: p.detach().clone() for n, p in engine.drafter_nets()[0].named_parameters()},
-                    "served_version": engine.drafter.version}, os.path.join(out, f"rank{rank}.pt"))
+                    "served_version": engine.drafter.version,
+                    "put": sorted(i.key for i in buffer.infos() if i.key.startswith(f"r{rank}/")),
+                    "held": [st.step for st in sink.stashed]}, os.path.join(out, f"rank{rank}.pt"))
         buffer.close()
     finally:
         dist.destroy_process_group()
