@@ -78,6 +78,7 @@ class GenerateRun:
         self.drafter_layers = tuple(drafter.feature_layers) if drafter is not None else ()
         self.drafter_wants = drafter is not None and bool(drafter.feature_layers or getattr(drafter, "wants_features", False))
         self.sink_layers = tuple(sink.feature_layers) if sink is not None else ()
+        self._rows = torch.arange(engine.cfg.max_batch, device=self.device)  # [max_batch] a plain step's entry rows, sliced
         self.hidden_layers = tuple(sorted(set(self.drafter_layers) | set(self.sink_layers)))
 
     def run(self) -> RolloutBatch:
@@ -303,22 +304,22 @@ class GenerateRun:
     def _sink(self, b, out, fed, gen_before, emitted, src) -> None:
         """Committed tokens that stay in the rollout: entry j of the path (0 = the root) at
         response position gen_before - 1 + j, for j < emitted."""
-        feats = target_features(out, self.sink_layers)  # [b, 1+N, F]
-        W = fed.shape[1]
-        if W == 1:  # a plain step: every active row committed its root (retire() left room for it), no mask
-            rows = torch.arange(b, device=self.device)
-            position, tokens, feats = gen_before - 1, fed[:, 0], feats[:, 0]
+        state = self.state
+        if fed.shape[1] == 1:  # a plain step: every active row committed its root (retire() left room for it), no mask
+            feats = out.hidden[:, 0] if not self.sink_layers else target_features(out, self.sink_layers)[:, 0]  # [b, F]
+            rows, position, tokens, every_row = self._rows[:b], gen_before - 1, fed[:, 0], True
         else:
+            feats = target_features(out, self.sink_layers)  # [b, 1+N, F]
+            W = fed.shape[1]
             if src is not None:
                 feats = feats.gather(1, src.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
             j = torch.arange(W, device=self.device)
             keep = j < emitted.unsqueeze(1)  # [b, W]
             rows = torch.arange(b, device=self.device).unsqueeze(1).expand(b, W)[keep]
-            position, tokens, feats = (gen_before.unsqueeze(1) - 1 + j)[keep], fed[keep], feats[keep]
-        state = self.state
+            position, tokens, feats, every_row = (gen_before.unsqueeze(1) - 1 + j)[keep], fed[keep], feats[keep], False
         self.e.sink.tokens(CommittedFeatures(
-            prompt_ids=state.prompt_ids[:b], samples=state.sample[:b].clone(), rollouts=state.rollout[:b].clone(), row=rows,
-            position=position, tokens=tokens, features=feats, policy_version=self.e.version,
+            prompt_ids=state.prompt_ids[:b], samples=state.sample[:b], rollouts=state.rollout[:b], row=rows,  # views: valid during the call
+            position=position, tokens=tokens, features=feats, policy_version=self.e.version, every_row=every_row,
         ))
 
     def _propose(self, b: int, shape: DraftShape) -> DraftTree:

@@ -30,7 +30,12 @@ def target_features(out, aux_layers: Sequence[int]) -> torch.Tensor:
 
 @dataclass
 class CommittedFeatures:
-    """One decode step's committed tokens: M entries over the step's b active rows."""
+    """One decode step's committed tokens: M entries over the step's b active rows.
+
+    Valid during the `tokens` call only: a sink that keeps a tensor copies it (`features` may be a
+    view of the engine's own output). Rollout indices are given out in increasing order as rows
+    are admitted, and an admitted row is in every step's entries until it retires, so a sink can
+    tell a newly admitted row by its index alone."""
 
     prompt_ids: list[str]  # [b] per active row
     samples: torch.Tensor  # [b] sample index per active row
@@ -40,6 +45,7 @@ class CommittedFeatures:
     tokens: torch.Tensor  # [M] the token (input at that position)
     features: torch.Tensor  # [M, F]
     policy_version: int
+    every_row: bool = False  # a plain step: M == b, row == arange(b) (a sink may skip the gather)
 
 
 class FeatureSink(Protocol):

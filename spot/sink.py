@@ -3,8 +3,8 @@
 The engine hands every committed token's features to its sink as it computes them
 (engine.features): a prompt's features once at its prefill, then per decode step the tokens
 that entered the KV cache and stay in a rollout. `DataBufferSink` scatters them into one
-preallocated block per call of `generate` ([R, L, F], rows given out on first sight of a
-rollout key, grown by doubling, kept across calls), so a step costs one indexed copy, not a loop over tokens.
+preallocated block per call of `generate` ([R, L, F], row r for the call's rollout r, grown by
+doubling, reused by later calls), so a step costs one indexed copy, not a loop over tokens.
 After a generate call, `stash(rollouts, step)` detaches what it captured (the sink takes a
 spare block for the next call) and `put_stashed()` turns each rollout into a buffer entry and
 puts it; `flush` does both. The rank coordinator puts its stash at the start of its idle window,
@@ -54,7 +54,7 @@ class DataBufferSink:
         self.spare: list[torch.Tensor] = []  # blocks of put stashes, kept so their pages stay faulted in
         self.prompts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # prompt_id -> (tokens [P], features [P, F])
         self.keys: dict[int, tuple[str, int]] = {}  # row of the block (its rollout index) -> (prompt_id, sample)
-        self.seen = torch.zeros(0, dtype=torch.bool)  # [R] rows in `keys`
+        self.known = 0  # rollout indices below this one have been seen (in `keys`)
         self.block = torch.empty(0, self.max_len, buffer.feature_size, dtype=self.dtype)  # [R, L, F]
 
     # -- FeatureSink -----------------------------------------------------------------------
@@ -63,34 +63,33 @@ class DataBufferSink:
 
     def tokens(self, entries: CommittedFeatures) -> None:
         slot_of_row = entries.rollouts.cpu()  # [b] a rollout's block row is its index in the generate call
-        self._grow(int(slot_of_row.max()) + 1)
-        new = (~self.seen[slot_of_row]).nonzero().squeeze(1)
-        if new.numel():  # rows seen for the first time (just admitted): a Python loop over those only
-            for r, slot in zip(new.tolist(), slot_of_row[new].tolist()):
-                self.keys[slot] = (entries.prompt_ids[r], int(entries.samples[r]))
-            self.seen[slot_of_row[new]] = True
-        rows = slot_of_row[entries.row.cpu()]  # [M]
+        top = int(slot_of_row.max())
+        if top >= self.known:  # rows admitted since the last step: their indices are the new ones (CommittedFeatures)
+            self._grow(top + 1)
+            new = (slot_of_row >= self.known).nonzero().squeeze(1).tolist()
+            for r in new:
+                self.keys[int(slot_of_row[r])] = (entries.prompt_ids[r], int(entries.samples[r]))
+            self.known = top + 1
+        rows = slot_of_row if entries.every_row else slot_of_row[entries.row.cpu()]  # [M]
         pos = entries.position.cpu()
         features = entries.features.detach().to("cpu", self.dtype)
-        if pos.numel() and int(pos.max()) >= self.max_len:  # a generate longer than the sink's rollouts: keep what fits
+        if int(pos.max()) >= self.max_len:  # a generate longer than the sink's rollouts: keep what fits
             keep = pos < self.max_len
             rows, pos, features = rows[keep], pos[keep], features[keep]
-        self.block.view(-1, self.block.shape[-1]).index_copy_(0, rows * self.max_len + pos, features)  # block[rows, pos]
+        self.block.view(-1, self.block.shape[-1]).index_copy_(0, pos.add(rows, alpha=self.max_len), features)  # block[rows, pos]
 
     def _grow(self, rows: int) -> None:
         if rows > self.block.shape[0]:  # grow by doubling: rare, amortised
             grown = torch.empty(max(8, rows, 2 * self.block.shape[0]), *self.block.shape[1:], dtype=self.dtype)
             grown[: self.block.shape[0]] = self.block
             self.block = grown
-            self.seen = torch.cat([self.seen, torch.zeros(grown.shape[0] - self.seen.shape[0], dtype=torch.bool)])
 
     # -- into the buffer -------------------------------------------------------------------
     def stash(self, rollouts: Sequence[Rollout], step: int) -> None:
         """Detaches this generate call's captures (for `put_stashed`); the next call fills a spare block."""
         self.stashed.append(Stash(step, list(rollouts), self.prompts, self.keys, self.block))
         self.block = self.spare.pop() if self.spare else torch.empty(0, self.max_len, self.block.shape[-1], dtype=self.dtype)
-        self.prompts, self.keys = {}, {}
-        self.seen = torch.zeros(self.block.shape[0], dtype=torch.bool)
+        self.prompts, self.keys, self.known = {}, {}, 0
 
     def put_stashed(self, defer: int | None = None) -> int:
         """Puts every stash except those of step `defer`; returns how many entries were put."""
