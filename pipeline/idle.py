@@ -9,7 +9,10 @@ metrics. With no work plugged in, a rank simply waits at the barrier. Either way
 measures the wait per rank (`timing/idle/rank{r}`).
 
 Completion is counted in the job's TCPStore (torch.distributed's default store: the control
-plane), so a rank can poll it between micro-steps without a collective. The last rank to finish
+plane), so a rank can poll it between micro-steps without a collective. Its keys are scoped to
+the run (`scope`, pipeline.trainer: the run folder and how many runs this process has made): one
+job can run several RL runs in turn (bench.runs), and the store outlives each of them; a count
+left by an earlier run's step would end a later run's window before it opened. The last rank to finish
 also stores the wall-clock time it did (`window.all_done_at()`), so work can tell the idle time
 it filled from any overrun past the end of the window.
 """
@@ -35,6 +38,7 @@ class IdleWindow:
     started: float  # time.time() when this rank's rollouts were done
     others_done: Callable[[], bool]  # every rank's rollouts are done (cheap: a store read)
     all_done_at: Callable[[], float]  # time.time() when the last rank was done; blocks until then
+    scope: str = "tailspec"  # the run's prefix for keys in the job's store (idle_window)
 
 
 class IdleWork(Protocol):
@@ -45,20 +49,21 @@ class IdleWork(Protocol):
     def work(self, window: IdleWindow) -> dict[str, float]: ...
 
 
-def idle_window(r: Ranks, step: int, work: IdleWork | None) -> tuple[float, dict[str, float]]:
-    """Call once this rank's rollouts are done; returns (seconds until all ranks were done, metrics)."""
+def idle_window(r: Ranks, step: int, work: IdleWork | None, scope: str = "tailspec") -> tuple[float, dict[str, float]]:
+    """Call once this rank's rollouts are done; returns (seconds until all ranks were done, metrics).
+    `scope` prefixes the store's keys: unique per run within a job, the same on every rank."""
     t = time.perf_counter()
     if work is None:
         return timed_barrier(r), {}
     started = time.time()
     if r.world == 1:  # nobody to wait for
-        return 0.0, work.work(IdleWindow(step, 0, 1, started, lambda: True, lambda: started))
+        return 0.0, work.work(IdleWindow(step, 0, 1, started, lambda: True, lambda: started, scope))
     store = dist.distributed_c10d._get_default_store()
-    key, at_key = f"tailspec/rollouts_done/{step}", f"tailspec/rollouts_done_at/{step}"
+    key, at_key = f"{scope}/rollouts_done/{step}", f"{scope}/rollouts_done_at/{step}"
     if store.add(key, 1) == r.world:
         store.set(at_key, repr(started))
     window = IdleWindow(step, r.rank, r.world, started, lambda: store.add(key, 0) >= r.world,
-                        lambda: float(store.get(at_key).decode()))
+                        lambda: float(store.get(at_key).decode()), scope)
     metrics = work.work(window)
     timed_barrier(r)
     return time.perf_counter() - t, metrics
@@ -84,7 +89,7 @@ class IdleSequence:
         metrics: dict[str, float] = {}
         for i, w in enumerate(self.works):
             part = window if i == 0 else IdleWindow(window.step, window.rank, window.world, time.time(),
-                                                    window.others_done, window.all_done_at)
+                                                    window.others_done, window.all_done_at, window.scope)
             metrics.update(w.work(part))
         return metrics
 

@@ -27,8 +27,10 @@ weight min(pi_old / pi_behaviour, is_cap) on each token's advantage.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -46,6 +48,9 @@ from pipeline.tasks import Problem, Task
 from pipeline.train_batch import pack_rollouts
 
 
+_RUNS = itertools.count()  # Trainers made in this process (pipeline.idle's store keys)
+
+
 @dataclass
 class StepResult:
     metrics: dict[str, float]
@@ -59,6 +64,9 @@ class Trainer:
                  reference=None, bubbles=None, actor_features=None) -> None:
         self.cfg, self.r, self.engine, self.actor, self.tok, self.task = cfg, ranks, engine, actor, tokenizer, task
         self.loader, self.eval_problems, self.run_dir, self.idle_work = loader, eval_problems, run_dir, idle_work
+        # Store keys of this run's idle windows: the same on every rank (they make their runs in the
+        # same order), distinct from an earlier run of this job (pipeline.idle).
+        self.scope = f"tailspec/{Path(run_dir).name}/{next(_RUNS)}"
         self.reference = reference  # a ReferencePolicy when algorithm.kl_coef > 0
         self.bubbles = bubbles  # a pipeline.bubble.BubbleStore: drafts pre-generated for the coming steps
         self.bubble_metrics: dict[str, float] = {}
@@ -114,7 +122,7 @@ class Trainer:
         else:
             scored = self._fill(step)
         rollout_s = time.perf_counter() - t
-        idle_s, idle_metrics = idle_window(self.r, step, self.idle_work)
+        idle_s, idle_metrics = idle_window(self.r, step, self.idle_work, self.scope)
         if self.cfg.trainer.async_steps:
             self.pending = self._fill(step + 1)  # with this policy, before this step's update
         batch, metrics = self._train_batch(scored)

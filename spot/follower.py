@@ -28,9 +28,9 @@ class PoolFollower:
     def rollouts_done(self, step: int, batch) -> None:
         self.sink.stash(batch.rollouts, step)
 
-    def _newest(self, step: int) -> int:
+    def _newest(self, step: int, scope: str) -> int:
         """The version every rank loads at this step (rank 0 reads the pool's folder)."""
-        key = f"tailspec/spot/pool_version/{step}"
+        key = f"{scope}/spot/pool_version/{step}"
         if self.rank == 0:
             latest = latest_published(self.pool_dir)
             version = latest[0] if latest else 0
@@ -43,7 +43,7 @@ class PoolFollower:
         # Put as the window opens; the rank that finished last keeps its entries for its next
         # window (spot.sink): the pool trains while the step goes on, not in the window's time.
         self.sink.put_stashed(defer=window.step if window.others_done() else None)
-        version = self._newest(window.step)
+        version = self._newest(window.step, window.scope)
         if version > self.drafter_version:
             path = self._folder(version)
             if path is not None:
