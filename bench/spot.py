@@ -22,6 +22,8 @@ identical to the first.
 Spot training needs idle windows, so run it on two or more ranks. `--plot` writes the two
 accept-length curves (PNG). Prints the CPU model; `--json` ends with one line
 `{"step_ratio", "utilisation", "accept_ratio_last", "accept_spot_vs_start", "identical", ...}`.
+It also prints the time up to the step barrier (rollouts, then the idle wait: the phase spot
+training acts in) of both ways, and exits 3 when a spot run trained nothing at all.
 """
 
 from __future__ import annotations
@@ -107,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     t_off = mean([m["timing/step"] for ms in reps["frozen"] for m in ms[1:]])
     paired = sorted(a["timing/step"] / b["timing/step"]  # same rollouts, step by step
                     for ms_on, ms_off in zip(reps["spot"], reps["frozen"]) for a, b in zip(ms_on[1:], ms_off[1:]))
+    # Up to the barrier (rank 0's rollouts, then its wait): the phase spot training acts in. The
+    # actor's update after it runs no spot work, yet its time moves by several % between runs.
+    to_barrier = {way: mean([m["timing/rollout/rank0"] + m["timing/idle/rank0"] for ms in reps[way] for m in ms[1:]])
+                  for way in reps if "timing/rollout/rank0" in reps[way][0][-1]}
     idle = sum(m.get("spot/idle_s", 0.0) for ms in reps["spot"] for m in ms[1:])
     trained = sum(m.get("spot/train_s", 0.0) for ms in reps["spot"] for m in ms[1:])
     result = {
@@ -115,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         "idle_s_per_step": round(idle / (len(on) - 1) / args.repeats, 3),
         "overrun_s_max": round(max(m.get("spot/overrun_s", 0.0) for ms in reps["spot"] for m in ms), 3),
         "micro_steps": int(sum(m.get("spot/micro_steps", 0.0) for m in on)), "repeats": args.repeats,
+        "micro_steps_per_run": [int(sum(m.get("spot/micro_steps", 0.0) for m in ms)) for ms in reps["spot"]],
+        "to_barrier_s": {way: round(v, 4) for way, v in to_barrier.items()},
         "accept_spot": [round(x, 3) for x in acc_on], "accept_frozen": [round(x, 3) for x in acc_off],
         "accept_ratio_last": round(s_on[-1] / s_off[-1], 3), "accept_spot_vs_start": round(s_on[-1] / s_on[0], 3),
         "accept_frozen_vs_start": round(s_off[-1] / s_off[0], 3), "smooth": args.smooth,
@@ -132,11 +140,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"accept length, {args.smooth}-step mean: spot {s_on[0]:.2f} -> {s_on[-1]:.2f} ({result['accept_spot_vs_start']:.2f}x), "
           f"frozen {s_off[0]:.2f} -> {s_off[-1]:.2f} ({result['accept_frozen_vs_start']:.2f}x); last step spot / frozen "
           f"{result['accept_ratio_last']:.2f}; identical runs: {result['identical']}", file=sys.stderr)
+    if len(to_barrier) == 2:
+        d = to_barrier["spot"] - to_barrier["frozen"]
+        print(f"up to the barrier (rollouts, then the wait): spot {to_barrier['spot']:.3f} s, frozen {to_barrier['frozen']:.3f} s "
+              f"a step ({d:+.3f} s, {d / t_off:+.1%} of a frozen step)", file=sys.stderr)
+    idle_runs = [run_name("spot", k) for k, n in enumerate(result["micro_steps_per_run"]) if n == 0]
+    if idle_runs:  # the comparison is void: a spot run that trained nothing measures the frozen drafter twice
+        print(f"error: spot run(s) {', '.join(idle_runs)} trained nothing (spot/micro_steps 0 in every step): no idle "
+              "window opened, or the buffer stayed empty; the step ratio does not measure spot training", file=sys.stderr)
     if args.plot:
         plot(Path(args.plot), acc_on, acc_off, f"{args.config} {' '.join(args.overrides)}\n{result['cpu']}")
         print(f"wrote {args.plot}", file=sys.stderr)
     finish(result, args.json)
-    return 0 if result["identical"] else 2
+    return 2 if not result["identical"] else 3 if idle_runs else 0
 
 
 if __name__ == "__main__":
