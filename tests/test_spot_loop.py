@@ -132,15 +132,15 @@ def test_early_ranks_train_until_the_last_is_done_and_every_rank_serves_the_weig
     assert m["spot/utilisation"] > 0.5, m
 
 
-def two_rank_run(char_model_dir, out, *overrides: str):
+def two_rank_run(char_model_dir, out, *overrides: str, module: str = "launch.train"):
     """A 3-step run of configs/tiny.yaml on the char model under torchrun (2 ranks, a random
-    drafter saved next to it); returns the run folder."""
+    drafter saved next to it) by `module` (launch.train, or tests.mp.slow_rank_train); returns the run folder."""
     target = load_checkpoint(char_model_dir)
     torch.manual_seed(0)
     drafter = out / "drafter"
     EagleModel(EagleConfig.for_target(target.config), target).save(drafter)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "launch.train",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", module,
            "--config", str(REPO / "configs" / "tiny.yaml"), f"model.path={char_model_dir}", f"run.out_dir={out / 'runs'}",
            "task.train_problems=64", "task.eval_problems=2", "rollout.n=4", "rollout.max_new_tokens=24",
            "engine.max_batch=16", "engine.max_len=96", f"engine.spec.drafter_path={drafter}", "engine.spec.depth=4",
@@ -154,14 +154,15 @@ def two_rank_run(char_model_dir, out, *overrides: str):
 
 @pytest.mark.slow
 def test_a_two_rank_run_with_spot_training_trains_its_drafter_online(char_model_dir, tmp_path):
-    run_dir = two_rank_run(char_model_dir, tmp_path, "spot.rows_per_step=4", "spot.window=64")
+    # Rank 1 rolls out 0.3 s longer every step: rank 0 has a window to train in (tests.mp.slow_rank_train).
+    run_dir = two_rank_run(char_model_dir, tmp_path, "spot.rows_per_step=4", "spot.window=64", module="tests.mp.slow_rank_train")
     drafter = tmp_path / "drafter"
     rows = step_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all({"spot/micro_steps", "spot/idle_s", "buffer/entries", "buffer/bytes", "buffer/fill"} <= r.keys() for r in rows)
     assert all(r["buffer/entries"] > 0 for r in rows)
     trained = [r for r in rows if r["spot/micro_steps"] > 0]
-    assert trained, "no idle window was used for training"
+    assert len(trained) == len(rows), rows  # every step had rank 0 idle for 0.3 s
     assert trained[-1]["spot/drafter_version"] >= 1
     # The checkpointed drafter is the trained one, not the warm start.
     from safetensors.torch import load_file

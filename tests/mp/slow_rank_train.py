@@ -1,0 +1,31 @@
+"""`python -m tests.mp.slow_rank_train ...`: launch.train, with rank 1's rollouts DELAY seconds
+longer every step, so rank 0 has an idle window of at least that long in every step.
+
+Without it, the idle windows of a test-sized run are whatever the two ranks' timing noise gives
+(1-20 ms on a 2-core host): too short, now and then, for a single spot micro-step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pipeline.trainer as trainer
+
+DELAY = 0.3
+
+if os.environ.get("RANK") == "1":
+    _roll_out = trainer.roll_out
+
+    def _slow_roll_out(*args, **kwargs):
+        out = _roll_out(*args, **kwargs)
+        time.sleep(DELAY)
+        return out
+
+    trainer.roll_out = _slow_roll_out
+
+if __name__ == "__main__":
+    from launch.train import main
+
+    sys.exit(main())
