@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "step_ratio": round(t_on / t_off, 4), "step_ratio_median": round(paired[len(paired) // 2], 4), "step_s_spot": round(t_on, 3), "step_s_frozen": round(t_off, 3),
         "utilisation": round(trained / idle, 3) if idle > 0 else None,
+        "dropped_s_per_step": round(sum(m.get("spot/dropped_s", 0.0) for ms in reps["spot"] for m in ms[1:])
+                                    / (len(on) - 1) / args.repeats, 4),  # of the utilisation: micro-steps the window's end dropped
         "idle_s_per_step": round(idle / (len(on) - 1) / args.repeats, 3),
         "overrun_s_max": round(max(m.get("spot/overrun_s", 0.0) for ms in reps["spot"] for m in ms), 3),
         "micro_steps": int(sum(m.get("spot/micro_steps", 0.0) for m in on)), "repeats": args.repeats,
@@ -136,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     print(f"step ratio (spot / frozen, steps 2..N, {args.repeats} run(s) each) {result['step_ratio']:.3f} (median of step pairs "
           f"{result['step_ratio_median']:.3f}); utilisation {result['utilisation']}; "
-          f"max overrun {result['overrun_s_max']} s; {result['micro_steps']} micro-steps", file=sys.stderr)
+          f"max overrun {result['overrun_s_max']} s; {result['micro_steps']} micro-steps; dropped micro-steps "
+          f"{result['dropped_s_per_step']} s a step", file=sys.stderr)
     print(f"accept length, {args.smooth}-step mean: spot {s_on[0]:.2f} -> {s_on[-1]:.2f} ({result['accept_spot_vs_start']:.2f}x), "
           f"frozen {s_off[0]:.2f} -> {s_off[-1]:.2f} ({result['accept_frozen_vs_start']:.2f}x); last step spot / frozen "
           f"{result['accept_ratio_last']:.2f}; identical runs: {result['identical']}", file=sys.stderr)

@@ -119,20 +119,21 @@ class SpotWork:
         overrun_s = max(0.0, t1 - max(end, t0))
         n = float(result["spot/micro_steps"])
         mine = torch.tensor([n, useful_s, idle_s, result.get("spot/drafter_loss", 0.0) * n,
-                             result.get("spot/top1", 0.0) * n, result.get("spot/aborted", 0.0), overrun_s],
-                            dtype=torch.float64)
+                             result.get("spot/top1", 0.0) * n, result.get("spot/aborted", 0.0),
+                             result.get("spot/dropped_s", 0.0), overrun_s], dtype=torch.float64)
         ranks = [mine]
         if dist.is_initialized() and dist.get_world_size() > 1:  # one collective: sums and the worst overrun
             ranks = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(ranks, mine)
-        every = torch.stack(ranks)  # [world, 7]
-        sums, overrun = every[:, :6].sum(0), every[:, 6].max()
+        every = torch.stack(ranks)  # [world, 8]
+        sums, overrun = every[:, :7].sum(0), every[:, 7].max()
         averaged = None  # the weights' all-reduce only when some rank trained (every rank sees the same sums)
         if sums[0] > 0:
             averaged = weighted_average(list(self.trainer.model.named_parameters()), n)
         metrics = {"spot/micro_steps": float(sums[0]), "spot/train_s": float(sums[1]), "spot/idle_s": float(sums[2]),
                    "spot/overrun_s": float(overrun), "spot/drafter_version": float(self.drafter_version),
-                   "spot/aborted": float(sums[5])}  # micro-steps dropped inside when the window ended
+                   "spot/aborted": float(sums[5]),  # micro-steps dropped inside when the window ended
+                   "spot/dropped_s": float(sums[6])}  # their time: in train_s (and utilisation), but no weights changed
         if sums[2] > 0:
             metrics["spot/utilisation"] = float(sums[1] / sums[2])
         if averaged is not None:

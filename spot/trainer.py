@@ -99,24 +99,26 @@ class SpotTrainer:
         backward: a micro-step stopped there is dropped whole, `spot/aborted`), so training ends
         within about a third of a micro-step of the flag. next_rows gets the trainer's total
         micro-step index, so a resumed run sees the same rows. Returns the count, mean loss and
-        top-1 of this call's completed micro-steps (loss and top-1 only when it ran one) and its
-        wall time.
+        top-1 of this call's completed micro-steps (loss and top-1 only when it ran one), its wall
+        time, and how much of that went to a micro-step dropped when should_stop() turned true.
         """
         t0 = time.perf_counter()
-        losses, top1, aborted = [], [], 0
+        losses, top1, aborted, dropped_s = [], [], 0, 0.0
         while max_micro_steps is None or len(losses) < max_micro_steps:
             if should_stop():
                 break
             rows = next_rows(self.micro_steps)
             if not rows:
                 break
+            t = time.perf_counter()
             m = self.micro_step(rows, should_stop)
             if m is None:
-                aborted += 1
+                aborted, dropped_s = aborted + 1, time.perf_counter() - t
                 break
             losses.append(m["spot/drafter_loss"])
             top1.append(m["spot/top1"])
-        out = {"spot/micro_steps": float(len(losses)), "spot/aborted": float(aborted), "spot/train_s": time.perf_counter() - t0}
+        out = {"spot/micro_steps": float(len(losses)), "spot/aborted": float(aborted), "spot/train_s": time.perf_counter() - t0,
+               "spot/dropped_s": dropped_s}  # the dropped micro-step's time, within train_s
         if losses:
             out |= {"spot/drafter_loss": sum(losses) / len(losses), "spot/top1": sum(top1) / len(top1)}
         return out

@@ -153,12 +153,13 @@ def test_a_flag_raised_inside_a_micro_step_drops_it_whole(tiny, asks_before_stop
 
     m = trainer.train(rows_for(tiny), should_stop)
     assert m["spot/micro_steps"] == 0 and m["spot/aborted"] == 1 and "spot/drafter_loss" not in m
+    assert 0 < m["spot/dropped_s"] <= m["spot/train_s"]  # its time is told apart
     assert trainer.micro_steps == 2 and len(asked) == asks_before_stop + 1
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(weights, trainer.named_weights()))
     state = trainer.step_fn.opt.state[trainer.step_fn.params[0]]
     assert all(torch.equal(moments[k], state[k]) for k in moments)
     resumed = trainer.train(rows_for(tiny), lambda: False, max_micro_steps=1)  # and training goes on from there
-    assert resumed["spot/micro_steps"] == 1 and trainer.micro_steps == 3
+    assert resumed["spot/micro_steps"] == 1 and trainer.micro_steps == 3 and resumed["spot/dropped_s"] == 0.0
 
 
 def test_named_weights_are_the_trainable_ones_and_reload_into_a_separate_engine_drafter(tiny, tmp_path):
