@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from common.control import ControlPlane, RankState
 from spot.buffer import DataBuffer
+from spot.sink import put_as_window_opens
 from spot.trainer import SpotTrainer
 
 
@@ -105,8 +106,7 @@ class SpotWork:
     def work(self, window) -> dict[str, float]:
         step = window.step
         self._state(step, RankState.IDLE)
-        last = window.others_done()  # this rank finished last: its entries wait for its next window
-        self.sink.put_stashed(defer=step if last else None)
+        put_as_window_opens(self.sink, window)
         self.trainer.model.refresh_head()  # the target's LM head changed at the last weight sync
         self._state(step, RankState.TRAINING)
         t0 = time.time()

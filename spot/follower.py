@@ -1,8 +1,8 @@
 """Rollout ranks of a run whose drafter is trained by an external spot pool (spot.pool).
 
 With `spot.mode: pool` the RL job does not train the drafter itself: its engines' feature sink
-fills the node's DataBuffer (as each rank's idle window opens, spot.coordinator's rule) (named `spot.buffer_name`, so that `launch.spot_pool` members can
-attach to it), and once per step, in the idle window where every rank is present, rank 0 reads
+fills the node's DataBuffer as each rank's idle window opens (named `spot.buffer_name`, so that
+`launch.spot_pool` members can attach to it), and once per step, in the idle window where every rank is present, rank 0 reads
 the pool's newest publication (`<spot.pool_dir>/published/LATEST`) and tells the others its
 version through the job's TCPStore, so every rank loads the same drafter before the next step.
 A version is loaded once; a publication removed between the read and the load is skipped until
@@ -12,6 +12,7 @@ the next step.
 from __future__ import annotations
 
 from spot.pool import latest_published, published_weights
+from spot.sink import put_as_window_opens
 
 
 class PoolFollower:
@@ -40,9 +41,7 @@ class PoolFollower:
         return int(self.store.get(key).decode())
 
     def work(self, window) -> dict[str, float]:
-        # Put as the window opens; the rank that finished last keeps its entries for its next
-        # window (spot.sink): the pool trains while the step goes on, not in the window's time.
-        self.sink.put_stashed(defer=window.step if window.others_done() else None)
+        put_as_window_opens(self.sink, window)  # the pool trains on them while the step goes on
         version = self._newest(window.step, window.scope)
         if version > self.drafter_version:
             path = self._folder(version)

@@ -43,6 +43,13 @@ class Stash:
     block: torch.Tensor  # [R, L, F]
 
 
+def put_as_window_opens(sink, window) -> int:
+    """The rank coordinator's rule (spot.coordinator, spot.follower), as a rank's idle window opens:
+    put every stash, except this step's on the rank that finished last (`window.others_done()`
+    already), whose entries wait for its next window."""
+    return sink.put_stashed(defer=window.step if window.others_done() else None)
+
+
 class DataBufferSink:
     def __init__(self, buffer: DataBuffer, *, max_new_tokens: int, feature_layers: Sequence[int] = ()) -> None:
         self.buffer = buffer
