@@ -1,4 +1,4 @@
-"""`python -m bench.contention [--model DIR] [--drafter DIR] [--rows 16] [--json]`: does spot training on
+"""`python -m bench.contention [--model DIR] [--drafter DIR] [--rows 16] [--chunk-windows 1] [--json]`: does spot training on
 one core slow a rollout on another core of this host?
 
 Spot training is free when the ranks that train in their idle windows do not slow the ranks still
@@ -8,9 +8,10 @@ straggler it waits for, and `bench.spot`'s step ratio then measures the host, no
 
 This bench generates one rank's shard of the tiny config (16 prompts x 8 samples, one thread)
 alone and while a second process runs spot-training micro-steps of the config's size (a
-SpotTrainer on the drafter, `--rows` rows each, one thread), alternating the order, and prints
+SpotTrainer on the drafter, `--rows` rows each, run `--chunk-windows` windows of pairs at a time
+(0: all at once), one thread), alternating the order, and prints
 the median generate time of each and their ratio. `--json` ends with
-`{"alone_s", "with_training_s", "slowdown", "rows", "cpu"}`.
+`{"alone_s", "with_training_s", "slowdown", "rows", "chunk_windows", "cpu"}`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 import torch
 
 from bench.common import cpu_model, finish
+from spot.config import SpotConfig
 
 
 def shard(model: str, prompts: int):
@@ -36,7 +38,7 @@ def shard(model: str, prompts: int):
     return tok, [encode_problem(tok, p, False) for p in problems]
 
 
-def train_forever(model: str, drafter: str, rows: int, ready, stop) -> None:
+def train_forever(model: str, drafter: str, rows: int, chunk: int | None, ready, stop) -> None:
     """A spot trainer's micro-steps on the target's own features of the shard's prompts, until stop."""
     torch.set_num_threads(1)
     from engine.checkpoint import load_checkpoint
@@ -52,7 +54,7 @@ def train_forever(model: str, drafter: str, rows: int, ready, stop) -> None:
     seqs = [TokenSequence(f"p{i}", 0, p + torch.randint(3, target.config.vocab_size, (120,), generator=g).tolist(), len(p))
             for i, p in enumerate(ids)]
     data = capture_features(target, seqs, net.config.aux_layers)
-    trainer = SpotTrainer(net, DrafterOptim(lr=1e-4), rows_per_step=rows)
+    trainer = SpotTrainer(net, DrafterOptim(lr=1e-4), rows_per_step=rows, chunk_windows=chunk)
     ready.set()
     i = 0
     while not stop.is_set():
@@ -65,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="checkpoints/tiny")
     p.add_argument("--drafter", default="checkpoints/tiny-drafter")
     p.add_argument("--rows", type=int, default=16, help="rows per spot micro-step (spot.rows_per_step)")
+    p.add_argument("--chunk-windows", type=int, default=SpotConfig().chunk_windows,
+                   help="windows of pairs per forward/backward (spot.chunk_windows); 0: the whole micro-step at once")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -88,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             proc = None
             if mode == "with_training":
                 ready, stop = ctx.Event(), ctx.Event()
-                proc = ctx.Process(target=train_forever, args=(args.model, args.drafter, args.rows, ready, stop), daemon=True)
+                proc = ctx.Process(target=train_forever, args=(args.model, args.drafter, args.rows, args.chunk_windows or None, ready, stop), daemon=True)
                 proc.start()
                 if not ready.wait(120):
                     proc.kill()
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1}/{args.rounds} {mode}: {times[mode][-1]:.3f} s", file=sys.stderr)
     alone, loaded = statistics.median(times["alone"]), statistics.median(times["with_training"])
     result = {"alone_s": round(alone, 3), "with_training_s": round(loaded, 3), "slowdown": round(loaded / alone, 3),
-              "rows": args.rows, "rounds": args.rounds, "cpu": cpu_model()}
+              "rows": args.rows, "chunk_windows": args.chunk_windows, "rounds": args.rounds, "cpu": cpu_model()}
     print(f"cpu: {result['cpu']}\ngenerate alone {alone:.3f} s, with spot training on another core {loaded:.3f} s "
           f"(median of {args.rounds}): {loaded / alone:.3f}x", file=sys.stderr)
     finish(result, args.json)

@@ -95,7 +95,7 @@ def build_spot_work(cfg: SpotConfig, engine, *, run_name: str, rank: int, local_
         return SpotRun(work=PoolFollower(engine, buffer, sink, cfg.pool_dir, store, rank), buffer=buffer, owner=owner,
                        actor_features=features)
     model = net if from_actor else drafter_copy(net)  # the served one lives in vLLM: this is a copy already
-    kw = dict(window=cfg.window, rows_per_step=cfg.rows_per_step, seed=seed * 1000 + rank)
+    kw = dict(window=cfg.window, rows_per_step=cfg.rows_per_step, seed=seed * 1000 + rank, chunk_windows=cfg.chunk_windows)
     if resume is not None and (resume / "spot").is_dir():
         trainer = SpotTrainer.resume(resume / "spot", model, optim_of(cfg), **kw)
     else:

@@ -23,6 +23,9 @@ class SpotConfig:
     rows_per_step: int = 16
     offset_ratio: float = 0.25
     window: int = 256  # pairs per packed window
+    # Windows per forward/backward within a micro-step (gradients accumulated): the unit an idle
+    # window's end stops training in, and the activations held while another rank still generates.
+    chunk_windows: int = 1
     max_micro_steps: int | None = None  # per idle window; None: until the window ends
     # The drafter's optimiser (spot.drafter_training.DrafterOptim): warmup, then constant.
     lr: float = 1.0e-4
@@ -34,7 +37,7 @@ class SpotConfig:
     def validate(self) -> None:
         if self.mode == "pool" and not self.pool_dir:
             raise ValueError("spot.mode=pool needs spot.pool_dir (the --out folder of launch.spot_pool)")
-        for key in ("buffer_mb", "buffer_entries", "rows_per_step", "window"):
+        for key in ("buffer_mb", "buffer_entries", "rows_per_step", "window", "chunk_windows"):
             if getattr(self, key) < 1:
                 raise ValueError(f"spot.{key} must be >= 1, got {getattr(self, key)}")
         if self.max_micro_steps is not None and self.max_micro_steps < 1:

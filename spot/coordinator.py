@@ -11,8 +11,10 @@ its engine's feature sink collects the target's features (stashed when its rollo
 rank that finished last keeps them for its next window instead (spot.sink: nobody is left to
 train on them this step, and the put would delay the step). In the idle window the rank trains its copy of
 the drafter on buffer samples (the current step's finished responses mixed with the previous
-step's long ones) and checks before and inside each micro-step whether every rank is done, so it
-stops within about a third of a micro-step of the window's end (the micro-step in flight is dropped). Then the replicas are averaged, each weighted by the
+step's long ones) and checks before each micro-step and after each chunk's forward and backward
+inside it (spot.trainer) whether every rank is done, so it stops within about half a chunk of
+the window's end; the micro-step in flight is taken on its chunks done (the chunk in flight is
+dropped). Then the replicas are averaged, each weighted by the
 micro-steps it ran (one all-reduce: gloo on CPU, NCCL on GPU; a rank that ran none counts
 zero), and every rank loads the average into its engine as a new drafter version before the
 next step. Each rank keeps its own AdamW moments (local-SGD style): only weights are averaged.
@@ -110,7 +112,8 @@ class SpotWork:
         self.trainer.model.refresh_head()  # the target's LM head changed at the last weight sync
         self._state(step, RankState.TRAINING)
         t0 = time.time()
-        result = self.trainer.train(lambda i: self._rows(step), window.others_done, self.settings.max_micro_steps)
+        result = self.trainer.train(lambda i: self._rows(step), window.others_done, self.settings.max_micro_steps,
+                                    keep_cut=True)  # the window's end keeps the chunks done
         t1 = time.time()
         self._state(step, RankState.BARRIER)
         end = window.all_done_at()

@@ -82,26 +82,56 @@ class DrafterTrainer:
         self.params = list(model.parameters())
         self.opt = make_adamw(self.params, optim.lr, (0.9, 0.95), optim.weight_decay)
 
-    def step(self, packed: PackedPairs, idx: torch.Tensor, lr: float,
-             abort: Callable[[], bool] | None = None) -> tuple[float, dict[str, float]] | None:
-        """One optimiser step; with `abort`, it is asked after the forward and after the backward
-        and, if it says so, the step is dropped (no weight or optimiser state changes) and None
-        returned: a preempted spot trainer stops within a third of a step, not a whole one."""
+    def step(self, packed: PackedPairs, idx: torch.Tensor, lr: float, abort: Callable[[], bool] | None = None,
+             chunk: int | None = None, keep_cut: bool = False) -> tuple[float, dict[str, float]] | None:
+        """One optimiser step on the loss pairs of windows idx [B], taken `chunk` windows at a time
+        (all at once when None): each chunk's forward and backward in turn, the gradients summed
+        weighted by the chunk's pairs, so the step is the one-batch step up to float rounding
+        while the activations held are one chunk's (the working set a spot trainer shares with
+        the rank still generating, and the unit it can be stopped in).
+
+        With `abort`, asked after each chunk's forward and after its backward: when it says stop,
+        no further chunk runs and the step is dropped (no weight or optimiser state changes) and
+        None returned, so that a preempted job resumes to the weights of an uninterrupted one. With
+        `keep_cut` (an idle window's end: the work done in the window counts) the step is instead
+        taken on the chunks done, a smaller batch (a chunk stopped after its forward is dropped,
+        one stopped after its backward is done), and dropped only when no chunk is done. The
+        metrics are means over the step's pairs, plus `spot/cut` (1 when abort cut the step short),
+        `spot/dropped_s` (the time of a dropped chunk) and `spot/step_pairs`."""
         set_lr(self.opt, lr)
+        chunks = list(idx.split(chunk)) if chunk is not None else [idx]
         self.model.train()
+        sums: dict[str, float] = {}
+        pairs, cut, dropped_s = 0, False, 0.0
         try:
-            loss, metrics, _, _ = batch_loss(self.model, packed, idx, self.optim.ce_weight)
-            if abort is not None and abort():
-                return None
             self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if abort is not None and abort():
+            for c in chunks:
+                t = time.perf_counter()
+                loss, metrics, pred, _ = batch_loss(self.model, packed, c, self.optim.ce_weight)
+                if abort is not None and abort():
+                    cut, dropped_s = True, time.perf_counter() - t
+                    break
+                m = pred.shape[0]  # the chunk's loss pairs: loss is their mean
+                (loss if len(chunks) == 1 else loss * m).backward()
+                pairs += m
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v * m
+                if abort is not None and abort():
+                    cut = True
+                    break
+            if not pairs or (cut and not keep_cut):
                 self.opt.zero_grad(set_to_none=True)
                 return None
+            if len(chunks) > 1:  # sum_c m_c grad(loss_c) / sum_c m_c: the mean over the pairs done
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.div_(pairs)
             clip_and_step(self.opt, self.params, self.optim.grad_clip)
         finally:
             self.model.eval()
-        return loss.item(), metrics
+        metrics = {k: v / pairs for k, v in sums.items()}
+        metrics |= {"spot/cut": float(cut), "spot/dropped_s": dropped_s, "spot/step_pairs": float(pairs)}
+        return metrics["spot/drafter_loss"], metrics
 
 
 def train(model, packed: PackedPairs, optim: DrafterOptim, *, steps: int, batch_windows: int, seed: int,

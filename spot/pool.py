@@ -268,7 +268,9 @@ def open_inputs(cfg: PoolConfig) -> tuple[EagleModel, DataBuffer]:
 def make_trainer(cfg: PoolConfig, r: Ranks, model: EagleModel) -> SpotTrainer:
     optim = DrafterOptim(lr=cfg.lr, warmup_steps=cfg.warmup_steps)
     ckpt = resume_point(r, Path(cfg.out) / CHECKPOINTS)
-    kw = dict(window=cfg.window, rows_per_step=cfg.rows_per_step, seed=cfg.seed)
+    # One backward a micro-step (chunk_windows None): the members' gradient hooks all-reduce per backward,
+    # and members whose windows differ in number must still meet in the same collectives.
+    kw = dict(window=cfg.window, rows_per_step=cfg.rows_per_step, seed=cfg.seed, chunk_windows=None)
     if ckpt is None:
         log(r, f"starting from the warm drafter {cfg.drafter}")
         return SpotTrainer(model, optim, **kw)

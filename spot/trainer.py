@@ -2,9 +2,16 @@
 
 A *micro-step* is one AdamW step (spot.drafter_training.DrafterTrainer, shared with warm-start:
 the EAGLE loss, clipping) on the response pairs of a few rows packed into windows whose masks
-keep rows apart (spot.pairs.PackedPairs). `train` runs micro-steps until a preempt flag, a step
-count or the rows run out; it checks the flag before every micro-step and inside it (after the forward and the backward;
-a micro-step stopped inside is dropped whole), so it stops within about a third of one.
+keep rows apart (spot.pairs.PackedPairs), run `chunk_windows` windows at a time with their
+gradients accumulated: the step of the whole batch, with one chunk's activations held. `train`
+runs micro-steps until a preempt flag, a step count or the rows run out; it checks the flag
+before every micro-step and inside it, after each chunk's forward and backward, so it stops
+within about half a chunk's time of the flag. A micro-step the flag cuts short is dropped
+whole (a preempted job then resumes to an uninterrupted run's weights), or, with `keep_cut`
+(an idle window's end, spot.coordinator), taken on the chunks done, a smaller batch: the work
+done in the window counts, and windows shorter than a whole micro-step still train. The
+chunks run in an order keyed by (seed, micro-step), so a cut step is not biased to the rows
+packing put first.
 The learning rate warms up and then stays constant (optim.lr_at with progress 0): online
 training has no end for a cosine to aim at.
 
@@ -54,33 +61,41 @@ class SpotTrainer:
     """Trains a copy of the drafter online from rows; preemptible between micro-steps; atomic checkpoints."""
 
     def __init__(self, model: EagleModel, optim: DrafterOptim, *, window: int = 256, rows_per_step: int = 8,
-                 seed: int = 0) -> None:
-        if window < 1 or rows_per_step < 1:
-            raise ValueError(f"window and rows_per_step must be >= 1, got {window} and {rows_per_step}")
+                 seed: int = 0, chunk_windows: int | None = 1) -> None:
+        if window < 1 or rows_per_step < 1 or (chunk_windows is not None and chunk_windows < 1):
+            raise ValueError(f"window, rows_per_step and chunk_windows must be >= 1, got {window}, {rows_per_step} "
+                             f"and {chunk_windows}")
         self.model, self.optim = model, optim
         self.window, self.rows_per_step, self.seed = window, rows_per_step, seed
+        self.chunk_windows = chunk_windows  # windows per forward/backward; None: the whole micro-step at once
         self.step_fn = DrafterTrainer(model, optim)
         self.micro_steps = 0
 
     # -- training --------------------------------------------------------------------------
+    def _generator(self) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + self.micro_steps)
+
     def choose_rows(self, rows: list[HiddenStateRows]) -> list[HiddenStateRows]:
         """The rows with a response pair; at most rows_per_step of them, keyed by (seed, micro-step)."""
         rows = [r for r in rows if r.response_len > 0]
         if len(rows) <= self.rows_per_step:
             return rows
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.micro_steps)
-        keep = torch.randperm(len(rows), generator=g)[: self.rows_per_step].sort().values
+        keep = torch.randperm(len(rows), generator=self._generator())[: self.rows_per_step].sort().values
         return [rows[i] for i in keep.tolist()]
 
-    def micro_step(self, rows: list[HiddenStateRows], abort: Callable[[], bool] | None = None) -> dict[str, float] | None:
-        """One AdamW step on the rows' response pairs, all windows in one batch; None when `abort`
-        said stop inside it (after the forward or the backward: nothing changed, nothing counted)."""
+    def micro_step(self, rows: list[HiddenStateRows], abort: Callable[[], bool] | None = None,
+                   keep_cut: bool = False) -> dict[str, float] | None:
+        """One AdamW step on the rows' response pairs, chunk by chunk; None when `abort` said stop
+        inside it (nothing changed, nothing counted), except with `keep_cut`: then the step is
+        taken on the chunks done (`spot/cut` 1, `spot/pairs` fewer than `spot/rows_pairs`) and
+        None only when no chunk was done."""
         rows = self.choose_rows(rows)
         if not rows:
             raise ValueError("micro_step: no row has a response token to learn from")
         packed = PackedPairs(rows, self.window)
         lr = self.optim.lr_at(self.micro_steps, 0.0)
-        done = self.step_fn.step(packed, torch.arange(len(packed)), lr, abort)
+        order = torch.randperm(len(packed), generator=self._generator())  # [B] windows, in the order they run
+        done = self.step_fn.step(packed, order, lr, abort, chunk=self.chunk_windows, keep_cut=keep_cut)
         if done is None:
             return None
         loss, metrics = done
@@ -88,19 +103,23 @@ class SpotTrainer:
         return {
             "spot/drafter_loss": loss, "spot/top1": metrics["spot/top1_draft_vocab"],
             "spot/feature_loss": metrics["spot/feature_loss"], "spot/ce_loss": metrics["spot/ce_loss"],
-            "spot/pairs": float(packed.num_pairs), "spot/rows": float(len(rows)), "spot/lr": lr,
+            "spot/pairs": metrics["spot/step_pairs"], "spot/rows_pairs": float(packed.num_pairs),
+            "spot/rows": float(len(rows)), "spot/lr": lr, "spot/cut": metrics["spot/cut"],
+            "spot/dropped_s": metrics["spot/dropped_s"],
         }
 
     def train(self, next_rows: Callable[[int], list[HiddenStateRows]], should_stop: Callable[[], bool],
-              max_micro_steps: int | None = None) -> dict[str, float]:
+              max_micro_steps: int | None = None, keep_cut: bool = False) -> dict[str, float]:
         """Micro-steps until should_stop(), max_micro_steps, or next_rows(i) == [].
 
-        should_stop is checked before each micro-step and inside it (after its forward and its
-        backward: a micro-step stopped there is dropped whole, `spot/aborted`), so training ends
-        within about a third of a micro-step of the flag. next_rows gets the trainer's total
-        micro-step index, so a resumed run sees the same rows. Returns the count, mean loss and
-        top-1 of this call's completed micro-steps (loss and top-1 only when it ran one), its wall
-        time, and how much of that went to a micro-step dropped when should_stop() turned true.
+        should_stop is checked before each micro-step and inside it (after each chunk's forward
+        and backward, `micro_step`): the micro-step in flight when it turns true is cut short
+        (`spot/aborted` 1): dropped whole, or with `keep_cut` taken on its chunks done. next_rows
+        gets the trainer's total micro-step index, so a resumed run sees the same rows. Returns
+        the count, mean loss and top-1 of this call's micro-steps taken (loss and top-1 only when
+        it took one), its wall time, and how much of that went to work dropped when
+        should_stop() turned true (`spot/dropped_s`: a chunk, or a micro-step none of whose
+        chunks was done).
         """
         t0 = time.perf_counter()
         losses, top1, aborted, dropped_s = [], [], 0, 0.0
@@ -111,12 +130,15 @@ class SpotTrainer:
             if not rows:
                 break
             t = time.perf_counter()
-            m = self.micro_step(rows, should_stop)
+            m = self.micro_step(rows, should_stop, keep_cut)
             if m is None:
                 aborted, dropped_s = aborted + 1, time.perf_counter() - t
                 break
             losses.append(m["spot/drafter_loss"])
             top1.append(m["spot/top1"])
+            if m["spot/cut"]:
+                aborted, dropped_s = aborted + 1, m["spot/dropped_s"]
+                break
         out = {"spot/micro_steps": float(len(losses)), "spot/aborted": float(aborted), "spot/train_s": time.perf_counter() - t0,
                "spot/dropped_s": dropped_s}  # the dropped micro-step's time, within train_s
         if losses:

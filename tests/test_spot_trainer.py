@@ -139,18 +139,42 @@ def test_a_flag_raised_at_a_random_moment_stops_training_within_one_micro_step(t
     assert sum(started_after_flag) <= 1 and trainer.micro_steps - done_at_flag[0] <= 1
 
 
-@pytest.mark.parametrize("asks_before_stop", [1, 2])  # the flag rises after the forward / after the backward
+def test_a_chunked_micro_step_is_the_one_batch_step(tiny):
+    """Chunks accumulate gradients weighted by their pairs: the step's gradient is the whole
+    batch's, up to float rounding (compared before AdamW, whose update of a near-zero gradient
+    amplifies rounding; the step leaves the clipped gradient in .grad)."""
+    rows = tiny[1][:6]
+    packed = PackedPairs(rows, 16)
+    assert len(packed) >= 3
+    steps = {}
+    for chunk in (None, 1, 2):
+        trainer = SpotTrainer(fresh(tiny), OPTIM, window=16, rows_per_step=6, chunk_windows=chunk)
+        loss, metrics = trainer.step_fn.step(packed, torch.arange(len(packed)), 3e-3, chunk=chunk)
+        assert metrics["spot/step_pairs"] == packed.num_pairs and metrics["spot/cut"] == 0.0
+        steps[chunk] = (loss, [p.grad.clone() for p in trainer.step_fn.params])
+    for chunk in (1, 2):
+        assert abs(steps[chunk][0] - steps[None][0]) < 1e-5
+        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(steps[chunk][1], steps[None][1]))
+
+
+def cut_at(asks_before_stop: int):
+    """should_stop: false before the micro-step, true at the asks_before_stop-th check inside it."""
+    asked = []
+
+    def should_stop():
+        asked.append(1)
+        return len(asked) > asks_before_stop
+
+    return should_stop, asked
+
+
+@pytest.mark.parametrize("asks_before_stop", [1, 2, 3])  # after chunk 1's forward, its backward, chunk 2's forward
 def test_a_flag_raised_inside_a_micro_step_drops_it_whole(tiny, asks_before_stop):
     trainer = new_trainer(tiny)
     trainer.train(rows_for(tiny), lambda: False, max_micro_steps=2)
     weights = trainer.named_weights()
     moments = {k: v.clone() for k, v in trainer.step_fn.opt.state[trainer.step_fn.params[0]].items()}
-    asked = []
-
-    def should_stop():  # false before the micro-step, true at the asks_before_stop-th check inside it
-        asked.append(1)
-        return len(asked) > asks_before_stop
-
+    should_stop, asked = cut_at(asks_before_stop)
     m = trainer.train(rows_for(tiny), should_stop)
     assert m["spot/micro_steps"] == 0 and m["spot/aborted"] == 1 and "spot/drafter_loss" not in m
     assert 0 < m["spot/dropped_s"] <= m["spot/train_s"]  # its time is told apart
@@ -160,6 +184,35 @@ def test_a_flag_raised_inside_a_micro_step_drops_it_whole(tiny, asks_before_stop
     assert all(torch.equal(moments[k], state[k]) for k in moments)
     resumed = trainer.train(rows_for(tiny), lambda: False, max_micro_steps=1)  # and training goes on from there
     assert resumed["spot/micro_steps"] == 1 and trainer.micro_steps == 3 and resumed["spot/dropped_s"] == 0.0
+
+
+@pytest.mark.parametrize("asks_before_stop", [1, 2])  # after the first chunk's backward / the second chunk's forward
+def test_keep_cut_takes_a_micro_step_cut_short_on_the_chunks_done(tiny, asks_before_stop):
+    trainer, twin = new_trainer(tiny), new_trainer(tiny)
+    for t in (trainer, twin):  # the same weights, moments and micro-step count
+        t.train(rows_for(tiny), lambda: False, max_micro_steps=2)
+    rows = trainer.choose_rows(rows_for(tiny)(trainer.micro_steps))
+    packed = PackedPairs(rows, trainer.window)
+    assert len(packed) >= 2, "the test needs a micro-step of two chunks or more"
+    order = torch.randperm(len(packed), generator=trainer._generator())
+    should_stop, asked = cut_at(asks_before_stop)
+    m = trainer.micro_step(rows_for(tiny)(trainer.micro_steps), should_stop, keep_cut=True)
+    assert m["spot/cut"] == 1 and trainer.micro_steps == 3 and len(asked) == asks_before_stop + 1
+    assert (m["spot/dropped_s"] > 0) == (asks_before_stop == 2)  # a chunk stopped after its forward is dropped
+    assert m["spot/pairs"] == int(packed.loss[order[:1]].sum()) < m["spot/rows_pairs"] == packed.num_pairs
+    # The step taken is the one on the first chunk's pairs alone (its gradient, as clipped, is left in .grad).
+    twin.step_fn.step(packed, order[:1], twin.optim.lr_at(twin.micro_steps, 0.0))
+    assert all(torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-8) for a, b in zip(trainer.step_fn.params, twin.step_fn.params))
+    assert all(torch.allclose(a, b, atol=1e-4) for (_, a), (_, b) in zip(trainer.named_weights(), twin.named_weights()))
+
+
+@pytest.mark.parametrize("asks_before_stop, taken", [(1, 0), (2, 1)])  # after chunk 1's forward / its backward
+def test_train_with_keep_cut_counts_a_cut_micro_step_only_when_a_chunk_was_done(tiny, asks_before_stop, taken):
+    trainer = new_trainer(tiny)
+    should_stop, _ = cut_at(asks_before_stop)  # the first call is before the micro-step
+    m = trainer.train(rows_for(tiny), should_stop, keep_cut=True)
+    assert m["spot/micro_steps"] == taken == trainer.micro_steps and m["spot/aborted"] == 1
+    assert ("spot/drafter_loss" in m) == bool(taken) and (m["spot/dropped_s"] > 0) == (not taken)
 
 
 def test_named_weights_are_the_trainable_ones_and_reload_into_a_separate_engine_drafter(tiny, tmp_path):
