@@ -5,7 +5,9 @@ bubble spot training ([D]) and bubble drafts ([F]) fill. `IdleWork` is the hook 
 `begin(step)` as the step's rollouts start, `rollouts_done(step, batch)` after each of this
 rank's generate calls, and `work(window)` once this rank's rollouts are done: preemptible work
 until `window.others_done()` is true (every rank has finished its rollouts), returning its
-metrics. With no work plugged in, a rank simply waits at the barrier. Either way the loop
+metrics; work that may finish later (spot training's average across ranks, posted as the window
+ends) also has `settle()`, which the loop calls after the actor's update and which returns the
+rest of its metrics. With no work plugged in, a rank simply waits at the barrier. Either way the loop
 measures the wait per rank (`timing/idle/rank{r}`).
 
 Completion is counted in the job's TCPStore (torch.distributed's default store: the control
@@ -84,6 +86,13 @@ class IdleSequence:
     def rollouts_done(self, step: int, batch: RolloutBatch) -> None:
         for w in self.works:
             w.rollouts_done(step, batch)
+
+    def settle(self) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for w in self.works:
+            if hasattr(w, "settle"):
+                metrics.update(w.settle())
+        return metrics
 
     def work(self, window: IdleWindow) -> dict[str, float]:
         metrics: dict[str, float] = {}

@@ -146,6 +146,8 @@ class Trainer:
         if hasattr(self.engine, "wake_up"):
             self.engine.wake_up()
         self.sync(version=step + 1)
+        if hasattr(self.idle_work, "settle"):  # work of the idle window that went on during the update (spot's average)
+            idle_metrics.update(self.idle_work.settle())
         sync_s = time.perf_counter() - t
         self.step_index = step + 1
         metrics.update(self._step_metrics(scored, rollout_s, idle_s, logprob_s, update_s, sync_s, time.perf_counter() - t_step))

@@ -89,7 +89,7 @@ class ActorFeatures:
     def stash(self, rollouts: Sequence[Rollout], step: int) -> None:
         pass
 
-    def put_stashed(self, defer: int | None = None) -> int:
+    def put_stashed(self, hold: int = 0) -> int:
         return 0
 
 

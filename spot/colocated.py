@@ -103,7 +103,8 @@ def build_spot_work(cfg: SpotConfig, engine, *, run_name: str, rank: int, local_
     control = ControlPlane(store, rank, world) if store is not None else None
     settings = SpotSettings(rows_per_step=cfg.rows_per_step, offset_ratio=cfg.offset_ratio,
                             max_micro_steps=cfg.max_micro_steps, seed=seed)
-    work = SpotWork(engine, trainer, buffer, sink, control, settings)
+    group = dist.new_group() if world > 1 else None  # the window end's average runs beside the actor's collectives
+    work = SpotWork(engine, trainer, buffer, sink, control, settings, group)
     return SpotRun(work=work, buffer=buffer, owner=owner, actor_features=features)
 
 

@@ -7,11 +7,13 @@ preallocated block per call of `generate` ([R, L, F], row r for the call's rollo
 doubling, reused by later calls), so a step costs one indexed copy, not a loop over tokens.
 After a generate call, `stash(rollouts, step)` detaches what it captured (the sink takes a
 spare block for the next call) and `put_stashed()` turns each rollout into a buffer entry and
-puts it; `flush` does both. The rank coordinator puts its stash at the start of its idle window,
-except on the rank that finished last: there nobody is left to train on the entries this step,
-and the put (tens of ms) would be on the step's critical path, so that stash waits for the
-rank's next idle window (`put_stashed(defer=step)`; at most one step is held back, and its
-entries then are the previous step's long responses the sampler's offset wants). An entry:
+puts it; `flush` does both. The rank coordinator puts its stashes at the start of its idle
+window, except on the rank that finished last: there nobody is left to train on the entries
+this step, and the put (4-9 ms for the tiny config's 128 rollouts) would be on the step's
+critical path, so that rank holds its stashes, this step's and an earlier one it may still
+hold from being last before, until its next window as an early rank (`put_stashed(hold=2)`:
+all but the newest two are put, so at most two blocks wait; a held step's entries then are the
+previous step's long responses the sampler's offset wants). An entry:
 
     tokens   = prompt + response[:L-1]     (the last response token is never fed to the target)
     features = prompt features, then those of response positions 0..L-2   [P + L - 1, F]
@@ -43,11 +45,14 @@ class Stash:
     block: torch.Tensor  # [R, L, F]
 
 
+HELD_STEPS = 2  # stashes the last rank holds back at most: this step's, and one from being last before
+
+
 def put_as_window_opens(sink, window) -> int:
     """The rank coordinator's rule (spot.coordinator, spot.follower), as a rank's idle window opens:
-    put every stash, except this step's on the rank that finished last (`window.others_done()`
-    already), whose entries wait for its next window."""
-    return sink.put_stashed(defer=window.step if window.others_done() else None)
+    put every stash, except on the rank that finished last (`window.others_done()` already): it
+    holds its newest HELD_STEPS stashes for its next window as an early rank."""
+    return sink.put_stashed(hold=HELD_STEPS if window.others_done() else 0)
 
 
 class DataBufferSink:
@@ -98,12 +103,11 @@ class DataBufferSink:
         self.block = self.spare.pop() if self.spare else torch.empty(0, self.max_len, self.block.shape[-1], dtype=self.dtype)
         self.prompts, self.keys, self.known = {}, {}, 0
 
-    def put_stashed(self, defer: int | None = None) -> int:
-        """Puts every stash except those of step `defer`; returns how many entries were put."""
-        keep = [s for s in self.stashed if s.step == defer]
-        put = sum(self._put(s) for s in self.stashed if s.step != defer)
-        self.stashed = keep
-        return put
+    def put_stashed(self, hold: int = 0) -> int:
+        """Puts every stash but the newest `hold`, oldest first; returns how many entries were put."""
+        cut = max(0, len(self.stashed) - hold)
+        put_now, self.stashed = self.stashed[:cut], self.stashed[cut:]
+        return sum(self._put(s) for s in put_now)
 
     def flush(self, rollouts: Sequence[Rollout], step: int) -> int:
         """Puts one entry per rollout of this generate call (and anything stashed before); returns how many."""

@@ -70,21 +70,22 @@ def test_sink_entries_hold_the_rollouts_tokens_and_their_teacher_forced_features
         assert sink.flush([], step=8) == 0
 
 
-def test_a_held_stash_is_put_with_its_own_step_in_the_next_window(hf_folders, buffer_name):
+def test_the_last_rank_holds_two_stashes_and_puts_them_with_their_own_steps(hf_folders, buffer_name):
     target = load_checkpoint(hf_folders["llama"])
     with DataBuffer.create(buffer_name, capacity_bytes=8 * 2**20, feature_size=target.config.hidden_size) as buf:
         sink = DataBufferSink(buf, max_new_tokens=12)
         engine = RolloutEngine(target, EngineConfig(max_batch=4, max_len=64), sink=sink)
         params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)
-        for step in (1, 2):
+        for step in (1, 2, 3):  # the last rank of three steps in a row
             sink.stash(engine.generate([Request(prompt_id=f"s{step}", prompt=[5, 9, 17], n=2)], params).rollouts, step)
-            assert sink.put_stashed(defer=step) == (2 if step == 2 else 0)  # the last rank of both steps
-        # Step 1's stash went in at step 2's window, under its own step; step 2's is held.
+            assert sink.put_stashed(hold=2) == (2 if step == 3 else 0)
+        # Step 1's stash went in at step 3's window, under its own step; steps 2 and 3 are held.
         assert sorted((i.key, i.step) for i in buf.infos()) == [("s1/0", 1), ("s1/1", 1)]
-        assert [s.step for s in sink.stashed] == [2]
+        assert [s.step for s in sink.stashed] == [2, 3]
         # The blocks circulate: a put stash's block serves the next generate call.
         assert len(sink.spare) == 1
-        assert sink.put_stashed() == 2 and sorted(i.step for i in buf.infos()) == [1, 1, 2, 2]
+        # An early rank's window puts them all, oldest first.
+        assert sink.put_stashed() == 4 and sorted(i.step for i in buf.infos()) == [1, 1, 2, 2, 3, 3] and not sink.stashed
 
 
 def fill(buf: DataBuffer, target, count: int, step: int) -> None:

@@ -68,6 +68,7 @@ def worker(rank: int, world: int, port: int, out: str, model_dir: str, buffer_na
         time.sleep(rank * STAGGER)
         seen = control.states()  # the last rank sees the others training while it still generates
         _, metrics = idle_window(Ranks(rank=rank, world=world, local_rank=rank), 1, work)
+        metrics |= work.settle()  # the loop's call after the actor's update: the average, loaded
         torch.save({"before": before, "micro_steps": trainer.micro_steps, "metrics": metrics, "seen": [None if s is None else (s[0], s[1].value) for s in seen],
                     "served": {n: p.detach().clone() for n, p in engine.drafter_nets()[0].named_parameters()},
                     "served_version": engine.drafter.version,
