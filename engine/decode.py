@@ -295,21 +295,24 @@ class GenerateRun:
         gen_before = self.state.generated[:b].clone() if self.e.sink is not None else None
         emitted = self._emit(torch.arange(b, device=self.device), tokens, logprobs, verdict.num_emitted)
         e = self.e
+        feats = target_features(out, self.drafter_layers) if self.drafter_wants else None  # [b, 1+N, F]
         if e.drafter is not None:
-            e.drafter.update(verdict, target_features(out, self.drafter_layers) if self.drafter_wants else None)
+            e.drafter.update(verdict, feats)
         if e.sink is not None:
-            self._sink(b, out, fed, gen_before, emitted, src)
+            if feats is None or self.sink_layers != self.drafter_layers:  # an EAGLE-3 drafter's and its sink's agree: one concat
+                feats = target_features(out, self.sink_layers) if self.sink_layers else out.hidden  # the final hidden: no copy
+            self._sink(b, feats, fed, gen_before, emitted, src)
         return emitted
 
-    def _sink(self, b, out, fed, gen_before, emitted, src) -> None:
+    def _sink(self, b, feats, fed, gen_before, emitted, src) -> None:
         """Committed tokens that stay in the rollout: entry j of the path (0 = the root) at
-        response position gen_before - 1 + j, for j < emitted."""
+        response position gen_before - 1 + j, for j < emitted. feats [b, 1+N, F]: the pass's
+        features in the sink's layers."""
         state = self.state
         if fed.shape[1] == 1:  # a plain step: every active row committed its root (retire() left room for it), no mask
-            feats = out.hidden[:, 0] if not self.sink_layers else target_features(out, self.sink_layers)[:, 0]  # [b, F]
+            feats = feats[:, 0]  # [b, F]
             rows, position, tokens, every_row = self._rows[:b], gen_before - 1, fed[:, 0], True
         else:
-            feats = target_features(out, self.sink_layers)  # [b, 1+N, F]
             W = fed.shape[1]
             if src is not None:
                 feats = feats.gather(1, src.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))

@@ -96,13 +96,18 @@ class BufferEntry:
     finished: bool  # the response ended with a stop token (False: cut by max_new_tokens or preempted)
     prompt_len: int
     tokens: torch.Tensor  # [T] long (prompt + response, as fed to the target)
-    features: torch.Tensor  # [T, F] float32 or bfloat16 (the buffer's dtype)
+    # [T, F] float32 or bfloat16 (the buffer's dtype); a producer may give parts [T_i, F] in order
+    # along T (a prompt's features, then a view of the response's): they are written to the ring
+    # one by one, with no concatenated copy made first. `read` always gives one tensor.
+    features: torch.Tensor | tuple[torch.Tensor, ...]
 
     def __post_init__(self) -> None:
         T = self.tokens.shape[0] if self.tokens.dim() == 1 else -1
-        if self.features.dim() != 2 or self.features.shape[0] != T:
+        parts = self.feature_parts()
+        shapes = [tuple(f.shape) for f in parts]
+        if any(f.dim() != 2 or f.shape[1] != parts[0].shape[1] for f in parts) or sum(f.shape[0] for f in parts) != T:
             raise ValueError(f"entry {self.key!r}: tokens [T] and features [T, F] must agree, got "
-                             f"{tuple(self.tokens.shape)} and {tuple(self.features.shape)}")
+                             f"{tuple(self.tokens.shape)} and {shapes[0] if len(shapes) == 1 else shapes}")
         if not 0 < self.prompt_len <= T:
             raise ValueError(f"entry {self.key!r}: prompt_len {self.prompt_len} not in 1..{T}")
 
@@ -110,8 +115,12 @@ class BufferEntry:
     def length(self) -> int:
         return self.tokens.shape[0]
 
+    def feature_parts(self) -> tuple[torch.Tensor, ...]:
+        return self.features if isinstance(self.features, tuple) else (self.features,)
+
     def to_row(self) -> HiddenStateRows:
-        return HiddenStateRows(prompt_id=self.key, step=self.step, tokens=self.tokens, features=self.features,
+        features = self.features if isinstance(self.features, torch.Tensor) else torch.cat(self.features)
+        return HiddenStateRows(prompt_id=self.key, step=self.step, tokens=self.tokens, features=features,
                                prompt_len=self.prompt_len)
 
 
@@ -231,9 +240,9 @@ class DataBuffer:
 
     def _check(self, entry: BufferEntry) -> None:
         T = entry.length
-        if entry.features.shape[1] != self.feature_size:
-            raise ValueError(f"entry {entry.key!r} has feature size {entry.features.shape[1]}, the buffer holds "
-                             f"{self.feature_size}")
+        F = entry.feature_parts()[0].shape[1]
+        if F != self.feature_size:
+            raise ValueError(f"entry {entry.key!r} has feature size {F}, the buffer holds {self.feature_size}")
         if entry.tokens.is_floating_point() or entry.tokens.is_complex():
             raise ValueError(f"entry {entry.key!r}: tokens must be integer ids, got {entry.tokens.dtype}")
         key = entry.key.encode()
@@ -271,8 +280,10 @@ class DataBuffer:
         self._data[pos:pos + tok_bytes].view(torch.int64).copy_(entry.tokens)
         if _MID_WRITE_HOOK is not None:
             _MID_WRITE_HOOK()
-        self._data[pos + tok_bytes:pos + nbytes].view(self.dtype).view(T, self.feature_size).copy_(
-            entry.features.detach())
+        dest, at = self._data[pos + tok_bytes:pos + nbytes].view(self.dtype).view(T, self.feature_size), 0
+        for part in entry.feature_parts():  # [T_i, F] each, straight into the ring
+            dest[at:at + part.shape[0]].copy_(part.detach())
+            at += part.shape[0]
         s["lock"] = int(s["lock"]) + 1  # even: complete
         return head
 

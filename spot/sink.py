@@ -126,7 +126,7 @@ class DataBufferSink:
             p_tok, p_feat = s.prompts[ro.prompt_id]
             n = min(L, self.max_len) - 1
             tokens = torch.cat([p_tok, torch.tensor(ro.tokens[:n], dtype=torch.long)])
-            features = torch.cat([p_feat, s.block[slot, :n]])
+            features = (p_feat, s.block[slot, :n])  # parts, copied into the ring by the put: no temporary
             entries.append(BufferEntry(
                 key=f"{ro.prompt_id}/{ro.sample}", step=s.step, policy_version=ro.policy_version,
                 finished=ro.finish_reason == FinishReason.STOP, prompt_len=p_tok.numel(), tokens=tokens, features=features,

@@ -198,6 +198,21 @@ def test_put_many_writes_in_order_as_single_puts_do_and_checks_every_entry_befor
         assert buf.put(_entry("after/0", 4)) == 12
 
 
+def test_an_entry_given_in_feature_parts_reads_back_as_the_whole(seg):
+    with DataBuffer.create(seg, capacity_bytes=1 << 16, feature_size=F) as buf:
+        whole = _entry("w/0", 9, prompt_len=3)
+        parts = BufferEntry(key="p/0", step=0, policy_version=0, finished=True, prompt_len=3, tokens=whole.tokens,
+                            features=(whole.features[:3], whole.features[3:]))  # a prompt's, then a response view's
+        buf.put_many([parts])
+        (info,) = buf.infos()
+        e = buf.read(info)
+        assert torch.equal(e.tokens, whole.tokens) and torch.equal(e.features, whole.features)
+        assert torch.equal(parts.to_row().features, whole.features)
+        with pytest.raises(ValueError, match="must agree"):
+            BufferEntry(key="x/0", step=0, policy_version=0, finished=True, prompt_len=3, tokens=whole.tokens,
+                        features=(whole.features[:3], whole.features[4:]))  # a row short
+
+
 def test_read_of_an_overwritten_entry_is_none(seg):
     with DataBuffer.create(seg, capacity_bytes=20_000, feature_size=F) as buf:
         buf.put(_entry("first/0", 64))
