@@ -90,6 +90,28 @@ def print_host(load: bool = True) -> None:
     print(text(kernel_report(load)), file=sys.stderr)
 
 
+def prefault_memory(gb: float) -> dict:
+    """Writes one float per 4 KB page of `gb` GiB, then frees it; -> {"gb", "s", "us_per_fault"}.
+
+    On the virtual machines these benches run on, the host backs guest memory lazily: the first
+    touch of a guest page never used since boot costs several times a warm one (6 against 0.8 us
+    a fault, measured 2026-12-02 on an AMD EPYC VM). A run that uses more memory than another
+    (spot training: the sink's blocks, the buffer) then pays for first touches in phases it does
+    not even run in (the actor's update: +0.06 s a step in one bench). Touching the free memory
+    once before the runs takes that cost off both ways of a side-by-side bench."""
+    import resource
+
+    import torch
+
+    n = int(gb * 2**30) // 4
+    r0, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+    x = torch.empty(n)
+    x.view(-1, 1024)[:, 0] = 0.0  # one write per 4 KB page
+    del x
+    dt, faults = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0
+    return {"gb": gb, "s": round(dt, 2), "us_per_fault": round(dt / max(faults, 1) * 1e6, 2)}
+
+
 def finish(result: dict, as_json: bool) -> None:
     """A bench's last words: the JSON line (with the host and kernel report), or the report alone."""
     if as_json:

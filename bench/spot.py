@@ -24,6 +24,8 @@ accept-length curves (PNG). Prints the CPU model; `--json` ends with one line
 `{"step_ratio", "utilisation", "accept_ratio_last", "accept_spot_vs_start", "identical", ...}`.
 It also prints the time up to the step barrier (rollouts, then the idle wait: the phase spot
 training acts in) of both ways, and exits 3 when a spot run trained nothing at all.
+`--prefault-gb G` makes each rank first touch G GiB of memory (on a VM that backs memory lazily, the way that
+uses more memory pays first touches in phases spot training does not run in).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import cpu_model, finish, save_plot
+from bench.common import cpu_model, finish, prefault_memory, save_plot
 from bench.runs import bench_overrides, mean, read_metrics, same_steps, same_weights, train_runs
 
 
@@ -73,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1,
                    help="run each way this many times in ABBA order (spot, frozen, frozen, spot, ...): the step ratio "
                         "pools them, so a drift of the machine's speed during the bench cancels")
+    p.add_argument("--prefault-gb", type=float, default=0.0,
+                   help="each rank touches this many GiB of memory once before the runs (bench.common.prefault_memory: on a VM "
+                        "that backs memory lazily, the way that uses more memory pays first touches elsewhere)")
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*", help="section.key=value, applied to both runs")
     args = p.parse_args(argv)
@@ -80,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --steps must be >= 2 (step 1 is excluded from the timing) and --repeats >= 1", file=sys.stderr)
         return 1
     out = Path(args.out or tempfile.mkdtemp(prefix="tailspec-spot-"))
+    prefault = prefault_memory(args.prefault_gb) if args.prefault_gb > 0 else None  # every rank: the host's pages either way
     # A discarded one-step run first: one-time costs (kernel builds, caches) would favour the second run.
     plan = [("warmup", ["spot.enabled=false", "trainer.steps=1"])] if args.warmup else []
     ways = [("spot", ["spot.enabled=true"]), ("frozen", ["spot.enabled=false"])]
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         "step_ratio": round(t_on / t_off, 4), "step_ratio_median": round(paired[len(paired) // 2], 4), "step_s_spot": round(t_on, 3), "step_s_frozen": round(t_off, 3),
         "utilisation": round(trained / idle, 3) if idle > 0 else None,
         "dropped_s_per_step": round(sum(m.get("spot/dropped_s", 0.0) for ms in reps["spot"] for m in ms[1:])
-                                    / (len(on) - 1) / args.repeats, 4),  # of the utilisation: micro-steps the window's end dropped
+                                    / (len(on) - 1) / args.repeats, 4),  # of the utilisation: work the window's end dropped (a chunk in flight)
         "idle_s_per_step": round(idle / (len(on) - 1) / args.repeats, 3),
         "overrun_s_max": round(max(m.get("spot/overrun_s", 0.0) for ms in reps["spot"] for m in ms), 3),
         "micro_steps": int(sum(m.get("spot/micro_steps", 0.0) for m in on)), "repeats": args.repeats,
@@ -128,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "accept_spot": [round(x, 3) for x in acc_on], "accept_frozen": [round(x, 3) for x in acc_off],
         "accept_ratio_last": round(s_on[-1] / s_off[-1], 3), "accept_spot_vs_start": round(s_on[-1] / s_on[0], 3),
         "accept_frozen_vs_start": round(s_off[-1] / s_off[0], 3), "smooth": args.smooth,
-        "identical": identical, "steps": args.steps, "world_size": r.world,
+        "identical": identical, "steps": args.steps, "world_size": r.world, "prefault": prefault,
         "config": args.config, "overrides": args.overrides, "cpu": cpu_model(), "runs": {k: str(v) for k, v in runs.items()},
     }
     print(f"cpu: {result['cpu']}", file=sys.stderr)
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     print(f"step ratio (spot / frozen, steps 2..N, {args.repeats} run(s) each) {result['step_ratio']:.3f} (median of step pairs "
           f"{result['step_ratio_median']:.3f}); utilisation {result['utilisation']}; "
-          f"max overrun {result['overrun_s_max']} s; {result['micro_steps']} micro-steps; dropped micro-steps "
+          f"max overrun {result['overrun_s_max']} s; {result['micro_steps']} micro-steps; work dropped at the window's end "
           f"{result['dropped_s_per_step']} s a step", file=sys.stderr)
     print(f"accept length, {args.smooth}-step mean: spot {s_on[0]:.2f} -> {s_on[-1]:.2f} ({result['accept_spot_vs_start']:.2f}x), "
           f"frozen {s_off[0]:.2f} -> {s_off[-1]:.2f} ({result['accept_frozen_vs_start']:.2f}x); last step spot / frozen "
