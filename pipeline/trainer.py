@@ -146,7 +146,7 @@ class Trainer:
         if hasattr(self.engine, "wake_up"):
             self.engine.wake_up()
         self.sync(version=step + 1)
-        if hasattr(self.idle_work, "settle"):  # work of the idle window that went on during the update (spot's average)
+        if hasattr(self.idle_work, "settle"):  # work of the idle window that went on during the update (spot's average; timed in timing/sync)
             idle_metrics.update(self.idle_work.settle())
         sync_s = time.perf_counter() - t
         self.step_index = step + 1

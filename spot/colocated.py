@@ -45,6 +45,8 @@ class SpotRun:
 
     def close(self) -> None:
         self.work.engine.sink = None
+        if getattr(self.work, "group", None) is not None:  # the window end's process group (build_spot_work)
+            dist.destroy_process_group(self.work.group)
         self.buffer.close()
         if self.owner:
             self.buffer.unlink()

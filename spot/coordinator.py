@@ -21,9 +21,9 @@ next step. Each rank keeps its own AdamW moments (local-SGD style): only weights
 The all-reduce, which also gathers every rank's window statistics, is posted as the window ends
 and not waited for (`post_average`, on a process group of its own): it runs while the step goes
 on through the barrier and the actor's update, and the loop calls `settle()` after the update to
-load the average and report the window's metrics. Only the barrier is left on the critical
-path: the window's end costs the step the chunk in flight and nothing for the exchange (on the
-tiny config it took 3-11 ms a step when it waited: an all-gather, then a 1.9 MB all-reduce).
+load the average and report the window's metrics. Left on the critical path is the barrier,
+which waits for the chunk in flight; the exchange is not (on the tiny config, when it waited, the
+1.9 MB average took 1.6-7.4 ms a step after an all-gather that waited for that chunk).
 
 Time is accounted honestly: a rank's idle time is from its rollouts' end to the last rank's
 (`IdleWindow.all_done_at`); training within it counts towards `spot/utilisation`; training past
