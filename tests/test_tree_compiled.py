@@ -39,7 +39,8 @@ def sharp_drafter(target, kind: str, draft_vocab: bool) -> EagleModel:
     return net
 
 
-def admitted(runtime, net, params, shape, lengths: list[int], pending: list[int] | None = None) -> EagleDrafter:
+def admitted(runtime, net, params, shape, lengths: list[int], pending: list[int] | None = None,
+             bf16: bool = False) -> EagleDrafter:
     """A drafter with rows of prompts of different lengths admitted, and then `pending` pairs
     waiting per row (as after verifications that accepted different numbers of tokens)."""
     P = max(lengths)
@@ -47,7 +48,7 @@ def admitted(runtime, net, params, shape, lengths: list[int], pending: list[int]
     with torch.no_grad():
         out = runtime(prompt, torch.arange(P).expand(len(lengths), P), hidden_layers=tuple(net.config.aux_layers))
     feats = torch.cat([out.layer_hidden[i] for i in net.config.aux_layers] + [out.hidden], -1)
-    drafter = EagleDrafter(net)
+    drafter = EagleDrafter(net, bf16_weights=bf16)
     drafter.reset(len(lengths), 64, params, shape)
     b = len(lengths)
     drafter.admit(Admission(slots=torch.arange(b), owner=torch.arange(b), tokens=prompt, lengths=torch.tensor(lengths),
@@ -81,18 +82,19 @@ def proposal(drafter: EagleDrafter, ctx: DraftContext) -> dict[str, list]:
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("draft_vocab", [True, False])
-def test_compiled_tree_proposes_what_the_python_expansion_proposes(runtime, kind, temperature, draft_vocab, monkeypatch):
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32-weights", "bf16-weights"])
+def test_compiled_tree_proposes_what_the_python_expansion_proposes(runtime, kind, temperature, draft_vocab, bf16, monkeypatch):
     net = sharp_drafter(runtime.model, kind, draft_vocab)
     params = SamplingParams(temperature=temperature)
     for shape, pending in ((DraftShape(depth=4, topk=3, verify_tokens=12), [3, 1, 2]),
                            (DraftShape(depth=3, topk=2, verify_tokens=50), None)):
         lengths = [7, 4, 6]  # rows of different lengths
-        compiled_drafter = admitted(runtime, net, params, shape, lengths, pending)
+        compiled_drafter = admitted(runtime, net, params, shape, lengths, pending, bf16)
         assert compiled_drafter._compiled_tree(context(params, shape, 3))
         compiled = proposal(compiled_drafter, context(params, shape, 3))
         with monkeypatch.context() as m:
             m.setattr(tree_kernel, "supported", lambda rt, topk: False)
-            python_drafter = admitted(runtime, net, params, shape, lengths, pending)
+            python_drafter = admitted(runtime, net, params, shape, lengths, pending, bf16)
             python = proposal(python_drafter, context(params, shape, 3))
         assert compiled == python
         n = min(shape.verify_tokens, tree_kernel.pool_size(shape.depth, shape.topk))

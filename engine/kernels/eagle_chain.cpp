@@ -32,6 +32,8 @@
 
 extern "C" void skinny_gemm(const float* x, int64_t ldx, const float* wp, const float* bias, const float* c, int64_t ldc,
                             float* y, int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads);
+extern "C" void skinny_gemm_bf16(const float* x, int64_t ldx, const uint16_t* wp, const float* bias, const float* c,
+                                 int64_t ldc, float* y, int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads);
 extern "C" void silu_mul_rows(const float* x, float* y, int64_t M, int64_t I);
 extern "C" void rms_norm_rows(const float* x, int64_t ldx, const float* w, float eps, float* y, int64_t ldy, int64_t M, int64_t H);
 
@@ -45,7 +47,17 @@ struct Net {
   float *ck, *cv;
   int64_t skb, skh;
   int nthreads;
+  bool bf16;  // the panels (fc, qkv, o, gate_up, down, head, fc_out) hold bf16 bits
 };
+
+// y = x @ W (+ c) over the net's panels, float32 or bf16 (skinny.cpp).
+void mm(const Net& n, const float* x, int64_t ldx, const float* w, const float* c, int64_t ldc, float* y, int64_t ldy,
+        int64_t M, int64_t K, int64_t N) {
+  if (n.bf16)
+    skinny_gemm_bf16(x, ldx, reinterpret_cast<const uint16_t*>(w), nullptr, c, ldc, y, ldy, M, K, N, n.nthreads);
+  else
+    skinny_gemm(x, ldx, w, nullptr, c, ldc, y, ldy, M, K, N, n.nthreads);
+}
 
 // One pass of M tokens through fc and the layer. Token m belongs to cache row row[m], has input
 // token tok[m] and feature feat[m] (F floats), RoPE rows cos[m] / sin_signed[m] (hd floats),
@@ -66,8 +78,8 @@ void step(Net& n, int64_t M, const int64_t* tok, const float* const* feat, const
     std::memcpy(xin.data() + m * (H + F), n.embed + t * H, H * sizeof(float));
     std::memcpy(xin.data() + m * (H + F) + H, feat[m], F * sizeof(float));
   }
-  skinny_gemm(xin.data(), H + F, n.fc, nullptr, nullptr, 0, x.data(), H, M, H + F, H, n.nthreads);
-  skinny_gemm(x.data(), H, n.qkv, nullptr, nullptr, 0, qkvb.data(), Q, M, H, Q, n.nthreads);
+  mm(n, xin.data(), H + F, n.fc, nullptr, 0, x.data(), H, M, H + F, H);
+  mm(n, x.data(), H, n.qkv, nullptr, 0, qkvb.data(), Q, M, H, Q);
   for (int64_t m = 0; m < M; ++m) {  // RoPE on q and k heads, then K / V into the cache
     if (!active[m]) continue;
     float* r = qkvb.data() + m * Q;
@@ -92,15 +104,15 @@ void step(Net& n, int64_t M, const int64_t* tok, const float* const* feat, const
       tailspec::attend_one(r + hq * hd, n.ck + row[m] * n.skb + (hq / G) * n.skh, n.cv + row[m] * n.skb + (hq / G) * n.skh,
                            mask ? mask[m] : nullptr, S, hd, scale, sc, out_m + hq * hd);
   }
-  skinny_gemm(attn.data(), nq * hd, n.o, nullptr, x.data(), H, x.data(), H, M, nq * hd, H, n.nthreads);  // x += attn @ o
+  mm(n, attn.data(), nq * hd, n.o, x.data(), H, x.data(), H, M, nq * hd, H);  // x += attn @ o
   rms_norm_rows(x.data(), H, n.post_norm, n.eps, h.data(), H, M, H);
-  skinny_gemm(h.data(), H, n.gate_up, nullptr, nullptr, 0, gu.data(), 2 * I, M, H, 2 * I, n.nthreads);
+  mm(n, h.data(), H, n.gate_up, nullptr, 0, gu.data(), 2 * I, M, H, 2 * I);
   silu_mul_rows(gu.data(), act.data(), M, I);
-  skinny_gemm(act.data(), I, n.down, nullptr, x.data(), H, x.data(), H, M, I, H, n.nthreads);  // x += mlp
+  mm(n, act.data(), I, n.down, x.data(), H, x.data(), H, M, I, H);  // x += mlp
   std::vector<float> aux;  // eagle3 also predicts the auxiliary features: [fc_out(x); x]
   if (n.fc_out) {
     aux.resize(M * (F - H));
-    skinny_gemm(x.data(), H, n.fc_out, nullptr, nullptr, 0, aux.data(), F - H, M, H, F - H, n.nthreads);
+    mm(n, x.data(), H, n.fc_out, nullptr, 0, aux.data(), F - H, M, H, F - H);
   }
   for (int64_t m = 0; m < M; ++m) {
     if (!active[m]) continue;
@@ -154,9 +166,10 @@ extern "C" void eagle_draft(
     float min_conf,                       // the confidence stop (0: every row drafts D levels)
     int64_t* tokens,                      // [b, D] out (past out_len[r]: 0)
     int64_t* out_len,                     // [b] out: real tokens per row
+    int bf16,                             // the panels hold bf16 bits (EagleRuntime's bf16 mode)
     int nthreads) {
   Net n{H, F, nq, nkv, hd, I, Vd, (nq + 2 * nkv) * hd, embed, fc, qkv, o, gate_up, down, head, fc_out, post_norm, eps,
-        ck, cv, skb, skh, nthreads};
+        ck, cv, skb, skh, nthreads, bf16 != 0};
   const int64_t L = T + D;  // RoPE rows per cache row
   std::vector<float> pred(b * F), hbuf(b * H), logits(b * Vd), conf(b, 1.f);
   catch_up(n, b, T, L, pend_tok, pend_feat, ldp, n_pend, cos, sin_signed, lengths, pred.data());
@@ -173,7 +186,7 @@ extern "C" void eagle_draft(
     // at pred[live[i]]; its logits are row i of this level's product).
     for (int64_t i = 0; i < nl; ++i)
       std::memcpy(hbuf.data() + i * H, pred.data() + live[i] * F + (F - H), H * sizeof(float));
-    skinny_gemm(hbuf.data(), H, head, nullptr, nullptr, 0, logits.data(), Vd, nl, H, Vd, nthreads);
+    mm(n, hbuf.data(), H, head, nullptr, 0, logits.data(), Vd, nl, H, Vd);
     int64_t kept = 0;
     for (int64_t i = 0; i < nl; ++i) {
       const int64_t r = live[i];
@@ -237,9 +250,10 @@ extern "C" void eagle_tree_draft(
     const float* head, const float* fc_out, const float* post_norm, float eps,
     float* ck, float* cv, int64_t skb, int64_t skh, const int64_t* lengths,
     int64_t* out_tokens, int64_t* out_parents,  // [b, n] out: kept nodes (n = min(budget, pool)), parents (-1: root)
+    int bf16,                             // the panels hold bf16 bits (EagleRuntime's bf16 mode)
     int nthreads) {
   Net n{H, F, nq, nkv, hd, I, Vd, (nq + 2 * nkv) * hd, embed, fc, qkv, o, gate_up, down, head, fc_out, post_norm, eps,
-        ck, cv, skb, skh, nthreads};
+        ck, cv, skb, skh, nthreads, bf16 != 0};
   const int64_t L = T + D;
   const int64_t P = K + (D - 1) * K * K;  // pool size per row
   const int64_t tent = (D - 1) * K;        // tentative slots per row
@@ -258,7 +272,7 @@ extern "C" void eagle_tree_draft(
   std::vector<std::unique_ptr<bool[]>> vis_store(b * K);
   int64_t size = 0, M = 1;
   for (int64_t d = 1; d <= D; ++d) {
-    skinny_gemm(front.data() + (F - H), F, head, nullptr, nullptr, 0, logits.data(), Vd, b * M, H, Vd, nthreads);
+    mm(n, front.data() + (F - H), F, head, nullptr, 0, logits.data(), Vd, b * M, H, Vd);
     const int64_t made = M * K;  // children of this level per row
     for (int64_t r = 0; r < b; ++r) {
       const float* nr = noise ? noise + (r * D + d - 1) * Vd : nullptr;

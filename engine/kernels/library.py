@@ -93,8 +93,8 @@ def _loaded() -> tuple[ctypes.CDLL, tuning_cache.Tuning]:
         "rope_write_attend": [P, P, P, P, P, P, I, I, P, P, I, I, I, I, I, I, F32, INT],
         "silu_mul_rows": [P, P, I, I],
         "uniform_rows": [P, P, P, I, I, P, INT],
-        "eagle_draft": [I] * 10 + [P, P, I, P, P, P, P, F32, P, P] + [P] * 7 + [P, F32, P, P, I, I, P, F32, P, P, INT],
-        "eagle_tree_draft": [I] * 12 + [P, P, I, P, P, P, P, F32, F32, P, P] + [P] * 8 + [F32, P, P, I, I, P, P, P, INT],
+        "eagle_draft": [I] * 10 + [P, P, I, P, P, P, P, F32, P, P] + [P] * 7 + [P, F32, P, P, I, I, P, F32, P, P, INT, INT],
+        "eagle_tree_draft": [I] * 12 + [P, P, I, P, P, P, P, F32, F32, P, P] + [P] * 8 + [F32, P, P, I, I, P, P, P, INT, INT],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)

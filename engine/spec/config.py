@@ -19,6 +19,9 @@ class SpecConfig:
     # "pregenerated+...": a row's pre-generated response first (bubble drafts, pipeline.bubble).
     drafter: str = "eagle"
     drafter_path: str | None = None
+    # The CPU kernels' copy of an EAGLE drafter's weights: float32, or bfloat16 (half the bytes a
+    # draft level streams; proposals may change, emitted tokens never do: docs/BENCHMARKS.md).
+    drafter_weights: Literal["float32", "bfloat16"] = "float32"
     depth: int = 6  # draft levels below the root
     topk: int = 1  # children per expanded node; 1 = chain
     verify_tokens: int = 8  # draft nodes verified per row per step
@@ -44,6 +47,8 @@ class SpecConfig:
     def validate(self) -> None:
         if self.drafter not in DRAFTERS:
             raise ValueError(f"engine.spec.drafter must be one of {', '.join(DRAFTERS)}; got {self.drafter!r}")
+        if self.drafter_weights not in ("float32", "bfloat16"):
+            raise ValueError(f"engine.spec.drafter_weights must be float32 or bfloat16, got {self.drafter_weights!r}")
         if self.tuner_arms:
             from engine.tuner import Bandit, parse_arm
 

@@ -49,9 +49,9 @@ PENDING_BYTES = 256 * 2**20  # the pending features' budget; past it, off steps 
 class EagleDrafter(DrafterBase):
     wants_features = True
 
-    def __init__(self, net: EagleModel, coupled_prior: float = 0.6) -> None:
+    def __init__(self, net: EagleModel, coupled_prior: float = 0.6, bf16_weights: bool = False) -> None:
         self.net = net.eval()
-        self.rt = EagleRuntime(self.net)
+        self.rt = EagleRuntime(self.net, bf16_weights)
         self.version = 0  # of the drafter's own weights (load_weights)
         self.name = net.config.kind
         self.feature_layers = tuple(net.config.aux_layers)
@@ -59,11 +59,11 @@ class EagleDrafter(DrafterBase):
         self.cache = None
 
     @classmethod
-    def load(cls, path, target: Transformer, expect: str | None = None) -> EagleDrafter:
+    def load(cls, path, target: Transformer, expect: str | None = None, bf16_weights: bool = False) -> EagleDrafter:
         net = EagleModel.load(path, target)
         if expect is not None and net.config.kind != expect:
             raise ValueError(f"engine.spec.drafter={expect} but {path} holds a {net.config.kind} drafter")
-        return cls(net)
+        return cls(net, bf16_weights=bf16_weights)
 
     # -- weights ---------------------------------------------------------------------------
     @torch.no_grad()

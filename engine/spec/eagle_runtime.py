@@ -6,6 +6,12 @@ vocabulary) as packed products, through the skinny kernel where it builds. Compu
 function as `EagleModel.forward` / `.logits` (up to float summation order). `repack()` after the
 drafter's or the target's weights change (the engine calls it from load_weights and
 load_drafter_weights); `stale()` tells whether they changed since.
+
+`bf16_weights` (engine.spec.drafter_weights=bfloat16): the packed copies are rounded to bf16 and
+the kernels stream half the bytes (a chain level reads every weight once: measured in
+docs/BENCHMARKS.md). The module keeps its float32 weights (spot training updates those; every
+repack rounds them again). Only the kernels' path is rounded: the drafter's numerics change its
+proposals, never the tokens emitted, which verification decides.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ from engine.spec.eagle import EagleModel
 
 
 class EagleRuntime:
-    def __init__(self, net: EagleModel) -> None:
+    def __init__(self, net: EagleModel, bf16_weights: bool = False) -> None:
         self.net = net.eval()
+        self.bf16_weights = bf16_weights
         self.repack()
 
     @torch.no_grad()
@@ -34,11 +41,12 @@ class EagleRuntime:
         kernel = use_kernel(w) and not own
         if w.device.type == "cpu" and not kernel:
             transpose_storage(net)
-        self.layer: PackedLayer | None = pack_layer(net.layers[0]) if packable(w) and not own else None
+        self.bf16 = self.bf16_weights and kernel
+        self.layer: PackedLayer | None = pack_layer(net.layers[0], self.bf16) if packable(w) and not own else None
         # Packed copies for the compiled kernels (None: torch's ops serve).
-        self.head = Product(net.head_t, True) if kernel else None
-        self.fc = Product(w.detach().t(), True) if kernel else None
-        self.fc_out = Product(net.fc_out.weight.detach().t(), True) if kernel and net.fc_out is not None else None
+        self.head = Product(net.head_t, True, self.bf16) if kernel else None
+        self.fc = Product(w.detach().t(), True, self.bf16) if kernel else None
+        self.fc_out = Product(net.fc_out.weight.detach().t(), True, self.bf16) if kernel and net.fc_out is not None else None
         self.fingerprint = WeightsFingerprint(net)
 
     def stale(self) -> str | None:

@@ -24,7 +24,7 @@ def build_drafter(cfg: SpecConfig, target: Transformer) -> Drafter | None:
         else:
             from engine.spec.eagle_drafter import EagleDrafter
 
-            parts.append(EagleDrafter.load(cfg.drafter_path, target, expect=name))
+            parts.append(EagleDrafter.load(cfg.drafter_path, target, expect=name, bf16_weights=cfg.drafter_weights == "bfloat16"))
     if len(parts) == 1:
         return parts[0]
     from engine.spec.compose import FallbackDrafter
