@@ -29,7 +29,7 @@ from engine.slots import SlotState
 from engine.spec.drafter import Admission, DraftContext, DraftShape
 from engine.spec.pregenerated import sibling_corpus
 from engine.spec.tree import DraftTree, PaddedTree, tree_mask, tree_positions
-from engine.spec.verify import Verdict, coupled_verify
+from engine.spec.verify import Verdict, coupled_chain_verdict, coupled_verify
 from engine.types import FinishReason, Request, Rollout, RolloutBatch, StepRecord
 
 
@@ -79,6 +79,7 @@ class GenerateRun:
         self.drafter_wants = drafter is not None and bool(drafter.feature_layers or getattr(drafter, "wants_features", False))
         self.sink_layers = tuple(sink.feature_layers) if sink is not None else ()
         self._rows = torch.arange(engine.cfg.max_batch, device=self.device)  # [max_batch] a plain step's entry rows, sliced
+        self._entries = torch.arange(engine.limits.verify_tokens + engine.limits.depth + 2, device=self.device)  # [root, nodes] indices, sliced
         self.hidden_layers = tuple(sorted(set(self.drafter_layers) | set(self.sink_layers)))
 
     def run(self) -> RolloutBatch:
@@ -234,6 +235,8 @@ class GenerateRun:
         pt = tree.padded() if tree is not None else None
         if pt is None or pt.width == 0:
             forward_s, verdict, drafted, emitted = self._plain_step(b)
+        elif pt.chain and not self._rejection(pt):
+            forward_s, verdict, drafted, emitted = self._chain_step(b, pt)
         else:
             forward_s, verdict, drafted, emitted = self._tree_step(b, pt)
         other_s = time.perf_counter() - td - draft_s - forward_s
@@ -265,6 +268,27 @@ class GenerateRun:
                           tokens=token.unsqueeze(1), num_emitted=ones)
         emitted = self._after_pass(b, out, roots.unsqueeze(1), verdict, token.unsqueeze(1), logp.unsqueeze(1))
         return forward_s, verdict, ones - 1, emitted
+
+    def _chain_step(self, b: int, pt: PaddedTree):
+        """`_tree_step` for chains under coupled verification, in fewer ops: a chain's entries sit at
+        consecutive slots and positions, its accepted nodes are already where they are committed,
+        and [root, path] is the entries in order (nothing to gather)."""
+        state, e = self.state, self.e
+        N = pt.width
+        lengths = e.cache.lengths[:b]
+        j = self._entries[: N + 1]
+        slots = lengths.unsqueeze(1) + j  # [b, 1+N]: positions too
+        entries = torch.cat([state.roots(b).unsqueeze(1), pt.tokens], 1)  # [b, 1+N]
+        out, forward_s = self._forward(entries, slots, slots, causal_mask(slots, int(lengths.max()) + N + 1))
+        noise_pos = state.generated[:b].unsqueeze(1) + j  # [b, 1+N]
+        target, logp = sample(out.logits.float().view(b * (N + 1), -1), state.keys[:b].repeat_interleave(N + 1),
+                              noise_pos.view(-1), self.params)
+        target, logp = target.view(b, N + 1), logp.view(b, N + 1)
+        verdict = coupled_chain_verdict(pt.tokens, pt.valid, target)
+        lengths += verdict.num_emitted  # the root and the accepted prefix, in place
+        # Coupled: each emitted token is the target's own sample at its entry (logp's entry).
+        emitted = self._after_pass(b, out, entries, verdict, verdict.tokens, logp)
+        return forward_s, verdict, pt.valid.sum(1), emitted
 
     def _tree_step(self, b: int, pt: PaddedTree):
         state, e = self.state, self.e
@@ -334,8 +358,11 @@ class GenerateRun:
         )
         return self.e.drafter.propose(ctx)
 
+    def _rejection(self, pt) -> bool:
+        return self.e.cfg.spec.verify == "rejection" and self.params.temperature > 0 and pt.width > 0
+
     def _verify(self, pt, logits, target, keys, noise_pos) -> Verdict:
-        if self.e.cfg.spec.verify == "rejection" and self.params.temperature > 0 and pt.width:
+        if self._rejection(pt):
             from engine.spec.verify_rejection import rejection_verify
 
             p_logits = mask_logits(logits.flatten(0, 1), self.params.temperature, self.params.top_k, self.params.top_p)

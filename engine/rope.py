@@ -115,6 +115,7 @@ class RopeTable:
         pos = torch.arange(length, device=inv_freq.device).unsqueeze(0)  # [1, P]
         cos, sin = rope_cos_sin(pos, inv_freq, attention_factor, dtype)
         self.cos, self.sin = cos[0], sin[0]  # [P, D]
+        self.sin_signed = signed_sin(self.sin)  # [P, D] for the kernels' RoPE
         self.length = length
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,3 +140,11 @@ class RopeSource:
         if self.rope_table is not None and dtype == self.rope_table.cos.dtype:
             return self.rope_table.lookup(positions)
         return rope_cos_sin(positions, self.inv_freq, self.attention_factor, dtype)
+
+    def rope_signed(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, signed_sin(sin) [B, T, D]: the kernels' form, gathered whole from the table."""
+        t = self.rope_table
+        if t is not None and dtype == t.cos.dtype:
+            return t.cos[positions], t.sin_signed[positions]
+        cos, sin = self.rope(positions, dtype)
+        return cos, signed_sin(sin)

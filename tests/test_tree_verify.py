@@ -96,8 +96,8 @@ def test_chain_shortcut_matches_the_general_tree_functions():
     assert torch.equal(shortcut[rows], general[rows])
 
 
-def test_chain_verdict_equals_the_general_verdict():
-    from engine.spec.verify import chain_verdict
+def test_chain_verdicts_equal_the_general_verdict():
+    from engine.spec.verify import chain_verdict, coupled_chain_verdict
 
     torch.manual_seed(0)
     for _ in range(20):
@@ -109,9 +109,11 @@ def test_chain_verdict_equals_the_general_verdict():
         target = torch.randint(0, 3, (B, N + 1))
         general = coupled_verify(tokens, parents, valid, target)
         match = valid & (tokens == target[:, :-1])
-        short = chain_verdict(match, tokens, target)
-        for name in ("accepted", "num_accepted", "last_index", "path", "tokens", "num_emitted"):
-            assert torch.equal(getattr(short, name), getattr(general, name)), name
+        for short in (chain_verdict(match, tokens, target), coupled_chain_verdict(tokens, valid, target),
+                      coupled_verify(tokens, parents, valid, target, chain=True)):
+            for name in ("accepted", "num_accepted", "last_index", "path", "tokens", "num_emitted"):
+                assert torch.equal(getattr(short, name), getattr(general, name)), name
+            assert short.chain and not general.chain
 
 
 def test_a_chains_kept_layout_equals_the_one_rebuilt_from_its_nodes():

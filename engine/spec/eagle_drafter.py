@@ -35,7 +35,6 @@ import torch
 from engine.kernels import eagle_chain as chain_kernel
 from engine.kernels import eagle_tree as tree_kernel
 from engine.model import Transformer
-from engine.rope import signed_sin
 from engine.sampling import SamplingParams, derive_keys, gumbel, mask_logits
 from engine.spec.drafter import Admission, DraftContext, DrafterBase, DraftShape
 from engine.spec.eagle import EagleModel, copy_named_weights
@@ -95,6 +94,7 @@ class EagleDrafter(DrafterBase):
             self.pend_feat = torch.zeros(max_batch, capacity, F, dtype=dtype, device=dev)  # [N, W, F]
             self.pend_tok = torch.zeros(max_batch, capacity, dtype=torch.long, device=dev)  # [N, W]
             self.pend_n = torch.zeros(max_batch, dtype=torch.long, device=dev)  # [N]
+            self._steps = torch.arange(capacity + limits.depth + 1, device=dev)  # a compiled draft's catch-up and level indices
         self.cache.lengths.zero_()
 
     @torch.inference_mode()
@@ -124,12 +124,14 @@ class EagleDrafter(DrafterBase):
         if int((n + m).max()) > self.pend_tok.shape[1]:
             self._catch_up(b)  # a long stretch without drafts: take the pending pairs in now
             n = self.pend_n[:b]
-        src = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=m.device), verdict.path + 1], 1).clamp(min=0)  # [b, N1]
         j = torch.arange(N1, device=m.device)
         keep = j < m.unsqueeze(1)  # [b, N1]
         rows = torch.arange(b, device=m.device).unsqueeze(1).expand(b, N1)[keep]
         cols = (n.unsqueeze(1) + j)[keep]
-        self.pend_feat[rows, cols] = features.gather(1, src.unsqueeze(-1).expand(-1, -1, features.shape[-1]))[keep]
+        if not verdict.chain:  # features at [root, path]: a chain's are the entries in order
+            src = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=m.device), verdict.path + 1], 1).clamp(min=0)  # [b, N1]
+            features = features.gather(1, src.unsqueeze(-1).expand(-1, -1, features.shape[-1]))
+        self.pend_feat[rows, cols] = features[keep]
         self.pend_tok[rows, cols] = verdict.tokens[:, :N1][keep]
         n += m
 
@@ -169,17 +171,22 @@ class EagleDrafter(DrafterBase):
         n = self.pend_n[:b]
         T = int(n.max())
         lengths = self.cache.lengths[:b]
-        steps = torch.arange(T + D, device=ctx.roots.device)
-        pos = lengths.unsqueeze(1) + 1 + torch.where(steps < T, steps, n.unsqueeze(1) + steps - T)  # [b, T+D]
-        cos, sin = self.net.rope(pos, self.pend_feat.dtype)
+        cos, sin_signed = self._draft_rope(n, T, D, lengths)
         tokens, parents = tree_kernel.draft(
             self.rt, self.pend_tok[:b, :T], self.pend_feat[:b], n, D, shape.topk, shape.verify_tokens,
-            math.log(self.coupled_prior), self._chain_noise(ctx, b, D), self.params.temperature, cos, signed_sin(sin),
+            math.log(self.coupled_prior), self._chain_noise(ctx, b, D), self.params.temperature, cos, sin_signed,
             self.cache, lengths,
         )
         lengths += n
         n.zero_()
         return DraftTree.from_padded(tokens, parents, torch.ones_like(tokens, dtype=torch.bool))
+
+    def _draft_rope(self, n: torch.Tensor, T: int, D: int, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin [b, T+D, hd] at a compiled draft's positions: the catch-up's pairs
+        lengths + 1 + j (j < T), then the levels' lengths + n + 1 + d."""
+        steps = self._steps[: T + D]
+        pos = lengths.unsqueeze(1) + 1 + torch.where(steps < T, steps, n.unsqueeze(1) + steps - T)  # [b, T+D]
+        return self.net.rope_signed(pos, self.pend_feat.dtype)
 
     def _chain_noise(self, ctx: DraftContext, b: int, D: int) -> torch.Tensor | None:
         """[b, D, Vd] the target's Gumbel noise at the chain's (and a tree's levels') positions (None when greedy)."""
@@ -198,12 +205,10 @@ class EagleDrafter(DrafterBase):
         T = int(n.max())
         tokens = self.pend_tok[:b, :T]
         lengths = self.cache.lengths[:b]
-        steps = torch.arange(T + D, device=ctx.roots.device)
-        pos = lengths.unsqueeze(1) + 1 + torch.where(steps < T, steps, n.unsqueeze(1) + steps - T)  # [b, T+D]
-        cos, sin = self.net.rope(pos, self.pend_feat.dtype)
+        cos, sin_signed = self._draft_rope(n, T, D, lengths)
         conf = ctx.shape.min_confidence
         draft, real = chain_kernel.draft(self.rt, tokens, self.pend_feat[:b], n, D, self._chain_noise(ctx, b, D),
-                                         self.params.temperature, cos, signed_sin(sin), self.cache, lengths, conf)
+                                         self.params.temperature, cos, sin_signed, self.cache, lengths, conf)
         lengths += n
         n.zero_()
         return DraftTree.chains(draft, real if conf > 0 else None)
