@@ -121,18 +121,17 @@ class EagleDrafter(DrafterBase):
         b, N1 = features.shape[:2]
         m = verdict.num_accepted + 1  # [b] pairs committed per row
         n = self.pend_n[:b]
-        if int((n + m).max()) > self.pend_tok.shape[1]:
+        if int(n.max()) + N1 > self.pend_tok.shape[1]:
             self._catch_up(b)  # a long stretch without drafts: take the pending pairs in now
             n = self.pend_n[:b]
-        j = torch.arange(N1, device=m.device)
-        keep = j < m.unsqueeze(1)  # [b, N1]
-        rows = torch.arange(b, device=m.device).unsqueeze(1).expand(b, N1)[keep]
-        cols = (n.unsqueeze(1) + j)[keep]
         if not verdict.chain:  # features at [root, path]: a chain's are the entries in order
             src = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=m.device), verdict.path + 1], 1).clamp(min=0)  # [b, N1]
             features = features.gather(1, src.unsqueeze(-1).expand(-1, -1, features.shape[-1]))
-        self.pend_feat[rows, cols] = features[keep]
-        self.pend_tok[rows, cols] = verdict.tokens[:, :N1][keep]
+        # All N1 entries go to columns n..n+N1-1 (rectangular, no masks); those past m lie beyond the
+        # new pend_n, where nothing reads them before the next update overwrites them.
+        cols = n.unsqueeze(1) + torch.arange(N1, device=m.device)  # [b, N1]
+        self.pend_feat[:b].scatter_(1, cols.unsqueeze(-1).expand(-1, -1, features.shape[-1]), features)
+        self.pend_tok[:b].scatter_(1, cols, verdict.tokens[:, :N1])
         n += m
 
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
