@@ -71,19 +71,6 @@ def verdict_from_accepted(accepted: torch.Tensor, tokens: torch.Tensor, next_tok
     return Verdict(accepted, num, last, path, out, num + 1)
 
 
-def chain_verdict(match: torch.Tensor, tokens: torch.Tensor, next_token_at: torch.Tensor) -> Verdict:
-    """`verdict_from_accepted` for chains (node i's parent is i - 1): the accepted nodes are the
-    leading run of matches, and the path is 0..num-1 (a few ops instead of pointer jumping)."""
-    B, N = match.shape
-    accepted = match.cumprod(1).bool()
-    num = accepted.sum(1)
-    idx = torch.arange(N, device=match.device).expand(B, N)
-    out = torch.zeros(B, N + 1, dtype=torch.long, device=match.device)
-    out[:, :N] = torch.where(accepted, tokens, 0)
-    out.scatter_(1, num.unsqueeze(1), next_token_at.gather(1, num.unsqueeze(1)))
-    return Verdict(accepted, num, num, torch.where(accepted, idx, -1), out, num + 1, chain=True)
-
-
 def coupled_chain_verdict(tokens: torch.Tensor, valid: torch.Tensor, target: torch.Tensor) -> Verdict:
     """`coupled_verify` of chains in fewer ops: node i's parent is entry i, so it matches when it
     equals target[:, i], and the emitted tokens (the accepted nodes, then the bonus / correction)
