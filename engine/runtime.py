@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from engine.kernels.decode_ops import MAX_TOKENS, rms_norm
-from engine.kernels.library import available
+from engine.kernels.library import available, library
 from engine.kv_cache import KVCache
 from engine.layout import transpose_storage
 from engine.model import ModelOutput, Transformer, default_slots_and_mask
@@ -42,17 +42,27 @@ _SAMPLE = 64  # values per parameter in the weights' fingerprint
 
 
 class WeightsFingerprint:
-    """Version counters and a strided sample of every parameter of a module, taken at one time.
+    """Version counters, storage addresses and a strided sample of every parameter, taken at one time.
 
-    `changed()` runs before every generate() call, so it is one gather per parameter and one
-    comparison in all (~100 against ~190 us with a comparison per parameter, tiny model); the
-    parameter at fault is looked for only once something differs."""
+    `changed()` runs before every generate() call. On a CPU with the compiled kernels the sample
+    is checked in one call (engine/kernels/fingerprint.cpp) at byte addresses computed here, with
+    the parameters' storages held so that the addresses stay valid; elsewhere it is one gather
+    per parameter and one comparison. The parameter at fault is looked for only once something
+    differs."""
 
     def __init__(self, module: nn.Module) -> None:
         self.params = list(module.named_parameters())
         self.versions = [p._version for _, p in self.params]
+        self.ptrs = [p.data_ptr() for _, p in self.params]
         self.where = [_sample_index(p) for _, p in self.params]
         self.sample = self._read()  # [sum of sample sizes]
+        self._compiled = None
+        if self.params and all(p.device.type == "cpu" for _, p in self.params) and available()[0]:
+            held = [p.detach() for _, p in self.params]  # keeps every sampled storage alive (and its addresses)
+            addrs = torch.cat([_byte_addresses(p, i) for p, i in zip(held, self.where)])
+            expect = torch.cat([torch.take(p, i).view(-1).view(torch.uint8) for p, i in zip(held, self.where)])
+            owner = torch.repeat_interleave(torch.arange(len(held)), torch.tensor([i.numel() * p.element_size() for p, i in zip(held, self.where)]))
+            self._compiled = (held, addrs, expect, owner)
 
     def _read(self) -> torch.Tensor:
         # take() indexes any tensor as if flattened in row-major order: the packed parameters are
@@ -62,9 +72,13 @@ class WeightsFingerprint:
 
     def changed(self) -> str | None:
         """The name of a parameter changed since this fingerprint, or None."""
-        for (name, p), v in zip(self.params, self.versions):
-            if p._version != v:
+        for (name, p), v, ptr in zip(self.params, self.versions, self.ptrs):
+            if p._version != v or p.data_ptr() != ptr:
                 return name
+        if self._compiled is not None:
+            _, addrs, expect, owner = self._compiled
+            at = library().sample_bytes_differ(addrs.data_ptr(), addrs.numel(), expect.data_ptr())
+            return None if at < 0 else self.params[int(owner[at])][0]
         now = self._read()
         if torch.equal(now, self.sample):
             return None
@@ -78,6 +92,17 @@ class WeightsFingerprint:
 def _sample_index(p: torch.Tensor) -> torch.Tensor:
     """Flat (row-major) indices of every (numel / _SAMPLE)-th element, for torch.take."""
     return torch.arange(0, p.numel(), max(1, p.numel() // _SAMPLE), device=p.device)
+
+
+def _byte_addresses(p: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """[len(flat) * element size] the address of every byte of p's row-major elements `flat` (p strided)."""
+    offset = torch.zeros_like(flat)
+    rest = flat.clone()
+    for size, stride in reversed(list(zip(p.shape, p.stride()))):
+        offset += (rest % size) * stride
+        rest //= size
+    es = p.element_size()
+    return (p.data_ptr() + offset.unsqueeze(1) * es + torch.arange(es)).view(-1)
 
 
 def packable(w: torch.Tensor) -> bool:

@@ -69,11 +69,27 @@ def prompt_key(prompt_id: str | int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def _mix64_int(x: int) -> int:
+    """`mix64` of one int64 in Python integers (the same bits: wraps mod 2^64, signed result)."""
+    m = (1 << 64) - 1
+    x &= m
+    x ^= x >> 30
+    x = (x * _M1) & m
+    x ^= x >> 27
+    x = (x * _M2) & m
+    x ^= x >> 31
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _wrap(x: int) -> int:
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >> 63 else x
+
+
 def row_keys(seed: int, step: int, prompts: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
     """prompts, samples [N] int64 -> [N] int64 key of each (prompt, sample) stream."""
-    seed_t, step_t = torch.tensor([seed], dtype=torch.long), torch.tensor([step], dtype=torch.long)
-    base = mix64(mix64(seed_t ^ _GOLDEN) + step_t * _GOLDEN)
-    return mix64(mix64(base.to(prompts.device) ^ prompts) + samples * _GOLDEN)
+    base = _mix64_int(_wrap(_mix64_int(seed ^ _GOLDEN) + step * _GOLDEN))  # per (seed, step): in Python, no tensor ops
+    return mix64(mix64(prompts ^ base) + samples * _GOLDEN)
 
 
 def uniform(keys: torch.Tensor, positions: torch.Tensor, vocab: int | torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,41 @@ def proposals(drafter: EagleDrafter, target) -> tuple[list[int], list[int]]:
     return tree.tokens.tolist(), tree.parents.tolist()
 
 
+def first_row_proposal(drafter: EagleDrafter, target, slots: int, topk: int) -> tuple[list[int], list[int]]:
+    """Row 0's draft after admitting one prompt into `slots` slots (1: its pairs stay pending)."""
+    prompt = torch.tensor([[5, 9, 14, 20, 7, 3, 12]])
+    with torch.no_grad():
+        out = target(prompt, torch.arange(7)[None], hidden_layers=drafter.feature_layers)
+    feats = torch.cat([out.layer_hidden[i] for i in drafter.feature_layers] + [out.hidden], -1)
+    params = SamplingParams(temperature=0.0)  # greedy: the draft follows the (untrained) logits, not the noise
+    shape = DraftShape(depth=5, topk=topk, verify_tokens=5 if topk == 1 else 8)
+    drafter.reset(2, 64, params, shape)
+    drafter.admit(Admission(slots=torch.arange(slots), owner=torch.zeros(slots, dtype=torch.long), tokens=prompt,
+                            lengths=torch.tensor([7]), features=feats, first_tokens=torch.full((slots,), 11)))
+    if slots == 1:  # nothing to share: no drafter pass ran, the prompt's pairs wait for the first draft
+        assert drafter.pend_n[0] == 7 and drafter.cache.lengths[0] == 0
+    b = slots
+    ctx = DraftContext(
+        roots=torch.full((b,), 11), positions=torch.zeros(b, dtype=torch.long),
+        keys=row_keys(0, 0, torch.full((b,), 3), torch.zeros(b, dtype=torch.long)),
+        responses=torch.full((b, 1), 11), generated=torch.ones(b, dtype=torch.long), prompts=[prompt[0]] * b,
+        prompt_ids=["p"] * b, samples=torch.zeros(b, dtype=torch.long), drafts=[None] * b, params=params, shape=shape,
+    )
+    tree = drafter.propose(ctx)
+    end = int(tree.offsets[1])
+    return tree.tokens[:end].tolist(), tree.parents[:end].tolist()
+
+
+@pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3_vllm", "mtp"])
+def test_a_prompt_admitted_alone_drafts_as_when_its_pairs_run_at_admission(target, kind, topk):
+    torch.manual_seed(2)
+    net = EagleModel(EagleConfig.for_target(target.config, kind, draft_vocab_size=40), target, torch.arange(0, 80, 2))
+    drafter = EagleDrafter(net)
+    alone, shared = first_row_proposal(drafter, target, 1, topk), first_row_proposal(drafter, target, 2, topk)
+    assert alone == shared and len(alone[0]) == 5 + 3 * (topk - 1)
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3_vllm", "mtp"])
 def test_drafter_save_then_load_gives_the_same_proposals(target, kind, tmp_path):
     torch.manual_seed(1)

@@ -108,6 +108,16 @@ def _data_copy(model):
     p.data.copy_(torch.randn_like(p))  # autograd does not count this one
 
 
+def _data_swap(model):
+    p = dict(model.named_parameters())[DOWN]
+    p.data = torch.randn_like(p)  # new storage, no version bump: the old one stays where the engine sampled it
+
+
+def _one_value(model):
+    p = dict(model.named_parameters())[DOWN]
+    p.data[(0,) * p.dim()] += 1.0  # one sampled element (the first, row-major), by one
+
+
 def _load_state_dict(model):
     model.load_state_dict(new_weights("llama"), strict=False)
 
@@ -121,7 +131,8 @@ def _optimizer_step(model):
     opt.zero_grad(set_to_none=True)
 
 
-IN_PLACE = {"mul_": (_mul, DOWN), "data.copy_": (_data_copy, DOWN), "load_state_dict": (_load_state_dict, None),
+IN_PLACE = {"mul_": (_mul, DOWN), "data.copy_": (_data_copy, DOWN), "data swapped": (_data_swap, DOWN),
+            "one value": (_one_value, DOWN), "load_state_dict": (_load_state_dict, None),
             "optimizer.step": (_optimizer_step, None)}
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from engine.kernels import tuning_cache
 
 HERE = Path(__file__).parent
-SOURCES = ("skinny.cpp", "decode_ops.cpp", "eagle_chain.cpp", "noise.cpp")
+SOURCES = ("skinny.cpp", "decode_ops.cpp", "eagle_chain.cpp", "noise.cpp", "fingerprint.cpp")
 BUILD_DIR = HERE / "build"  # or, where the package is read-only, ~/.cache/tailspec/kernels
 # TAILSPEC_CPU_MARCH picks another target (e.g. x86-64-v3 to test the AVX2 code path on an AVX-512 machine).
 FLAGS = ["-O3", f"-march={os.environ.get('TAILSPEC_CPU_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -99,6 +99,7 @@ def _loaded() -> tuple[ctypes.CDLL, tuning_cache.Tuning]:
     for name, args in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
+    lib.sample_bytes_differ.argtypes, lib.sample_bytes_differ.restype = [P, I, P], I
     lib.skinny_set_params.argtypes, lib.skinny_set_params.restype = [INT, INT, I, I, INT], INT
     lib.skinny_wide_rows.argtypes, lib.skinny_wide_rows.restype = [], I
     lib.skinny_max_rows.argtypes, lib.skinny_max_rows.restype = [INT], INT

@@ -100,9 +100,14 @@ class EagleDrafter(DrafterBase):
     @torch.inference_mode()
     def admit(self, adm: Admission) -> None:
         """Runs each prompt's pairs (f_j, x_{j+1}), j < P - 1, once, into all its samples' slots;
-        (f_{P-1}, first sampled token) is pending."""
+        (f_{P-1}, first sampled token) is pending. When every prompt has one slot (nothing to
+        share) and its pairs fit, they all stay pending instead: the next draft's catch-up runs
+        them (in the compiled kernels, one call) and no drafter pass runs here."""
         P, T = adm.tokens.shape
         feats = adm.features
+        if adm.slots.shape[0] == P and T <= self.pend_tok.shape[1]:
+            self._admit_pending(adm)
+            return
         if T > 1:
             scratch = self.net.new_cache(P, T - 1)
             pos = torch.arange(1, T, device=adm.tokens.device).expand(P, T - 1)
@@ -114,6 +119,17 @@ class EagleDrafter(DrafterBase):
         self.pend_feat[adm.slots, 0] = feats[adm.owner, lens - 1]
         self.pend_tok[adm.slots, 0] = adm.first_tokens
         self.pend_n[adm.slots] = 1
+
+    def _admit_pending(self, adm: Admission) -> None:
+        """One slot per prompt (owner is the identity): the pairs (f_j, x_{j+1}) for j < P - 1
+        and (f_{P-1}, first token) are pending, at drafter positions 1..P (as `admit` runs them)."""
+        P, T = adm.tokens.shape
+        slots, lens = adm.slots, adm.lengths
+        self.pend_tok[slots, : T - 1] = adm.tokens[:, 1:]  # right padding lands past each row's pairs
+        self.pend_tok[slots, lens - 1] = adm.first_tokens
+        self.pend_feat[slots, :T] = adm.features
+        self.pend_n[slots] = lens
+        self.cache.lengths[slots] = 0
 
     @torch.inference_mode()
     def update(self, verdict: Verdict, features: torch.Tensor | None) -> None:
