@@ -24,7 +24,7 @@ import torch
 
 from engine.features import CommittedFeatures, target_features
 from engine.model import causal_mask
-from engine.sampling import SamplingParams, mask_logits, prompt_key, row_keys, sample
+from engine.sampling import SamplingParams, gumbel, mask_logits, prompt_key, row_keys, sample
 from engine.slots import SlotState
 from engine.spec.drafter import Admission, DraftContext, DraftShape
 from engine.spec.pregenerated import sibling_corpus
@@ -230,13 +230,14 @@ class GenerateRun:
             shape.check_within(e.limits)
         context = float(e.cache.lengths[:b].float().mean())
         td = time.perf_counter()
-        tree = self._propose(b, shape) if shape is not None else None
+        ahead = self._noise_ahead(b, shape) if shape is not None else None
+        tree = self._propose(b, shape, ahead) if shape is not None else None
         draft_s = time.perf_counter() - td
         pt = tree.padded() if tree is not None else None
         if pt is None or pt.width == 0:
             forward_s, verdict, drafted, emitted = self._plain_step(b)
         elif pt.chain and not self._rejection(pt):
-            forward_s, verdict, drafted, emitted = self._chain_step(b, pt)
+            forward_s, verdict, drafted, emitted = self._chain_step(b, pt, ahead)
         else:
             forward_s, verdict, drafted, emitted = self._tree_step(b, pt)
         other_s = time.perf_counter() - td - draft_s - forward_s
@@ -269,7 +270,7 @@ class GenerateRun:
         emitted = self._after_pass(b, out, roots.unsqueeze(1), verdict, token.unsqueeze(1), logp.unsqueeze(1))
         return forward_s, verdict, ones - 1, emitted
 
-    def _chain_step(self, b: int, pt: PaddedTree):
+    def _chain_step(self, b: int, pt: PaddedTree, ahead: torch.Tensor | None = None):
         """`_tree_step` for chains under coupled verification, in fewer ops: a chain's entries sit at
         consecutive slots and positions, its accepted nodes are already where they are committed,
         and [root, path] is the entries in order (nothing to gather)."""
@@ -281,8 +282,9 @@ class GenerateRun:
         entries = torch.cat([state.roots(b).unsqueeze(1), pt.tokens], 1)  # [b, 1+N]
         out, forward_s = self._forward(entries, slots, slots, causal_mask(slots, int(lengths.max()) + N + 1))
         noise_pos = state.generated[:b].unsqueeze(1) + j  # [b, 1+N]
+        noise = ahead[:, : N + 1].reshape(b * (N + 1), -1) if ahead is not None and ahead.shape[1] > N else None
         target, logp = sample(out.logits.float().view(b * (N + 1), -1), state.keys[:b].repeat_interleave(N + 1),
-                              noise_pos.view(-1), self.params)
+                              noise_pos.view(-1), self.params, noise)
         target, logp = target.view(b, N + 1), logp.view(b, N + 1)
         verdict = coupled_chain_verdict(pt.tokens, pt.valid, target)
         lengths += verdict.num_emitted  # the root and the accepted prefix, in place
@@ -349,12 +351,25 @@ class GenerateRun:
             position=position, tokens=tokens, features=feats, policy_version=self.e.version, every_row=every_row,
         ))
 
-    def _propose(self, b: int, shape: DraftShape) -> DraftTree:
+    def _noise_ahead(self, b: int, shape: DraftShape) -> torch.Tensor | None:
+        """[b, D + 1, V] the Gumbel noise a chain's verify pass samples with (response positions
+        generated + 0..D), drawn once for the drafter and the verifier (None: greedy, or a tree,
+        whose verify positions repeat by depth)."""
+        if self.params.temperature == 0 or shape.topk != 1 or shape.iid_children or not getattr(self.e.drafter, "wants_noise", False):
+            return None
+        D = min(shape.depth, shape.verify_tokens)
+        state = self.state
+        pos = state.generated[:b].unsqueeze(1) + self._entries[: D + 1]  # [b, D + 1]
+        V = self.e.model.config.vocab_size
+        return gumbel(state.keys[:b].repeat_interleave(D + 1), pos.view(-1), V).view(b, D + 1, V)
+
+    def _propose(self, b: int, shape: DraftShape, noise: torch.Tensor | None = None) -> DraftTree:
         state = self.state
         ctx = DraftContext(
             roots=state.roots(b), positions=state.generated[:b] - 1, keys=state.keys[:b], responses=state.tokens[:b],
             generated=state.generated[:b], prompts=state.prompts[:b], prompt_ids=state.prompt_ids[:b],
             samples=state.sample[:b], drafts=state.drafts[:b], params=self.params, shape=shape, siblings=state.siblings[:b],
+            noise=noise,
         )
         return self.e.drafter.propose(ctx)
 

@@ -159,6 +159,7 @@ def sample(
     keys: torch.Tensor,  # [N] row keys
     positions: torch.Tensor,  # [N] response positions being sampled
     params: SamplingParams,
+    noise: torch.Tensor | None = None,  # [N, V] gumbel(keys, positions, V), when the caller has it already
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (tokens [N] int64, logprobs [N] float32)."""
     if params.temperature == 0:
@@ -166,7 +167,7 @@ def sample(
         tokens = scores.argmax(-1)
     else:
         scores = mask_logits(logits, params.temperature, params.top_k, params.top_p)
-        tokens = (scores + gumbel(keys, positions, logits.shape[-1])).argmax(-1)
+        tokens = (scores + (gumbel(keys, positions, logits.shape[-1]) if noise is None else noise)).argmax(-1)
     # log_softmax at one entry per row, without materialising the [N, V] log-probabilities.
     logp = scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - scores.logsumexp(-1)
     return tokens, logp

@@ -113,3 +113,34 @@ def test_drafter_kind_must_match_the_config(target, tmp_path):
 def load_checkpoint_from(hf_model, path):
     hf_model.save_pretrained(path)
     return load_checkpoint(path)
+
+
+@pytest.mark.parametrize("draft_vocab", ["subset", "full"])
+def test_a_chain_drafted_with_the_steps_noise_is_the_chain_drafted_with_its_own(target, draft_vocab):
+    """DraftContext.noise (the verify pass's noise, drawn once by the step) holds, at entry d - 1,
+    exactly the noise the drafter draws for its level d, on its draft vocabulary or the full one."""
+    from engine.sampling import gumbel
+
+    torch.manual_seed(3)
+    ids = torch.arange(0, 80, 2) if draft_vocab == "subset" else None
+    cfg = EagleConfig.for_target(target.config, "eagle", draft_vocab_size=40 if ids is not None else None)
+    drafter = EagleDrafter(EagleModel(cfg, target, ids))
+    prompt = torch.tensor([[5, 9, 14, 20, 7]])
+    with torch.no_grad():
+        feats = target(prompt, torch.arange(5)[None]).hidden
+    params, D = SamplingParams(temperature=1.0), 6
+    shape = DraftShape(depth=D, topk=1, verify_tokens=D)
+    keys, generated = row_keys(0, 0, torch.tensor([3]), torch.tensor([0])), torch.tensor([4])
+    V = target.config.vocab_size
+    drafts = []
+    for noise in (None, gumbel(keys.repeat_interleave(D + 1), generated + torch.arange(D + 1), V).view(1, D + 1, V)):
+        drafter.reset(1, 64, params, shape)
+        drafter.admit(Admission(slots=torch.tensor([0]), owner=torch.tensor([0]), tokens=prompt, lengths=torch.tensor([5]),
+                                features=feats, first_tokens=torch.tensor([11])))
+        ctx = DraftContext(
+            roots=torch.tensor([11]), positions=generated - 1, keys=keys, responses=torch.tensor([[1, 2, 3, 11]]),
+            generated=generated, prompts=[prompt[0]], prompt_ids=["p"], samples=torch.tensor([0]), drafts=[None],
+            params=params, shape=shape, noise=noise,
+        )
+        drafts.append(drafter.propose(ctx).tokens.tolist())
+    assert drafts[0] == drafts[1] and len(drafts[0]) == D

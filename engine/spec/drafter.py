@@ -88,6 +88,10 @@ class DraftContext:
     # (pregenerated.sibling_corpus: bubble drafts to re-align against once the row's own draft has
     # diverged), or None; an empty list: none for any row
     siblings: list[torch.Tensor | None] = field(default_factory=list)
+    # [b, D + 1, V] the target's Gumbel noise at response positions generated + 0..D (D: the
+    # shape's depth), which the verify pass samples with, when the step computed it ahead (chains
+    # under sampling); a drafter coupled to the target may draft with it instead of drawing it again
+    noise: torch.Tensor | None = None
 
 
 class Drafter(Protocol):
@@ -127,11 +131,15 @@ class DrafterBase:
       target_changed(): the target's weights changed (drafters sharing its embedding or head
         re-read them).
       stale(): the name of a weight changed since the drafter last packed its own, or None.
+
+    `wants_noise`: the drafter drafts with the target's own noise (a coupled model drafter), so
+    the step draws a chain's noise once, for it and the verifier (`DraftContext.noise`).
     """
 
     name = "base"
     feature_layers: tuple[int, ...] = ()
     wants_features = False
+    wants_noise = False
 
     def reset(self, max_batch: int, max_len: int, params: SamplingParams, limits: DraftShape) -> None:
         pass

@@ -47,6 +47,7 @@ PENDING_BYTES = 256 * 2**20  # the pending features' budget; past it, off steps 
 
 class EagleDrafter(DrafterBase):
     wants_features = True
+    wants_noise = True
 
     def __init__(self, net: EagleModel, coupled_prior: float = 0.6, bf16_weights: bool = False) -> None:
         self.net = net.eval()
@@ -208,6 +209,8 @@ class EagleDrafter(DrafterBase):
         if self.params.temperature == 0:
             return None
         ids = self.net.vocab_ids
+        if ctx.noise is not None and ctx.noise.shape[1] > D:  # the step's noise: level d's position is the target's entry d - 1
+            return ctx.noise[:, :D, : self.net.head_t.shape[1]] if ids is None else ctx.noise[:, :D].index_select(-1, ids)
         pos = (ctx.positions.unsqueeze(1) + torch.arange(1, D + 1, device=ctx.positions.device)).flatten()
         vocab = ids if ids is not None else self.net.head_t.shape[1]
         return gumbel(ctx.keys.repeat_interleave(D), pos, vocab).view(b, D, -1)

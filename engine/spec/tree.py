@@ -12,6 +12,7 @@ cache slots L, L+1, ..., L+N (L = the row's committed length) and RoPE positions
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
@@ -74,9 +75,9 @@ class DraftTree:
         tokens = tokens[:, :N]
         idx = torch.arange(N, device=tokens.device).expand(B, N)
         if lengths is None:
-            valid = torch.ones(B, N, dtype=torch.bool, device=tokens.device)
-            tree = cls(tokens.reshape(-1), (idx - 1).reshape(-1), torch.arange(B + 1, device=tokens.device) * N, chain=True)
-            tree.layout = PaddedTree(tokens, idx - 1, idx + 1, valid, None, True)
+            parents, depth, valid, flat_parents, offsets = _full_chains(B, N, tokens.device)
+            tree = cls(tokens.reshape(-1), flat_parents, offsets, chain=True)
+            tree.layout = PaddedTree(tokens, parents, depth, valid, None, True)
             return tree
         valid = idx < lengths.unsqueeze(1)
         tree = cls.from_padded(tokens, idx - 1, valid)
@@ -130,6 +131,17 @@ def parent_pointers(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     B, N = parents.shape
     own = torch.arange(N + 1, device=parents.device).expand(B, N + 1)
     return torch.cat([own[:, :1], torch.where(valid, parents + 1, own[:, 1:])], 1)
+
+
+@lru_cache(maxsize=64)
+def _full_chains(B: int, N: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The fixed part of B full chains of N nodes (parents, depth, valid [B, N]; flat parents
+    [B*N]; offsets [B + 1]), built once per shape: a chain draft's every step has the same.
+    Shared read-only by the trees built from it (nothing writes a tree's layout in place)."""
+    idx = torch.arange(N, device=device).expand(B, N)
+    parents = idx - 1
+    return (parents, idx + 1, torch.ones(B, N, dtype=torch.bool, device=device), parents.reshape(-1),
+            torch.arange(B + 1, device=device) * N)
 
 
 def node_depths(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
