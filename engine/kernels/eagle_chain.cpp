@@ -122,7 +122,9 @@ void step(Net& n, int64_t M, const int64_t* tok, const float* const* feat, const
 }
 
 // Catch-up: every pending pair of every row in one pass; pred [b, F] = each root's prediction.
-void catch_up(Net& n, int64_t b, int64_t T, int64_t L, const int64_t* pend_tok, const float* pend_feat, int64_t ldp,
+// RoPE rows come from the tables cos / sin_signed [positions, hd]: a pair or node at cache slot s
+// of a chain (or the catch-up) sits at position s + 1; a tree's level-d nodes at lengths' + d.
+void catch_up(Net& n, int64_t b, int64_t T, const int64_t* pend_tok, const float* pend_feat, int64_t ldp,
               const int64_t* n_pend, const float* cos, const float* sin_signed, const int64_t* lengths, float* pred) {
   const int64_t M = b * T, F = n.F, hd = n.hd;
   std::vector<float> scratch(M * F);
@@ -136,8 +138,8 @@ void catch_up(Net& n, int64_t b, int64_t T, int64_t L, const int64_t* pend_tok, 
       active[m] = j < n_pend[r];
       tok[m] = pend_tok[m];
       feat[m] = pend_feat + r * ldp + j * F;
-      c[m] = cos + (r * L + j) * hd;
-      s[m] = sin_signed + (r * L + j) * hd;
+      c[m] = cos + (lengths[r] + 1 + j) * hd;
+      s[m] = sin_signed + (lengths[r] + 1 + j) * hd;
       row[m] = r;
       slot[m] = lengths[r] + j;
       out[m] = scratch.data() + m * F;
@@ -157,7 +159,7 @@ extern "C" void eagle_draft(
     const float* embed,                   // [V, H] the target's embedding rows
     const int64_t* vocab_ids,             // [Vd] draft-vocabulary ids, or null (full vocabulary)
     const float* noise, float temperature,  // [b, D, Vd] Gumbel noise (null: greedy)
-    const float* cos, const float* sin_signed,  // [b, T + D, hd]: catch-up positions, then chain positions
+    const float* cos, const float* sin_signed,  // [P, hd] RoPE tables by position (P > lengths + n_pend + D)
     const float* fc, const float* qkv, const float* o, const float* gate_up, const float* down,
     const float* head, const float* fc_out,  // skinny panels; fc_out null unless eagle3
     const float* post_norm, float eps,
@@ -170,9 +172,8 @@ extern "C" void eagle_draft(
     int nthreads) {
   Net n{H, F, nq, nkv, hd, I, Vd, (nq + 2 * nkv) * hd, embed, fc, qkv, o, gate_up, down, head, fc_out, post_norm, eps,
         ck, cv, skb, skh, nthreads, bf16 != 0};
-  const int64_t L = T + D;  // RoPE rows per cache row
   std::vector<float> pred(b * F), hbuf(b * H), logits(b * Vd), conf(b, 1.f);
-  catch_up(n, b, T, L, pend_tok, pend_feat, ldp, n_pend, cos, sin_signed, lengths, pred.data());
+  catch_up(n, b, T, pend_tok, pend_feat, ldp, n_pend, cos, sin_signed, lengths, pred.data());
   std::vector<int64_t> live(b), tok(b), row(b), slot(b);  // live: rows still drafting, in order
   for (int64_t r = 0; r < b; ++r) live[r] = r, out_len[r] = D;
   std::fill(tokens, tokens + b * D, 0);
@@ -217,8 +218,8 @@ extern "C" void eagle_draft(
       const int64_t r = live[i];
       tok[i] = tokens[r * D + d];
       feat[i] = pred.data() + r * F;
-      c[i] = cos + (r * L + T + d) * hd;
-      s[i] = sin_signed + (r * L + T + d) * hd;
+      c[i] = cos + (lengths[r] + n_pend[r] + 1 + d) * hd;
+      s[i] = sin_signed + (lengths[r] + n_pend[r] + 1 + d) * hd;
       row[i] = r;
       slot[i] = lengths[r] + n_pend[r] + d;
       out[i] = pred.data() + r * F;
@@ -245,7 +246,7 @@ extern "C" void eagle_tree_draft(
     const int64_t* pend_tok, const float* pend_feat, int64_t ldp, const int64_t* n_pend,  // as eagle_draft
     const float* embed, const int64_t* vocab_ids,
     const float* noise, float temperature, float log_prior,  // noise [b, D, Vd] (null: greedy)
-    const float* cos, const float* sin_signed,  // [b, T + D, hd]: catch-up positions, then level d at T + d - 1
+    const float* cos, const float* sin_signed,  // [P, hd] RoPE tables by position (P > lengths + n_pend + D)
     const float* fc, const float* qkv, const float* o, const float* gate_up, const float* down,
     const float* head, const float* fc_out, const float* post_norm, float eps,
     float* ck, float* cv, int64_t skb, int64_t skh, const int64_t* lengths,
@@ -254,11 +255,10 @@ extern "C" void eagle_tree_draft(
     int nthreads) {
   Net n{H, F, nq, nkv, hd, I, Vd, (nq + 2 * nkv) * hd, embed, fc, qkv, o, gate_up, down, head, fc_out, post_norm, eps,
         ck, cv, skb, skh, nthreads, bf16 != 0};
-  const int64_t L = T + D;
   const int64_t P = K + (D - 1) * K * K;  // pool size per row
   const int64_t tent = (D - 1) * K;        // tentative slots per row
   std::vector<float> front(b * K * F), next(b * K * F), logits(b * K * Vd), logq(Vd);
-  catch_up(n, b, T, L, pend_tok, pend_feat, ldp, n_pend, cos, sin_signed, lengths, front.data());
+  catch_up(n, b, T, pend_tok, pend_feat, ldp, n_pend, cos, sin_signed, lengths, front.data());
   std::vector<int64_t> pool_tok(b * P), pool_par(b * P);
   std::vector<float> pool_score(b * P);
   std::vector<int64_t> front_idx(b * K, -1);  // pool index of each frontier node (-1: the root)
@@ -327,8 +327,8 @@ extern "C" void eagle_tree_draft(
         tok[m] = vocab_ids ? vocab_ids[pick] : pick;
         feat[m] = front.data() + (r * M + parent) * F;
         out[m] = next.data() + m * F;
-        c[m] = cos + (r * L + T + d - 1) * hd;
-        s[m] = sin_signed + (r * L + T + d - 1) * hd;
+        c[m] = cos + (lengths[r] + n_pend[r] + d) * hd;
+        s[m] = sin_signed + (lengths[r] + n_pend[r] + d) * hd;
         row[m] = r;
         const int64_t base = lengths[r] + n_pend[r];  // committed pairs after the catch-up
         slot[m] = base + (d - 1) * K + i;

@@ -62,8 +62,8 @@ def draft(rt, pend_tok: torch.Tensor, pend_feat: torch.Tensor, n_pend: torch.Ten
           lengths: torch.Tensor, min_confidence: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Catch-up and chain in one call. pend_tok [b, T] pending tokens (each row's root at
     n_pend - 1); pend_feat [b, >= T, F] their features; n_pend [b]; noise [b, D, Vd] or None
-    (greedy); cos / sin_signed [b, T + D, hd] at the catch-up positions lengths + 1 + j, then the
-    chain positions lengths + n_pend + 1 + d; cache: the drafter's KVCache (layer 0), whose
+    (greedy); cos / sin_signed [P, hd] RoPE tables by position, P > lengths + n_pend + D (the
+    kernel reads the catch-up's rows lengths + 1 + j, then the chain's lengths + n_pend + 1 + d); cache: the drafter's KVCache (layer 0), whose
     `lengths` the caller advances by n_pend; min_confidence: the confidence stop (the .cpp's
     header; 0: full depth) -> (tokens [b, D], real tokens per row [b])."""
     pend_tok, n_pend, noise, cos, sin_signed, lengths = prepare(pend_tok, pend_feat, n_pend, noise, cos, sin_signed, lengths)

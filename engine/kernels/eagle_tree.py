@@ -29,8 +29,8 @@ def supported(rt, topk: int) -> bool:
 def draft(rt, pend_tok: torch.Tensor, pend_feat: torch.Tensor, n_pend: torch.Tensor, depth: int, topk: int,
           budget: int, log_prior: float, noise: torch.Tensor | None, temperature: float, cos: torch.Tensor,
           sin_signed: torch.Tensor, cache, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Catch-up and tree in one call. Inputs as `eagle_chain.draft` (cos / sin_signed [b, T + D, hd]:
-    the catch-up positions, then level d's position lengths + n_pend + d at T + d - 1; noise
+    """Catch-up and tree in one call. Inputs as `eagle_chain.draft` (cos / sin_signed [P, hd]: RoPE
+    tables by position, level d's nodes at position lengths + n_pend + d; noise
     [b, D, Vd] the coupled noise of level d at d - 1, or None: greedy); the caller advances the
     cache's lengths by n_pend -> (tokens [b, n], parents [b, n]) with n = min(budget, pool_size),
     each row's kept nodes in creation order (a parent first), parent -1 = the root."""

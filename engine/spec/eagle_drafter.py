@@ -95,8 +95,11 @@ class EagleDrafter(DrafterBase):
             self.pend_feat = torch.zeros(max_batch, capacity, F, dtype=dtype, device=dev)  # [N, W, F]
             self.pend_tok = torch.zeros(max_batch, capacity, dtype=torch.long, device=dev)  # [N, W]
             self.pend_n = torch.zeros(max_batch, dtype=torch.long, device=dev)  # [N]
-            self._steps = torch.arange(capacity + limits.depth + 1, device=dev)  # a compiled draft's catch-up and level indices
         self.cache.lengths.zero_()
+        # The compiled drafts' RoPE tables cover every position a draft reaches: committed pairs
+        # (< max_len), then the levels.
+        self._rope_reach = max_len + limits.depth + 2
+        self._rope_tables = None
 
     @torch.inference_mode()
     def admit(self, adm: Admission) -> None:
@@ -198,11 +201,17 @@ class EagleDrafter(DrafterBase):
         return DraftTree.from_padded(tokens, parents, torch.ones_like(tokens, dtype=torch.bool))
 
     def _draft_rope(self, n: torch.Tensor, T: int, D: int, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin [b, T+D, hd] at a compiled draft's positions: the catch-up's pairs
-        lengths + 1 + j (j < T), then the levels' lengths + n + 1 + d."""
-        steps = self._steps[: T + D]
-        pos = lengths.unsqueeze(1) + 1 + torch.where(steps < T, steps, n.unsqueeze(1) + steps - T)  # [b, T+D]
-        return self.net.rope_signed(pos, self.pend_feat.dtype)
+        """cos, signed sin [P, hd] by position, P >= the reach `reset` set: the compiled drafts read the
+        rows of the catch-up's pairs (lengths + 1 + j) and the levels' (lengths + n + 1 + d) themselves.
+        The engine's RoPE table when it reaches that far (no op a call), else one built here per reset."""
+        t = self.net.rope_table
+        if t is not None and t.length >= self._rope_reach and t.cos.dtype == self.pend_feat.dtype:
+            return t.cos, t.sin_signed
+        if self._rope_tables is None:
+            pos = torch.arange(self._rope_reach, device=lengths.device).unsqueeze(0)
+            cos, sin_signed = self.net.rope_signed(pos, self.pend_feat.dtype)
+            self._rope_tables = (cos[0].contiguous(), sin_signed[0].contiguous())
+        return self._rope_tables
 
     def _chain_noise(self, ctx: DraftContext, b: int, D: int) -> torch.Tensor | None:
         """[b, D, Vd] the target's Gumbel noise at the chain's (and a tree's levels') positions (None when greedy)."""
