@@ -265,7 +265,8 @@ class Trainer:
         for rank, row in enumerate(per_rank):
             m[f"timing/rollout/rank{rank}"], m[f"timing/idle/rank{rank}"] = row[0], row[1]
             m[f"timing/prefill/rank{rank}"] = row[9]  # the prompts' prefill within the rollout (sim.calibrate)
-        # Means over ranks: rollout + idle is the time to the barrier, the same on every rank.
+        # Means over ranks: rollout + idle is the time until every rank was done (with idle work: plus what
+        # this rank's work had in flight then; pipeline.idle), about the same on every rank.
         m["timing/rollout"] = sum(row[0] for row in per_rank) / len(per_rank)
         m["timing/rollout_max"] = rollout_max
         m["timing/idle"] = sum(row[1] for row in per_rank) / len(per_rank)
