@@ -22,8 +22,9 @@ identical to the first.
 Spot training needs idle windows, so run it on two or more ranks. `--plot` writes the two
 accept-length curves (PNG). Prints the CPU model; `--json` ends with one line
 `{"step_ratio", "utilisation", "accept_ratio_last", "accept_spot_vs_start", "identical", ...}`.
-It also prints the time up to the step barrier (rollouts, then the idle wait: the phase spot
-training acts in) of both ways, and exits 3 when a spot run trained nothing at all.
+It also prints rank 0's time until its idle window closed (rollouts, then the window: the phase
+spot training acts in; with spot training there is no barrier after the window, the ranks meet at
+the actor's update: pipeline.idle) of both ways, and exits 3 when a spot run trained nothing at all.
 `--prefault-gb G` makes each rank first touch G GiB of memory (on a VM that backs memory lazily, the way that
 uses more memory pays first touches in phases spot training does not run in).
 """
@@ -115,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     t_off = mean([m["timing/step"] for ms in reps["frozen"] for m in ms[1:]])
     paired = sorted(a["timing/step"] / b["timing/step"]  # same rollouts, step by step
                     for ms_on, ms_off in zip(reps["spot"], reps["frozen"]) for a, b in zip(ms_on[1:], ms_off[1:]))
-    # Up to the barrier (rank 0's rollouts, then its wait): the phase spot training acts in. The
-    # actor's update after it runs no spot work, yet its time moves by several % between runs.
+    # Until rank 0's window closed (its rollouts, then its window): the phase spot training acts in.
+    # The actor's update after it runs no spot work, yet its time moves by several % between runs.
     to_barrier = {way: mean([m["timing/rollout/rank0"] + m["timing/idle/rank0"] for ms in reps[way] for m in ms[1:]])
                   for way in reps if "timing/rollout/rank0" in reps[way][0][-1]}
     idle = sum(m.get("spot/idle_s", 0.0) for ms in reps["spot"] for m in ms[1:])
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['accept_ratio_last']:.2f}; identical runs: {result['identical']}", file=sys.stderr)
     if len(to_barrier) == 2:
         d = to_barrier["spot"] - to_barrier["frozen"]
-        print(f"up to the barrier (rollouts, then the wait): spot {to_barrier['spot']:.3f} s, frozen {to_barrier['frozen']:.3f} s "
+        print(f"until rank 0's window closed (rollouts, then the window): spot {to_barrier['spot']:.3f} s, frozen {to_barrier['frozen']:.3f} s "
               f"a step ({d:+.3f} s, {d / t_off:+.1%} of a frozen step)", file=sys.stderr)
     idle_runs = [run_name("spot", k) for k, n in enumerate(result["micro_steps_per_run"]) if n == 0]
     if idle_runs:  # the comparison is void: a spot run that trained nothing measures the frozen drafter twice

@@ -9,11 +9,14 @@ metrics; work that may finish later (spot training's average across ranks, poste
 ends) also has `settle()`, which the loop calls after the actor's update and which returns the
 rest of its metrics. With no work plugged in, a rank simply waits at the barrier. With work there
 is no barrier after it: a rank's window closes once it has seen every rank done and its work has
-stopped, and the ranks meet at the step's next collective (the actor's update). The last rank
-then goes straight on to its log-prob forward, while an early rank finishes the micro-step it had
-in flight (up to a chunk, ~7-13 ms on the tiny config) inside its own shorter share of that forward
-(its responses were the shorter ones), not on the last rank's critical path. Either way the loop
-measures the window per rank (`timing/idle/rank{r}`: until this rank left it).
+stopped, and the ranks meet at the step's next collective. Where the actor recomputes the old
+log-probs first (a forward with no collective), the last rank goes straight on to it, while an
+early rank finishes the micro-step it had in flight (up to a chunk, ~7-13 ms on the tiny config)
+inside its own shorter share of that forward (its responses were the shorter ones), off the last
+rank's critical path. Where the engine's log-probs serve (the tiny config), the ranks meet at the
+update's first collective and that wait is there instead, as it was at the barrier
+(`spot/overrun_s` reports it). Either way the loop measures the window per rank
+(`timing/idle/rank{r}`: until this rank left it).
 
 Completion is counted in the job's TCPStore (torch.distributed's default store: the control
 plane), so a rank can poll it between micro-steps without a collective. Its keys are scoped to
