@@ -77,6 +77,7 @@ class GenerateRun:
         drafter, sink = engine.drafter, engine.sink
         self.drafter_layers = tuple(drafter.feature_layers) if drafter is not None else ()
         self.drafter_wants = drafter is not None and bool(drafter.feature_layers or getattr(drafter, "wants_features", False))
+        self.drafter_noise = getattr(drafter, "wants_noise", False)  # a chain's noise drawn once a step (_noise_ahead)
         self.sink_layers = tuple(sink.feature_layers) if sink is not None else ()
         self._rows = torch.arange(engine.cfg.max_batch, device=self.device)  # [max_batch] a plain step's entry rows, sliced
         self._entries = torch.arange(engine.limits.verify_tokens + engine.limits.depth + 2, device=self.device)  # [root, nodes] indices, sliced
@@ -355,7 +356,7 @@ class GenerateRun:
         """[b, D + 1, V] the Gumbel noise a chain's verify pass samples with (response positions
         generated + 0..D), drawn once for the drafter and the verifier (None: greedy, or a tree,
         whose verify positions repeat by depth)."""
-        if self.params.temperature == 0 or shape.topk != 1 or shape.iid_children or not getattr(self.e.drafter, "wants_noise", False):
+        if self.params.temperature == 0 or shape.topk != 1 or shape.iid_children or not self.drafter_noise:
             return None
         D = min(shape.depth, shape.verify_tokens)
         state = self.state

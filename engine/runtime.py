@@ -55,20 +55,20 @@ class WeightsFingerprint:
         self.versions = [p._version for _, p in self.params]
         self.ptrs = [p.data_ptr() for _, p in self.params]
         self.where = [_sample_index(p) for _, p in self.params]
-        self.sample = self._read()  # [sum of sample sizes]
+        parts = self._parts()
+        self.sample = torch.cat(parts) if parts else torch.zeros(0)  # [sum of sample sizes]
         self._compiled = None
         if self.params and all(p.device.type == "cpu" for _, p in self.params) and available()[0]:
             held = [p.detach() for _, p in self.params]  # keeps every sampled storage alive (and its addresses)
             addrs = torch.cat([_byte_addresses(p, i) for p, i in zip(held, self.where)])
-            expect = torch.cat([torch.take(p, i).view(-1).view(torch.uint8) for p, i in zip(held, self.where)])
-            owner = torch.repeat_interleave(torch.arange(len(held)), torch.tensor([i.numel() * p.element_size() for p, i in zip(held, self.where)]))
+            expect = torch.cat([x.view(torch.uint8) for x in parts])  # the same bytes, in address order
+            owner = torch.repeat_interleave(torch.arange(len(held)), torch.tensor([x.numel() * x.element_size() for x in parts]))
             self._compiled = (held, addrs, expect, owner)
 
-    def _read(self) -> torch.Tensor:
+    def _parts(self) -> list[torch.Tensor]:
         # take() indexes any tensor as if flattened in row-major order: the packed parameters are
         # strided views, which reshape(-1) would copy whole (~10 ms a generate() call on the tiny model).
-        parts = [torch.take(p.detach(), i) for (_, p), i in zip(self.params, self.where)]
-        return torch.cat(parts) if parts else torch.zeros(0)
+        return [torch.take(p.detach(), i) for (_, p), i in zip(self.params, self.where)]
 
     def changed(self) -> str | None:
         """The name of a parameter changed since this fingerprint, or None."""
@@ -79,7 +79,7 @@ class WeightsFingerprint:
             _, addrs, expect, owner = self._compiled
             at = library().sample_bytes_differ(addrs.data_ptr(), addrs.numel(), expect.data_ptr())
             return None if at < 0 else self.params[int(owner[at])][0]
-        now = self._read()
+        now = torch.cat(self._parts())
         if torch.equal(now, self.sample):
             return None
         sizes = [i.numel() for i in self.where]

@@ -69,6 +69,12 @@ def prompt_key(prompt_id: str | int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def _wrap(x: int) -> int:
+    """A Python integer as the int64 with the same low 64 bits."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >> 63 else x
+
+
 def _mix64_int(x: int) -> int:
     """`mix64` of one int64 in Python integers (the same bits: wraps mod 2^64, signed result)."""
     m = (1 << 64) - 1
@@ -77,13 +83,7 @@ def _mix64_int(x: int) -> int:
     x = (x * _M1) & m
     x ^= x >> 27
     x = (x * _M2) & m
-    x ^= x >> 31
-    return x - (1 << 64) if x >> 63 else x
-
-
-def _wrap(x: int) -> int:
-    x &= (1 << 64) - 1
-    return x - (1 << 64) if x >> 63 else x
+    return _wrap(x ^ (x >> 31))
 
 
 def row_keys(seed: int, step: int, prompts: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:

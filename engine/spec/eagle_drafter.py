@@ -98,8 +98,9 @@ class EagleDrafter(DrafterBase):
         self.cache.lengths.zero_()
         # The compiled drafts' RoPE tables cover every position a draft reaches: committed pairs
         # (< max_len), then the levels.
-        self._rope_reach = max_len + limits.depth + 2
-        self._rope_tables = None
+        reach = max_len + limits.depth + 2
+        if getattr(self, "_rope_reach", None) != reach:
+            self._rope_reach, self._rope_tables = reach, None
 
     @torch.inference_mode()
     def admit(self, adm: Admission) -> None:
@@ -190,7 +191,7 @@ class EagleDrafter(DrafterBase):
         n = self.pend_n[:b]
         T = int(n.max())
         lengths = self.cache.lengths[:b]
-        cos, sin_signed = self._draft_rope(n, T, D, lengths)
+        cos, sin_signed = self._draft_rope(lengths.device)
         tokens, parents = tree_kernel.draft(
             self.rt, self.pend_tok[:b, :T], self.pend_feat[:b], n, D, shape.topk, shape.verify_tokens,
             math.log(self.coupled_prior), self._chain_noise(ctx, b, D), self.params.temperature, cos, sin_signed,
@@ -200,15 +201,15 @@ class EagleDrafter(DrafterBase):
         n.zero_()
         return DraftTree.from_padded(tokens, parents, torch.ones_like(tokens, dtype=torch.bool))
 
-    def _draft_rope(self, n: torch.Tensor, T: int, D: int, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draft_rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin [P, hd] by position, P >= the reach `reset` set: the compiled drafts read the
         rows of the catch-up's pairs (lengths + 1 + j) and the levels' (lengths + n + 1 + d) themselves.
-        The engine's RoPE table when it reaches that far (no op a call), else one built here per reset."""
+        The engine's RoPE table when it reaches that far (no op a call), else one built here once per reach."""
         t = self.net.rope_table
         if t is not None and t.length >= self._rope_reach and t.cos.dtype == self.pend_feat.dtype:
             return t.cos, t.sin_signed
         if self._rope_tables is None:
-            pos = torch.arange(self._rope_reach, device=lengths.device).unsqueeze(0)
+            pos = torch.arange(self._rope_reach, device=device).unsqueeze(0)
             cos, sin_signed = self.net.rope_signed(pos, self.pend_feat.dtype)
             self._rope_tables = (cos[0].contiguous(), sin_signed[0].contiguous())
         return self._rope_tables
@@ -232,7 +233,7 @@ class EagleDrafter(DrafterBase):
         T = int(n.max())
         tokens = self.pend_tok[:b, :T]
         lengths = self.cache.lengths[:b]
-        cos, sin_signed = self._draft_rope(n, T, D, lengths)
+        cos, sin_signed = self._draft_rope(lengths.device)
         conf = ctx.shape.min_confidence
         draft, real = chain_kernel.draft(self.rt, tokens, self.pend_feat[:b], n, D, self._chain_noise(ctx, b, D),
                                          self.params.temperature, cos, sin_signed, self.cache, lengths, conf)
