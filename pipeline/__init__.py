@@ -1,1 +1,2 @@
-import engine  # noqa: F401  (OpenMP defaults, set before torch loads)
+"""The RL loop (trainer.py) and its stages: tasks and rewards, algorithms, actor backends,
+rollouts, train batches, weight sync, metrics and run checkpoints."""

@@ -1,1 +1,2 @@
-import engine  # noqa: F401  (OpenMP defaults, set before torch loads)
+"""Drafter training: warm-start, the DataBuffer and its producer, the online spot trainer, the
+rank coordinator and the elastic spot pool."""
