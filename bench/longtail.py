@@ -8,7 +8,7 @@ seed, timed end to end for each policy on the same requests:
 - each fixed arm of the tuner's arm set (`--arms`: engine.spec.policy.FixedPolicy with that shape);
 - TLT's fixed threshold baseline: the deepest arm once at most `--tail-batch` rows are active
   (engine.spec.policy.TailPolicy);
-- adaptive: the BEG-MAB tuner (engine.tuner.TunerPolicy) from scratch, then a second call
+- adaptive: the BEG-MAB tuner (engine.spec.tuner.TunerPolicy) from scratch, then a second call
   starting from the state the first one saved (state_dict through JSON, as a checkpoint keeps it);
   it explores only arms within `--explore-within` of its bucket's best (a deep draft over 256
   rows costs as much as twenty plain steps: exploring it at random lost more than the tail gains).
@@ -44,7 +44,7 @@ from engine.spec.config import SpecConfig
 from engine.spec.drafter import DraftShape
 from engine.spec.factory import build_drafter
 from engine.spec.policy import FixedPolicy, SpecPolicy, TailPolicy
-from engine.tuner import TunerPolicy, parse_arm
+from engine.spec.tuner import TunerPolicy, parse_arm
 from engine.types import Request, RolloutBatch, StepRecord
 
 

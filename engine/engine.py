@@ -67,7 +67,7 @@ class RolloutEngine:
     def _config_policy(self) -> SpecPolicy:
         spec = self.cfg.spec
         if spec.tuner_arms:
-            from engine.tuner import TunerPolicy, parse_arm
+            from engine.spec.tuner import TunerPolicy, parse_arm
 
             arms = [parse_arm(a, self.limits.iid_children) for a in spec.tuner_arms]
             for arm in arms:

@@ -9,7 +9,7 @@ for the drafter (TLT, arXiv 2511.16665: 30.39 GB for multi-strategy graphs). Buc
   arm) or a verify graph (1 + the arm's verify width); arms with the same verify width share it,
   chains and trees alike (the tree's shape is in the attention mask, an input);
 - a drafter graph belongs to one arm, captured only for the capture sizes of the buckets where
-  that arm is a candidate (`bucket_arms`; default: every arm in every bucket, as engine.tuner runs).
+  that arm is a candidate (`bucket_arms`; default: every arm in every bucket, as engine.spec.tuner runs).
 
 `capture_plan` is pure arithmetic (no torch): it lists the graphs and estimates their memory
 from the model configs (activations of one forward at that shape; the weights and the KV cache
@@ -58,7 +58,7 @@ def verify_width(arm: DraftShape | None) -> int:
 
 
 def bucket_ranges(thresholds: list[int], max_batch: int) -> list[range]:
-    """Batch sizes per bucket (engine.tuner's thresholds), cut at max_batch; empty past it."""
+    """Batch sizes per bucket (engine.spec.tuner's thresholds), cut at max_batch; empty past it."""
     ends = [*thresholds[1:], max_batch + 1]
     return [range(lo, max(lo, min(hi, max_batch + 1))) for lo, hi in zip(thresholds, ends)]
 

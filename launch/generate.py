@@ -15,7 +15,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from engine.atomic import atomic_file
+from common.atomic import atomic_file
 from engine.config import EngineConfig
 from engine.engine import RolloutEngine
 from engine.sampling import SamplingParams

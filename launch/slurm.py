@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from engine.atomic import atomic_file
+from common.atomic import atomic_file
 from launch.config import load_config, override_args, to_dict
 from launch.preflight import report, submit_checks
 from launch.run_config import TrainConfig

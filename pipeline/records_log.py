@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from engine.atomic import atomic_file
+from common.atomic import atomic_file
 
 FILES = ("decode_steps.jsonl", "rollouts.jsonl")
 

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.atomic import atomic_file, atomic_folder
+from common.atomic import atomic_file, atomic_folder
 
 STATE = "state.json"
 

@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from engine.atomic import atomic_write  # noqa: E402
+from common.atomic import atomic_write  # noqa: E402
 from sim.project import Projection  # noqa: E402
 from sim.step import StepResult  # noqa: E402
 from sim.sweeps import SweepPoint  # noqa: E402

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from engine.atomic import atomic_file
+from common.atomic import atomic_file
 from launch.config import override_args
 from sim.config import load_scenario
 from sim.report import scenario_report

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.atomic import atomic_file
+from common.atomic import atomic_file
 from sim.config import Scenario
 from sim.events import Segment
 from sim.latency import LatencyModel

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from engine.atomic import atomic_folder, atomic_write
+from common.atomic import atomic_folder, atomic_write
 from engine.checkpoint import load_checkpoint
 from engine.spec.eagle import EagleModel
 from spot.buffer import DataBuffer

@@ -20,7 +20,7 @@ The model is the caller's own copy: the engine's drafter is never trained in pla
 takes when given more than `rows_per_step`) is keyed by (seed, micro-step index), so a
 checkpoint needs no RNG state beyond the seed and the micro-step count.
 
-A *checkpoint* is a folder `ckpt-<micro_steps>` written whole by engine.atomic.atomic_folder:
+A *checkpoint* is a folder `ckpt-<micro_steps>` written whole by common.atomic.atomic_folder:
 `drafter.safetensors` (the trainable weights only: not the target's shared embedding and LM
 head, not the draft vocabulary, which `trainer.json` identifies by a digest), `optimizer.pt`
 (AdamW's state) and `trainer.json` (micro_steps, settings, what model it fits, and the size and
@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, save
 
-from engine.atomic import atomic_folder
+from common.atomic import atomic_folder
 from engine.spec.eagle import EagleModel, copy_named_weights
 from spot.drafter_training import DrafterOptim, DrafterTrainer
 from spot.pairs import PackedPairs

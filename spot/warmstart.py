@@ -9,7 +9,7 @@
    held out, and the held-out top-1 agreement and expected acceptance are measured before and
    after;
 5. save: the drafter folder (EagleModel.save) plus `warmstart_summary.json`, written atomically
-   (engine.atomic).
+   (common.atomic).
 
 `--max-minutes` bounds the whole run: training gets what generation and features left (less a
 reserve for the final evaluation and save); when time binds, the cosine schedule follows the
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from engine.atomic import atomic_folder
+from common.atomic import atomic_folder
 from engine.checkpoint import load_checkpoint, read_config
 from engine.spec.eagle import KINDS as DRAFTER_KINDS, EagleConfig, EagleModel
 from common.text import load_tokenizer, read_prompts

@@ -10,7 +10,7 @@ from engine.kv_cache import KVCache
 from engine.model import Transformer, causal_mask
 from engine.model_config import ModelConfig
 from engine.spec.drafter import DraftShape
-from engine.tuner import parse_arm
+from engine.spec.tuner import parse_arm
 
 TLT = [1, 2, 5, 21]
 ARMS = [parse_arm(a) for a in ("off", "d4k1v4", "d4k3v4", "d16k1v16")]

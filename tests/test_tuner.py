@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.spec.drafter import DraftShape
-from engine.tuner import Bandit, TunerPolicy, parse_arm
+from engine.spec.tuner import Bandit, TunerPolicy, parse_arm
 from engine.types import StepRecord
 
 

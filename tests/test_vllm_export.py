@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from engine.spec.config import SpecConfig
 from engine.spec.eagle import EagleConfig, EagleModel
 from engine.checkpoint import load_checkpoint
-from engine.tuner import Bandit
+from engine.spec.tuner import Bandit
 from engine.types import RolloutBatch
 
 

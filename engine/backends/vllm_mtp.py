@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.atomic import atomic_folder
+from common.atomic import atomic_folder
 
 MTP = "model.mtp_layers.0."
 RENAMED = {"token_norm.weight": "token_layernorm.weight", "hidden_norm.weight": "hidden_layernorm.weight",

@@ -1,6 +1,6 @@
 """The tuner's learned choices as vLLM's `num_speculative_tokens_per_batch_size` schedule (pure).
 
-The native engine's tuner (engine.tuner) keeps, per batch-size bucket, the arm with the best
+The native engine's tuner (engine.spec.tuner) keeps, per batch-size bucket, the arm with the best
 median tokens/s. vLLM 0.32 takes a list of inclusive ranges `(start, end, k)`: k draft tokens
 for batch sizes start..end, 0 for none, capped at the config's `num_speculative_tokens`. A
 bucket becomes one range, its best arm's depth becomes k ("off" is 0); vLLM's EAGLE drafts a
@@ -10,7 +10,7 @@ takes `default_k`.
 
 from __future__ import annotations
 
-from engine.tuner import parse_arm
+from engine.spec.tuner import parse_arm
 
 
 def arm_tokens(label: str) -> int:
@@ -39,7 +39,7 @@ def vllm_schedule(arms: list[str], thresholds: list[int], best: list[int | None]
 def schedule_from_tuner(tuner_state: dict | None, arms: list[str], thresholds: list[int], max_batch: int,
                         default_k: int) -> list[tuple[int, int, int]]:
     """The schedule of a saved tuner (TunerPolicy.state_dict()); None: every bucket at default_k."""
-    from engine.tuner import Bandit
+    from engine.spec.tuner import Bandit
 
     best: list[int | None] = [None] * len(thresholds)
     if tuner_state is not None:

@@ -31,7 +31,7 @@ class SpecConfig:
     verify: Literal["coupled", "rejection"] = "coupled"
     # Speculate only while at most this many rows are active (the long tail); None: every step.
     max_active_batch: int | None = None
-    # The BEG-MAB tuner (engine.tuner): arms like ["off", "d4k1v4", "d16k1v16"]; empty: no tuner.
+    # The BEG-MAB tuner (engine.spec.tuner): arms like ["off", "d4k1v4", "d16k1v16"]; empty: no tuner.
     tuner_arms: list[str] = field(default_factory=list)
     tuner_buckets: list[int] = field(default_factory=lambda: [1, 2, 5, 21])  # TLT's thresholds
     tuner_epsilon: float = 0.1
@@ -50,7 +50,7 @@ class SpecConfig:
         if self.drafter_weights not in ("float32", "bfloat16"):
             raise ValueError(f"engine.spec.drafter_weights must be float32 or bfloat16, got {self.drafter_weights!r}")
         if self.tuner_arms:
-            from engine.tuner import Bandit, parse_arm
+            from engine.spec.tuner import Bandit, parse_arm
 
             if self.max_active_batch is not None:
                 raise ValueError("engine.spec.tuner_arms and engine.spec.max_active_batch both choose when to speculate; set one")

@@ -39,7 +39,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.atomic import atomic_write
+from common.atomic import atomic_write
 from engine.kv_cache import KVCache
 from engine.model import DecoderLayer, RMSNorm, Transformer, default_slots_and_mask
 from engine.model_config import ModelConfig

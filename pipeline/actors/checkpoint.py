@@ -2,7 +2,7 @@
 
 A folder holds what a backend needs to resume bit for bit (model, optimizer) plus each rank's
 torch RNG state (`rng_rank{r}.pt`). Writing is collective: rank 0 owns the temporary folder
-(engine.atomic.atomic_folder), every rank writes its files into it, and it is renamed into place
+(common.atomic.atomic_folder), every rank writes its files into it, and it is renamed into place
 only after all have finished. Loading first checks the files a backend names, so a malformed or
 partial folder fails with its path and the missing names instead of deep inside torch.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.atomic import atomic_folder
+from common.atomic import atomic_folder
 
 
 def rank_and_world() -> tuple[int, int]:

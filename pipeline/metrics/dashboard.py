@@ -20,7 +20,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from PIL import Image
 
-from engine.atomic import atomic_write
+from common.atomic import atomic_write
 from pipeline.metrics.history import TIME_SPLIT, RunHistory, load_history
 from pipeline.metrics.summary import write_summary
 

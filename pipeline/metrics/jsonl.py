@@ -12,7 +12,7 @@ import json
 import warnings
 from pathlib import Path
 
-from engine.atomic import atomic_file
+from common.atomic import atomic_file
 
 METRICS_FILE = "metrics.jsonl"
 LENGTHS_FILE = "lengths.jsonl"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.atomic import atomic_write
+from common.atomic import atomic_write
 from pipeline.metrics.history import TIME_SPLIT, RunHistory, load_history
 
 SUMMARY_FILE = "summary.txt"

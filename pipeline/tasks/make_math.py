@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.atomic import atomic_file
+from common.atomic import atomic_file
 from pipeline.tasks.arith import SPLITS, Problem, split_of
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
