@@ -1,10 +1,12 @@
-"""RL algorithms against hand-computed values: advantages, aggregation, the clipped loss, KL,
-dynamic sampling, overlong shaping, the config section, and exact micro-batching."""
+"""RL algorithms against hand-computed values and verl's formulas: advantages (exact zeros for
+equal groups), aggregation, the clipped loss with dual clip, KL, dynamic sampling, overlong
+shaping, the config section, and exact micro-batching."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,10 +22,9 @@ LN = math.log
 
 def test_grpo_advantage_is_reward_minus_group_mean_over_unbiased_std():
     adv, m = grpo_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]]), eps=0.0)
-    # group 0: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735; group 1: all equal -> 0
-    s = 0.5 / math.sqrt(1 / 3)
+    # group 0: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735 -> 0.5 / 0.57735 = 0.866025; group 1: all equal -> 0
+    s = 0.866025
     assert torch.allclose(adv, torch.tensor([[s, -s, -s, s], [0.0, 0.0, 0.0, 0.0]]), atol=1e-6)
-    assert s == pytest.approx(0.866025, abs=1e-6)
     assert m["train/zero_std_groups"] == 0.5
     assert m["train/reward_mean"] == pytest.approx(1.25)
 
@@ -50,6 +51,48 @@ def test_rloo_baseline_is_the_mean_of_the_other_responses():
     assert torch.allclose(adv, torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3]]))
     adv, _ = rloo_advantages(torch.tensor([3.0, 1.0, 2.0]), torch.tensor([0, 0, 0]))
     assert torch.allclose(adv, torch.tensor([3 - 1.5, 1 - 2.5, 2 - 2.0]))
+
+
+def _float32_running_mean(value: float, n: int) -> np.float32:
+    """The mean of n copies of float32(value), summed one at a time in float32."""
+    total = np.float32(0.0)
+    for _ in range(n):
+        total += np.float32(value)
+    return total / np.float32(n)
+
+
+ESTIMATORS = {
+    "grpo": grpo_advantages,
+    "dr_grpo": lambda r, ids=None: grpo_advantages(r, ids, normalize_std=False),
+    "rloo": rloo_advantages,
+}
+
+
+@pytest.mark.parametrize("value, n", [(-1.7, 13), (0.1, 8), (0.1, 16), (0.3, 7)])
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_a_group_of_equal_rewards_gets_exactly_zero_advantage_when_float32_rounds_its_mean(value, n, estimator):
+    # the case has power: summed in float32, the group's mean misses the reward by a rounding step
+    assert _float32_running_mean(value, n) != np.float32(value)
+    adv, m = ESTIMATORS[estimator](torch.full((2, n), value))
+    assert torch.equal(adv, torch.zeros(2, n))
+    assert m["train/zero_std_groups"] == 1.0
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_equal_groups_beside_mixed_groups_leave_the_mixed_groups_advantages_unchanged(estimator):
+    mixed = [0.1, 0.3, -1.7, 0.1, 1.0]
+    rewards = torch.tensor([-1.7] * 13 + mixed + [0.1] * 8)
+    ids = torch.tensor([0] * 13 + [1] * 5 + [2] * 8)
+    adv, m = ESTIMATORS[estimator](rewards, ids)
+    assert adv.dtype == torch.float32
+    assert torch.equal(adv[:13], torch.zeros(13)) and torch.equal(adv[18:], torch.zeros(8))
+    alone, _ = ESTIMATORS[estimator](torch.tensor([mixed]))
+    assert torch.equal(adv[13:18], alone[0])
+    g = torch.tensor(mixed, dtype=torch.float32).double()  # the float32 rewards, reduced in float64
+    expected = {"grpo": (g - g.mean()) / (g.std() + 1e-6), "dr_grpo": g - g.mean(),
+                "rloo": (g - g.mean()) * 5 / 4}[estimator]
+    assert torch.allclose(adv[13:18].double(), expected, rtol=1e-6, atol=1e-7)
+    assert m["train/zero_std_groups"] == pytest.approx(2 / 3)
 
 
 def test_a_group_of_one_is_refused():
@@ -122,10 +165,81 @@ def test_symmetric_clip_also_clips_the_ratio_between_the_two_highs():
 def test_a_huge_log_ratio_gives_a_finite_loss_and_gradient():
     old, mask, w = torch.zeros(1, 2), torch.tensor([[0, 1]]), torch.tensor([[0.0, 1.0]])
     lp = torch.tensor([[0.0, 1000.0]], requires_grad=True)
-    loss, _ = policy_loss(lp, old, torch.tensor([[0.0, -1.0]]), w, mask, log_ratio_clamp=20.0)
-    assert loss.item() == pytest.approx(math.exp(20.0), rel=1e-5)  # -A * exp(20), A < 0 is not clipped above
+    adv = torch.tensor([[0.0, -1.0]])
+    loss, _ = policy_loss(lp, old, adv, w, mask, clip_ratio_c=None, log_ratio_clamp=20.0)
+    assert loss.item() == pytest.approx(math.exp(20.0), rel=1e-5)  # -A * exp(20): without dual clip, unbounded
     loss.backward()
     assert torch.isfinite(lp.grad).all()
+    dual, m = policy_loss(lp, old, adv, w, mask, clip_ratio_c=3.0, log_ratio_clamp=20.0)
+    assert dual.item() == 3.0 and m["train/pg_clipfrac_dual"] == 1.0
+
+
+# Four response tokens of one row, token-mean weights 1/4, clip_low = clip_high = 0.2:
+#   ratio 5,   A = -1 -> PPO +5,   dual clip at 3: +3 (no gradient)
+#   ratio 2,   A = -2 -> PPO +4,   under -A * 3 = 6: kept, gradient -A * ratio * w = 1
+#   ratio 5,   A = +1 -> clipped high at 1.2: -1.2 (dual clip applies to A < 0 only)
+#   ratio 0.5, A = -1 -> clipped low at 0.8: +0.8
+DUAL_OLD = torch.zeros(1, 4)
+DUAL_LP = torch.tensor([[LN(5.0), LN(2.0), LN(5.0), LN(0.5)]])
+DUAL_ADV = torch.tensor([[-1.0, -2.0, 1.0, -1.0]])
+DUAL_MASK = torch.ones(1, 4, dtype=torch.long)
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages_on_hand_values():
+    w = loss_weights(DUAL_MASK, "token-mean")
+    lp = DUAL_LP.clone().requires_grad_()
+    loss, m = policy_loss(lp, DUAL_OLD, DUAL_ADV, w, DUAL_MASK, clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx((3.0 + 4.0 - 1.2 + 0.8) / 4)
+    assert m["train/pg_clipfrac_dual"] == 0.25
+    assert (m["train/pg_clipfrac_high"], m["train/pg_clipfrac_low"]) == (0.25, 0.25)
+    loss.backward()
+    assert torch.allclose(lp.grad, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+    lp = DUAL_LP.clone().requires_grad_()
+    off, m = policy_loss(lp, DUAL_OLD, DUAL_ADV, w, DUAL_MASK, clip_ratio_c=None)
+    assert off.item() == pytest.approx((5.0 + 4.0 - 1.2 + 0.8) / 4)
+    assert "train/pg_clipfrac_dual" not in m
+    off.backward()
+    assert torch.allclose(lp.grad, torch.tensor([[5.0 / 4, 1.0, 0.0, 0.0]]))
+
+
+def _verl_vanilla_policy_loss(lp, old, adv, mask, clip_low, clip_high, clip_ratio_c):
+    """verl's core_algos.compute_policy_loss_vanilla with token-mean aggregation, from its formula:
+    -> (loss, pg_clipfrac, pg_clipfrac_lower)."""
+    m = mask.float()
+    ratio = (lp - old).clamp(-20.0, 20.0).exp()
+    loss1, loss2 = -adv * ratio, -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
+    ppo = torch.maximum(loss1, loss2)
+    cap = -adv * clip_ratio_c
+    per_token = torch.where(adv < 0, torch.minimum(cap, ppo), ppo)
+
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
+        return (x * m).sum() / m.sum()
+
+    return token_mean(per_token), token_mean((loss2 > loss1).float()), token_mean(((ppo > cap) & (adv < 0)).float())
+
+
+@pytest.mark.parametrize("clip_ratio_c", [1.5, 3.0, 10.0])
+def test_dual_clip_matches_verls_formula_on_random_tokens(clip_ratio_c):
+    g = torch.Generator().manual_seed(0)
+    B, T = 8, 32
+    old = -3.0 * torch.rand(B, T, generator=g)
+    lp_init = old + 2.0 * torch.randn(B, T, generator=g)  # ratios from ~e^-6 to ~e^6: every clip side is hit
+    adv = torch.randn(B, T, generator=g)
+    mask = (torch.rand(B, T, generator=g) < 0.8).long()
+    lp = lp_init.clone().requires_grad_()
+    loss, m = policy_loss(lp, old, adv, loss_weights(mask, "token-mean"), mask,
+                          clip_low=0.2, clip_high=0.28, clip_ratio_c=clip_ratio_c)
+    loss.backward()
+    ref_lp = lp_init.clone().requires_grad_()
+    ref, clipfrac, clipfrac_lower = _verl_vanilla_policy_loss(ref_lp, old, adv, mask, 0.2, 0.28, clip_ratio_c)
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    assert torch.allclose(lp.grad, ref_lp.grad, atol=1e-7)
+    assert m["train/pg_clipfrac"] == pytest.approx(clipfrac.item())
+    assert m["train/pg_clipfrac_dual"] == pytest.approx(clipfrac_lower.item())
+    assert m["train/pg_clipfrac_dual"] > 0.0  # the case exercises the dual clip
+
+
 
 
 def test_padding_with_nan_or_inf_log_probs_does_not_leak_into_the_loss():
@@ -134,6 +248,7 @@ def test_padding_with_nan_or_inf_log_probs_does_not_leak_into_the_loss():
     mask = torch.tensor([[0, 1, 0]])
     loss, m = policy_loss(lp, old, torch.tensor([[0.0, 2.0, 0.0]]), loss_weights(mask, "token-mean"), mask)
     assert loss.item() == pytest.approx(-2.0)
+    assert m["train/response_tokens"] == 1.0 and m["train/ratio_mean"] == 1.0
 
 
 def test_kl_estimators_on_hand_values():
@@ -202,12 +317,16 @@ def test_config_defaults_differ_per_algorithm():
         0.2, "seq-mean-token-mean", True, False)
     assert (dapo.clip_low, dapo.clip_high, dapo.aggregation, dapo.dynamic_sampling) == (0.2, 0.28, "token-mean", True)
     assert rloo.normalize_std is False
+    assert grpo.clip_ratio_c == dapo.clip_ratio_c == rloo.clip_ratio_c == 3.0  # dual clip on, as in verl
+    assert from_dict(AlgorithmConfig, {"clip_ratio_c": None}).clip_ratio_c is None
     assert from_dict(AlgorithmConfig, {"name": "dapo", "clip_high": 0.3}).clip_high == 0.3
 
 
 @pytest.mark.parametrize("data, key", [
     ({"clip_low": 1.0}, "algorithm.clip_low"),
     ({"clip_high": -0.1}, "algorithm.clip_high"),
+    ({"clip_ratio_c": 1.0}, "algorithm.clip_ratio_c"),
+    ({"clip_ratio_c": 0.5}, "algorithm.clip_ratio_c"),
     ({"kl_coef": -1.0}, "algorithm.kl_coef"),
     ({"max_sampling_rounds": 0}, "algorithm.max_sampling_rounds"),
     ({"name": "rloo", "normalize_std": True}, "algorithm.normalize_std"),
@@ -230,6 +349,11 @@ def test_built_algorithms_bind_their_estimator_and_clip():
     assert torch.allclose(shaped, torch.tensor([1.0, 0.5]))
     with pytest.raises(ValueError, match="overlong_buffer"):
         build_algorithm(AlgorithmConfig(name="dapo", overlong_buffer=40), max_response_len=20)
+    batch = TrainBatch(input_ids=torch.zeros(1, 4, dtype=torch.long), attention_mask=DUAL_MASK, response_mask=DUAL_MASK,
+                       old_logprobs=DUAL_OLD, advantages=DUAL_ADV, loss_weights=loss_weights(DUAL_MASK, "token-mean"))
+    on, off = (build_algorithm(AlgorithmConfig(name="grpo", clip_ratio_c=c), 8) for c in (3.0, None))
+    assert on.loss(DUAL_LP, batch)[0].item() == pytest.approx((3.0 + 4.0 - 1.2 + 0.8) / 4)
+    assert off.loss(DUAL_LP, batch)[0].item() == pytest.approx((5.0 + 4.0 - 1.2 + 0.8) / 4)
 
 
 def _tiny_policy_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

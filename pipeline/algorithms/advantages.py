@@ -10,9 +10,13 @@ groups. Every group needs at least 2 responses: a baseline from one sample is th
 - RLOO (Ahmadian et al., 2024): the baseline of response i is the mean of the *other* responses of
   its group, A_i = r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean_g).
 
-A group whose rewards are all equal gets advantage 0 everywhere (it carries no signal; DAPO's
-dynamic sampling drops such groups before this point). Pure functions of tensors; each returns
-`(advantages, metrics)` with metrics named `train/...`.
+A group whose rewards are all equal gets advantage exactly 0 everywhere (it carries no signal;
+DAPO's dynamic sampling drops such groups before this point). The group statistics are computed in
+float64 for this: n equal float32 rewards r sum exactly to n * r there (n < 2^29), so the mean is r
+and the centred rewards and the std are exactly 0. In float32 the sum can miss by a rounding step
+(13 rewards of -1.7), leaving a std of ~1e-7 that would pass any `std > 0` test and give every
+response an advantage of a sign chosen by rounding. Advantages are returned in float32.
+Pure functions of tensors; each returns `(advantages, metrics)` with metrics named `train/...`.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ def _group_sums(values: torch.Tensor, index: torch.Tensor, G: int) -> torch.Tens
 
 
 def _centered(rewards: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (r - group mean [N], group std (unbiased) [N], group size [N])."""
+    """-> (r - group mean [N], group std (unbiased) [N], group size [N]), all float64 (see the module docstring)."""
+    rewards = rewards.double()
     G = int(index.max()) + 1 if index.numel() else 0
     sizes = _group_sums(torch.ones_like(rewards), index, G)  # [G]
     if bool((sizes < 2).any()):
@@ -72,7 +77,7 @@ def grpo_advantages(
     flat, index = _as_flat(rewards, group_ids)
     centered, std, sizes = _centered(flat, index)
     # where(): a group of equal rewards gets 0, not 0/0, even with eps = 0
-    adv = torch.where(std > 0, centered / (std + eps), 0.0) if normalize_std else centered
+    adv = (torch.where(std > 0, centered / (std + eps), 0.0) if normalize_std else centered).float()
     return adv.reshape(rewards.shape), _metrics(flat, adv, std, sizes)
 
 
@@ -83,7 +88,7 @@ def rloo_advantages(
     """RLOO advantages r_i - mean of the group's other rewards, shaped like `rewards`."""
     flat, index = _as_flat(rewards, group_ids)
     centered, std, sizes = _centered(flat, index)
-    adv = centered * sizes / (sizes - 1)
+    adv = (centered * sizes / (sizes - 1)).float()
     return adv.reshape(rewards.shape), _metrics(flat, adv, std, sizes)
 
 

@@ -70,8 +70,8 @@ def build_algorithm(cfg: AlgorithmConfig, max_response_len: int) -> Algorithm:
         "dapo": partial(grpo_advantages, normalize_std=cfg.normalize_std, eps=cfg.eps),
         "rloo": rloo_advantages,
     }
-    loss = partial(policy_loss, clip_low=cfg.clip_low, clip_high=cfg.clip_high, log_ratio_clamp=cfg.log_ratio_clamp,
-                   kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
+    loss = partial(policy_loss, clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c,
+                   log_ratio_clamp=cfg.log_ratio_clamp, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
     return Algorithm(
         name=cfg.name, advantages=estimators[cfg.name], policy_loss=loss, aggregation=cfg.aggregation,
         max_response_len=max_response_len, dynamic_sampling=cfg.dynamic_sampling,

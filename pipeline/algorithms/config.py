@@ -13,6 +13,10 @@ holds the values that ran:
 
 Dr. GRPO is `name: grpo, normalize_std: false, aggregation: seq-mean-token-sum-norm`.
 The KL penalty to a reference policy is off by default (`kl_coef: 0`), as in DAPO and Dr. GRPO.
+Dual clip is on for every algorithm, `clip_ratio_c: 3.0` as in verl: a token with a negative
+advantage adds at most -A * 3 to the loss, however far its ratio grew (see
+pipeline.algorithms.policy_loss). It changes the loss only where a ratio exceeds 3 with A < 0;
+`clip_ratio_c: null` turns it off (plain PPO clipping, as in the GRPO and DAPO papers).
 DAPO's overlong shaping is off until `overlong_buffer` is set (DAPO used 4096 of 20480 tokens).
 """
 
@@ -39,6 +43,7 @@ class AlgorithmConfig:
     name: Literal["grpo", "rloo", "dapo"] = "grpo"
     clip_low: float | None = None  # ratio clipped below at 1 - clip_low (negative advantages)
     clip_high: float | None = None  # ratio clipped above at 1 + clip_high (positive advantages)
+    clip_ratio_c: float | None = 3.0  # dual clip: the loss of a negative advantage capped at -A * clip_ratio_c; null: off
     normalize_std: bool | None = None  # divide GRPO advantages by the group's std
     aggregation: Aggregation | None = None
     eps: float = 1e-6  # added to the group std
@@ -64,6 +69,11 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.clip_low must be in [0, 1) (the ratio floor 1 - clip_low > 0), got {self.clip_low}")
         if self.clip_high < 0.0:
             raise ValueError(f"algorithm.clip_high must be >= 0, got {self.clip_high}")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
+            raise ValueError(
+                f"algorithm.clip_ratio_c must be > 1 (dual clip's bound on the ratio of a negative advantage) "
+                f"or null to turn dual clip off, got {self.clip_ratio_c}"
+            )
         for key in ("eps", "log_ratio_clamp", "overlong_factor"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"algorithm.{key} must be > 0, got {getattr(self, key)}")

@@ -1,14 +1,21 @@
-"""The clipped policy-gradient surrogate (PPO / GRPO / DAPO), with an optional KL penalty.
+"""The clipped policy-gradient surrogate (PPO / GRPO / DAPO), with dual clip and an optional KL penalty.
 
 Per response token, with ratio rho = exp(clamp(log p - log p_old, +-log_ratio_clamp)) and
-advantage A (Schulman et al., 2017, PPO; Yu et al., 2025, DAPO's clip-higher):
+advantage A (Schulman et al., 2017, PPO; Yu et al., 2025, DAPO's clip-higher; Ye et al., 2020,
+"Mastering Complex Control in MOBA Games with Deep RL", dual clip):
 
-    per_token = max(-A * rho, -A * clip(rho, 1 - clip_low, 1 + clip_high)) + kl_coef * KL_k(p, p_ref)
+    pg        = max(-A * rho, -A * clip(rho, 1 - clip_low, 1 + clip_high))
+    pg        = min(pg, -A * clip_ratio_c)  where A < 0   (dual clip; skipped when clip_ratio_c is None)
+    per_token = pg + kl_coef * KL_k(p, p_ref)
     loss      = sum(per_token * loss_weights)            (see pipeline.algorithms.aggregation)
 
 A token is *clipped high* when A > 0 and rho > 1 + clip_high, *clipped low* when A < 0 and
-rho < 1 - clip_low: there the clipped term is the larger and its gradient is 0. The log-ratio is
-clamped before `exp`, so a token the policy moved far gives a finite loss (and no gradient).
+rho < 1 - clip_low, *dual-clipped* when A < 0 and rho > clip_ratio_c: in each case the loss is a
+constant there and its gradient is 0. Without the dual clip, a token with A < 0 whose ratio grew
+(one sampled far off-policy) adds -A * rho without bound and can dominate the batch's loss; with
+it, it adds at most -A * clip_ratio_c. This is verl's `compute_policy_loss` (`clip_ratio_c`, whose
+`actor/pg_clipfrac_lower` is `train/pg_clipfrac_dual` here). The log-ratio is clamped before
+`exp`, so a token the policy moved far gives a finite loss even without the dual clip.
 
 Metrics are over this call's response tokens: `train/pg_loss` is this call's share of the
 mini-batch loss (micro-batches' values add up to the mini-batch's); the fractions and means are
@@ -31,6 +38,7 @@ def policy_loss(
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
+    clip_ratio_c: float | None = 3.0,  # dual clip's bound on the ratio for A < 0; None: no dual clip
     log_ratio_clamp: float = 20.0,
     ref_logprobs: torch.Tensor | None = None,  # [B, T]
     kl_coef: float = 0.0,
@@ -50,7 +58,11 @@ def policy_loss(
     adv = advantages.detach()
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    pg = torch.where(mask, torch.maximum(unclipped, clipped), 0.0)  # [B, T]
+    pg = torch.maximum(unclipped, clipped)  # [B, T]
+    if clip_ratio_c is not None:
+        dual = (adv < 0) & (pg > -adv * clip_ratio_c)  # [B, T]
+        pg = torch.where(dual, -adv * clip_ratio_c, pg)
+    pg = torch.where(mask, pg, 0.0)
     weights = loss_weights.detach()
     pg_loss = (pg * weights).sum()
     loss = pg_loss
@@ -67,6 +79,8 @@ def policy_loss(
             "train/approx_kl_old": masked_mean(-log_ratio, mask).item(),
             "train/response_tokens": float(mask.sum()),
         }
+        if clip_ratio_c is not None:
+            metrics["train/pg_clipfrac_dual"] = masked_mean(dual.float(), mask).item()
     if ref_logprobs is not None:
         kl = torch.where(mask, kl_per_token(logprobs, ref_logprobs.detach(), kl_estimator, log_ratio_clamp), 0.0)
         if kl_coef != 0.0:
