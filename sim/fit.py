@@ -6,8 +6,8 @@ on a small basis where a basis):
   attention pairs (query tokens = rows x (1 + verify tokens), kv tokens = rows x mean context,
   attention pairs = query tokens x mean context), then a table over query tokens of the median
   forward seconds less the kv and attention terms, every point pooling at least
-  `TABLE_MIN_PASSES` passes: a CPU's cost is not linear in the batch (SmolLM2-135M costs the same
-  at 7-12 rows and jumps at 13);
+  `TABLE_MIN_PASSES` passes: a CPU's cost is not linear in the batch (it can stay flat over
+  several row counts, then jump);
 - draft_s = depth * (draft_base_s + draft_token_s * rows * topk) on speculative passes;
 - other_s = other_base_s + other_row_s * rows + other_verify_s * verified draft tokens;
 and from the timed steps after the warm-up (`sim.runs`): the prefill cost per prompt token (each

@@ -37,9 +37,8 @@ appears initialised or not at all), registers an atexit `unlink`, and reclaims a
 name whose owner is dead (a crashed run); `spot.segment.reclaim_stale` does so for every tailspec segment.
 Payload memory is reserved at create (posix_fallocate), so a full /dev/shm fails there, not later,
 and every process maps it populated (MAP_POPULATE, where the platform has it): a flush then writes
-into mapped pages instead of faulting them in one by one on the producer's critical path. With
-`put_many` holding the writers' lock once for all of them, a step's flush of 128 tiny-model
-rollouts went from 19-24 ms to 14-18 ms (runs alternated, the 2-core Intel host).
+into mapped pages instead of faulting them in one by one on the producer's critical path;
+`put_many` holds the writers' lock once for a whole step's entries.
 
 Sampling (`sample`) mixes step s's finished entries with step s-1's longest ones (TLT's one-step
 offset): the responses that finish early in a step are the short ones, so training only on them

@@ -3,12 +3,12 @@
 // (draft head -> coupled sample -> next feature through the network). `eagle_tree_draft` (at the
 // end) does the same for top-k trees with coupled children.
 //
-// On a CPU a draft level of a small drafter is ~40 dispatched torch ops (~0.3 ms) around very
+// On a CPU a draft level of a small drafter is ~40 dispatched torch ops around very
 // little arithmetic; here it is a few skinny products (skinny.cpp) and plain loops. It computes
 // the same function as EagleDrafter._catch_up + _chain over engine.packed weights (up to float
 // rounding). Catch-up: pair j of row r (token pend_tok[r, j], feature pend_feat[r, j]) runs at
 // position lengths[r] + j + 1, writing cache slot lengths[r] + j, for j < n[r], all pairs of all
-// rows in one pass (the weights are read once: a drafter's ~36 MB do not stay cached between
+// rows in one pass (the weights are read once: a drafter's weights do not stay cached between
 // target forwards); the root's prediction is the output of pair n[r] - 1. Then, with
 // lengths' = lengths + n:
 //   level d: logits = pred[:, F-H:] @ head; pick = argmax(logits / T + noise[:, d]) (T = 0: argmax);

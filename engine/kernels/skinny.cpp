@@ -156,7 +156,7 @@ void gemm(const float* x, int64_t ldx, const WT* wp, const float* bias, const fl
     }
 }
 
-// W [K, N] (row stride ldw) -> panels [P][K][TN] (TN = skinny_tile_n() now), zero padded.
+// W [K, N] (row stride ldw) -> panels [P][K][TN] (TN = skinny_tile_n() when packing), zero padded.
 template <typename WI, typename WT>
 void pack(const WI* w, int64_t ldw, WT* out, int64_t K, int64_t N) {
   const int64_t TN = g.nv * VW;
