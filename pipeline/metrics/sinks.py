@@ -87,7 +87,7 @@ class WandbSink:
 
     def __init__(self, run_dir: str | Path, *, project: str, run_name: str, config: dict[str, Any] | None,
                  mode: str) -> None:
-        import wandb  # ~1 s to import: only runs that log to W&B pay it
+        import wandb  # slow to import: only runs that log to W&B pay it
 
         self._wandb = wandb
         settings = wandb.Settings(
