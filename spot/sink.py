@@ -9,9 +9,9 @@ After a generate call, `stash(rollouts, step)` detaches what it captured (the si
 spare block for the next call) and `put_stashed()` turns each rollout into a buffer entry and
 puts it; `flush` does both. The rank coordinator puts its stashes at the start of its idle
 window, except on the rank that finished last: there nobody is left to train on the entries
-this step, and the put (4-9 ms for the tiny config's 128 rollouts) would be on the step's
-critical path, so that rank holds its stashes, this step's and an earlier one it may still
-hold from being last before, until its next window as an early rank (`put_stashed(hold=2)`:
+this step, and the put would be on the step's critical path, so that rank holds its stashes,
+this step's and an earlier one it may still hold from being last before, until its next window
+as an early rank (`put_stashed(hold=2)`:
 all but the newest two are put, so at most two blocks wait; a held step's entries then are the
 previous step's long responses the sampler's offset wants). An entry:
 
