@@ -48,6 +48,25 @@ class SamplingParams:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
+    # What the sampling settings imply, defined here once and read by every caller (a frozen
+    # record: they cannot change after construction).
+    @property
+    def unmasked(self) -> bool:
+        """No top-k / top-p mask: `mask_logits` is just logits / T."""
+        return self.top_k == 0 and self.top_p == 1.0
+
+    @property
+    def plain(self) -> bool:
+        """Greedy, or sampling without a mask: each token is argmax(logits / T + g) over the whole
+        vocabulary (or argmax(logits)), which is what the compiled draft kernels compute."""
+        return self.temperature == 0 or self.unmasked
+
+    @property
+    def samples_policy(self) -> bool:
+        """T = 1 without a mask: the sampling distribution is the policy's own softmax, so the
+        log-probs `sample` returns are the policy's (an RL loss's old log-probs)."""
+        return self.temperature == 1.0 and self.unmasked
+
 
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
     """Logical right shift of int64 (torch's >> is arithmetic)."""

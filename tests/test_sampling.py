@@ -55,6 +55,32 @@ def test_logprobs_are_those_of_the_sampling_distribution():
     assert torch.allclose(logprobs, expected)
 
 
+@pytest.mark.parametrize(
+    "params,unmasked,plain,samples_policy",
+    [
+        (SamplingParams(temperature=1.0), True, True, True),
+        (SamplingParams(temperature=0.7), True, True, False),
+        (SamplingParams(temperature=0.0, top_k=5, top_p=0.9), False, True, False),
+        (SamplingParams(temperature=1.0, top_k=5), False, False, False),
+        (SamplingParams(temperature=1.0, top_p=0.9), False, False, False),
+    ],
+)
+def test_plain_sampling_is_greedy_or_masks_nothing(params, unmasked, plain, samples_policy):
+    assert (params.unmasked, params.plain, params.samples_policy) == (unmasked, plain, samples_policy)
+    if params.temperature > 0:  # unmasked: mask_logits is logits / T exactly, so the kernels may skip it
+        masked = mask_logits(LOGITS[None], params.temperature, params.top_k, params.top_p)
+        assert torch.equal(masked, LOGITS[None] / params.temperature) == unmasked
+
+
+def test_policy_sampling_returns_the_policys_logprobs():
+    p = SamplingParams(temperature=1.0)
+    assert p.samples_policy
+    n = 50
+    keys = row_keys(0, 0, torch.zeros(n, dtype=torch.long), torch.arange(n))
+    tokens, logprobs = sample(LOGITS.expand(n, -1), keys, torch.zeros(n, dtype=torch.long), p)
+    assert torch.allclose(logprobs, LOGITS.log_softmax(-1)[tokens])
+
+
 def target_distribution(temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     return mask_logits(LOGITS[None], temperature, top_k, top_p).softmax(-1)[0]
 

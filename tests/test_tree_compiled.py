@@ -40,7 +40,7 @@ def sharp_drafter(target, kind: str, draft_vocab: bool) -> EagleModel:
 
 
 def admitted(runtime, net, params, shape, lengths: list[int], pending: list[int] | None = None,
-             bf16: bool = False) -> EagleDrafter:
+             bf16: bool = False, reference: bool = False) -> EagleDrafter:
     """A drafter with rows of prompts of different lengths admitted, and then `pending` pairs
     waiting per row (as after verifications that accepted different numbers of tokens)."""
     P = max(lengths)
@@ -48,7 +48,7 @@ def admitted(runtime, net, params, shape, lengths: list[int], pending: list[int]
     with torch.no_grad():
         out = runtime(prompt, torch.arange(P).expand(len(lengths), P), hidden_layers=tuple(net.config.aux_layers))
     feats = torch.cat([out.layer_hidden[i] for i in net.config.aux_layers] + [out.hidden], -1)
-    drafter = EagleDrafter(net, bf16_weights=bf16)
+    drafter = EagleDrafter(net, bf16_weights=bf16, reference=reference)
     drafter.reset(len(lengths), 64, params, shape)
     b = len(lengths)
     drafter.admit(Admission(slots=torch.arange(b), owner=torch.arange(b), tokens=prompt, lengths=torch.tensor(lengths),
@@ -83,19 +83,18 @@ def proposal(drafter: EagleDrafter, ctx: DraftContext) -> dict[str, list]:
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("draft_vocab", [True, False])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32-weights", "bf16-weights"])
-def test_compiled_tree_proposes_what_the_python_expansion_proposes(runtime, kind, temperature, draft_vocab, bf16, monkeypatch):
+def test_compiled_tree_proposes_what_the_python_expansion_proposes(runtime, kind, temperature, draft_vocab, bf16):
     net = sharp_drafter(runtime.model, kind, draft_vocab)
     params = SamplingParams(temperature=temperature)
     for shape, pending in ((DraftShape(depth=4, topk=3, verify_tokens=12), [3, 1, 2]),
                            (DraftShape(depth=3, topk=2, verify_tokens=50), None)):
         lengths = [7, 4, 6]  # rows of different lengths
         compiled_drafter = admitted(runtime, net, params, shape, lengths, pending, bf16)
-        assert compiled_drafter._compiled_tree(context(params, shape, 3))
+        assert compiled_drafter.draft_tree == compiled_drafter._tree_compiled
         compiled = proposal(compiled_drafter, context(params, shape, 3))
-        with monkeypatch.context() as m:
-            m.setattr(tree_kernel, "supported", lambda rt, topk: False)
-            python_drafter = admitted(runtime, net, params, shape, lengths, pending, bf16)
-            python = proposal(python_drafter, context(params, shape, 3))
+        python_drafter = admitted(runtime, net, params, shape, lengths, pending, bf16, reference=True)
+        assert python_drafter.draft_tree == python_drafter._tree_reference
+        python = proposal(python_drafter, context(params, shape, 3))
         assert compiled == python
         n = min(shape.verify_tokens, tree_kernel.pool_size(shape.depth, shape.topk))
         assert compiled["offsets"] == [0, n, 2 * n, 3 * n]
@@ -110,12 +109,24 @@ def test_trees_with_iid_children_or_top_p_stay_on_the_python_path(runtime):
     net = sharp_drafter(runtime.model, "eagle", True)
     shape = DraftShape(depth=3, topk=2, verify_tokens=6)
     drafter = admitted(runtime, net, SamplingParams(temperature=1.0, top_p=0.9), shape, [5, 5])
-    assert not drafter._compiled_tree(context(drafter.params, shape, 2))
+    assert (drafter.draft_chain, drafter.draft_tree) == (drafter._chain_reference, drafter._tree_reference)
     iid = DraftShape(depth=3, topk=2, verify_tokens=6, iid_children=True)
     drafter = admitted(runtime, net, SamplingParams(temperature=1.0), iid, [5, 5])
-    assert not drafter._compiled_tree(context(drafter.params, iid, 2))
+    assert drafter.draft_tree == drafter._tree_reference
     tree = drafter.propose(context(drafter.params, iid, 2))
     assert tree.q_logits is not None  # rejection verification still gets q from the Python path
+
+
+def test_the_draft_path_is_chosen_at_reset_for_the_runs_sampling(runtime):
+    drafter = EagleDrafter(sharp_drafter(runtime.model, "eagle", True))
+    assert drafter.draft_tree is None  # nothing to choose before a run's sampling is known
+    shape = DraftShape(depth=3, topk=2, verify_tokens=6)
+    compiled = (drafter._chain_compiled, drafter._tree_compiled)
+    reference = (drafter._chain_reference, drafter._tree_reference)
+    for params, paths in ((SamplingParams(temperature=1.0), compiled), (SamplingParams(temperature=1.0, top_k=5), reference),
+                          (SamplingParams(temperature=0.0, top_k=5), compiled)):  # greedy: a mask changes no argmax
+        drafter.reset(2, 64, params, shape)
+        assert (drafter.draft_chain, drafter.draft_tree) == paths
 
 
 def rollout_requests() -> list[Request]:

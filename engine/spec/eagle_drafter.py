@@ -21,9 +21,13 @@ higher than q(x) (DESIGN.md). The `topk` best children of each level are expande
 set is closed under ancestors). For rejection verification, children are instead i.i.d. samples
 from q, with q's logits attached.
 
-With plain sampling (no top-k / top-p) and the CPU kernels, chains (engine.kernels.eagle_chain)
-and coupled trees (engine.kernels.eagle_tree) run catch-up and drafting in one compiled call
-that computes the same tokens as the Python levels below.
+Two ways to draft, chosen once per `reset` (the run's sampling and limits) and again when the
+weights are repacked (`load_weights`, `target_changed`), never per call: with plain sampling
+(`SamplingParams.plain`), coupled children and a network the CPU kernels take, chains
+(engine.kernels.eagle_chain) and trees (engine.kernels.eagle_tree) run catch-up and drafting in
+one compiled call; otherwise the Python levels below draft (`_chain_reference`,
+`_tree_reference`). The Python path is the reference: it computes the same tokens, and
+`reference=True` keeps a drafter on it so tests can compare the two.
 """
 
 from __future__ import annotations
@@ -49,14 +53,20 @@ class EagleDrafter(DrafterBase):
     wants_features = True
     wants_noise = True
 
-    def __init__(self, net: EagleModel, coupled_prior: float = 0.6, bf16_weights: bool = False) -> None:
+    def __init__(self, net: EagleModel, coupled_prior: float = 0.6, bf16_weights: bool = False,
+                 reference: bool = False) -> None:
         self.net = net.eval()
         self.rt = EagleRuntime(self.net, bf16_weights)
         self.version = 0  # of the drafter's own weights (load_weights)
         self.name = net.config.kind
         self.feature_layers = tuple(net.config.aux_layers)
         self.coupled_prior = coupled_prior
+        self.reference = reference  # always the Python drafts (the definition the kernels reproduce)
         self.cache = None
+        self.params: SamplingParams | None = None
+        self.limits: DraftShape | None = None
+        # The drafts `propose` calls for chains and for trees: DraftContext -> DraftTree (set by _choose_paths).
+        self.draft_chain = self.draft_tree = None
 
     @classmethod
     def load(cls, path, target: Transformer, expect: str | None = None, bf16_weights: bool = False) -> EagleDrafter:
@@ -71,17 +81,20 @@ class EagleDrafter(DrafterBase):
         """Replaces the drafter's weights (names as in its state dict: `fc.weight`, `layers.0.*`)."""
         copy_named_weights(self.net, named_tensors)
         self.rt.repack()
+        self._choose_paths()
         self.version = version
 
     def target_changed(self) -> None:
         self.rt.repack()  # re-reads the shared LM head rows
+        self._choose_paths()
 
     def stale(self) -> str | None:
         return self.rt.stale()
 
     # -- hooks -----------------------------------------------------------------------------
     def reset(self, max_batch: int, max_len: int, params: SamplingParams, limits: DraftShape) -> None:
-        self.params = params
+        self.params, self.limits = params, limits
+        self._choose_paths()
         # Pending pairs per row: room for a whole response where the byte budget allows, so rows
         # that finish while speculation is off never pay a catch-up; at least two target passes.
         F = self.net.config.feature_size
@@ -163,25 +176,26 @@ class EagleDrafter(DrafterBase):
     # -- drafting --------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> DraftTree:
-        if self._compiled_chain(ctx):
-            return self._chain_compiled(ctx)
-        if self._compiled_tree(ctx):
-            return self._tree_compiled(ctx)
-        root_pred = self._catch_up(ctx.roots.shape[0])  # [b, F]
-        if ctx.shape.topk == 1 and not ctx.shape.iid_children:
-            return self._chain(root_pred, ctx)
-        return self._expand(root_pred, ctx)
-
-    def _compiled_chain(self, ctx: DraftContext) -> bool:
-        p = self.params
         chain = ctx.shape.topk == 1 and not ctx.shape.iid_children
-        plain = p.temperature == 0 or (p.top_k == 0 and p.top_p == 1.0)
-        return chain and plain and chain_kernel.supported(self.rt)
+        return self.draft_chain(ctx) if chain else self.draft_tree(ctx)
 
-    def _compiled_tree(self, ctx: DraftContext) -> bool:
-        p = self.params
-        plain = p.temperature == 0 or (p.top_k == 0 and p.top_p == 1.0)
-        return not ctx.shape.iid_children and plain and tree_kernel.supported(self.rt, ctx.shape.topk)
+    def _choose_paths(self) -> None:
+        """Sets `draft_chain` and `draft_tree` for the current sampling, limits and packed weights:
+        the compiled drafts where the kernels compute them (every shape within the limits), else
+        the Python reference. Nothing to choose before the first `reset`."""
+        if self.params is None:
+            return
+        compiled = not self.reference and self.params.plain and not self.limits.iid_children
+        chain = compiled and chain_kernel.supported(self.rt)
+        tree = compiled and tree_kernel.supported(self.rt, self.limits.topk)
+        self.draft_chain = self._chain_compiled if chain else self._chain_reference
+        self.draft_tree = self._tree_compiled if tree else self._tree_reference
+
+    def _chain_reference(self, ctx: DraftContext) -> DraftTree:
+        return self._chain(self._catch_up(ctx.roots.shape[0]), ctx)
+
+    def _tree_reference(self, ctx: DraftContext) -> DraftTree:
+        return self._expand(self._catch_up(ctx.roots.shape[0]), ctx)
 
     def _tree_compiled(self, ctx: DraftContext) -> DraftTree:
         """Catch-up, tree expansion and selection in one compiled call (engine.kernels.eagle_tree):
@@ -250,7 +264,6 @@ class EagleDrafter(DrafterBase):
         D = min(ctx.shape.depth, ctx.shape.verify_tokens)
         ids = self.net.vocab_ids
         noise = self._chain_noise(ctx, b, D)  # all levels' noise at once: [b, D, Vd]
-        plain = p.top_k == 0 and p.top_p == 1.0
         lengths = self.cache.lengths[:b]
         tokens = torch.zeros(b, D, dtype=torch.long, device=pred.device)
         min_conf = ctx.shape.min_confidence
@@ -262,7 +275,7 @@ class EagleDrafter(DrafterBase):
             if noise is None:
                 pick = logits.argmax(-1)
             else:
-                scaled = logits / p.temperature if plain else mask_logits(logits, p.temperature, p.top_k, p.top_p)
+                scaled = logits / p.temperature if p.unmasked else mask_logits(logits, p.temperature, p.top_k, p.top_p)
                 pick = (scaled + noise[:, d]).argmax(-1)
             tokens[:, d] = torch.where(live, ids[pick] if ids is not None else pick, 0)
             if min_conf > 0:
