@@ -42,6 +42,7 @@ from engine.engine import RolloutEngine
 from engine.sampling import SamplingParams
 from engine.spec.config import SpecConfig
 from engine.spec.drafter import DraftShape
+from engine.spec.drafter_spec import LEARNED
 from engine.spec.factory import build_drafter
 from engine.spec.policy import FixedPolicy, SpecPolicy, TailPolicy
 from engine.spec.tuner import TunerPolicy, parse_arm
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.longtail", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     p.add_argument("--drafter", required=True, help="drafter folder (eagle / eagle3 / mtp)")
-    p.add_argument("--spec", default="eagle", choices=("eagle", "eagle3", "eagle3_vllm", "mtp"))
+    p.add_argument("--spec", default="eagle", choices=LEARNED)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--n", type=int, default=4, help="samples per request")
     p.add_argument("--arms", default="off,d4k1v4,d8k1v8,d16k1v16", help="the tuner's arm set, comma-separated")

@@ -114,7 +114,7 @@ def served_drafter(engine) -> EagleModel | None:
     """The drafter an engine without in-process drafter networks serves, loaded from its folder
     (engine.spec.drafter_path) over a HeadTarget; None when it serves no EAGLE drafter."""
     spec = engine.cfg.spec
-    if not (spec.enabled and spec.drafter in ("eagle", "eagle3", "eagle3_vllm", "mtp") and spec.drafter_path):
+    if not (spec.enabled and spec.drafter_spec.learned is not None and spec.drafter_path):
         return None
     head = HeadTarget(read_config(engine.path), device=engine.cfg.device, dtype=parse_dtype(engine.cfg.dtype))
     return EagleModel.load(spec.drafter_path, head)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-DRAFTERS = ("eagle", "eagle3", "eagle3_vllm", "mtp", "ngram", "ngram+eagle", "ngram+eagle3", "pregenerated+eagle", "pregenerated+eagle3",
-            "pregenerated+ngram", "pregenerated+ngram+eagle", "pregenerated+ngram+eagle3")
+from engine.spec.drafter_spec import DrafterSpec
+
+DRAFTERS = DrafterSpec.names()  # every valid engine.spec.drafter (command-line choices)
 
 
 @dataclass(kw_only=True)
@@ -17,6 +18,7 @@ class SpecConfig:
     # vLLM serves with its mtp method), ngram (model-free), or a
     # fallback composition "ngram+eagle": n-gram drafts where a match exists, eagle elsewhere;
     # "pregenerated+...": a row's pre-generated response first (bubble drafts, pipeline.bubble).
+    # Read it parsed: `drafter_spec` (engine.spec.drafter_spec).
     drafter: str = "eagle"
     drafter_path: str | None = None
     # The CPU kernels' copy of an EAGLE drafter's weights: float32, or bfloat16 (half the bytes a
@@ -44,9 +46,17 @@ class SpecConfig:
     max_topk: int | None = None
     max_verify_tokens: int | None = None
 
+    @property
+    def drafter_spec(self) -> DrafterSpec:
+        """`drafter` parsed (by validate(), and again only if `drafter` changed since); ValueError
+        naming engine.spec.drafter and the valid parts if it is not a drafter."""
+        parsed = self.__dict__.get("_drafter_spec")
+        if parsed is None or parsed.name != self.drafter:
+            parsed = self._drafter_spec = DrafterSpec.parse(self.drafter)
+        return parsed
+
     def validate(self) -> None:
-        if self.drafter not in DRAFTERS:
-            raise ValueError(f"engine.spec.drafter must be one of {', '.join(DRAFTERS)}; got {self.drafter!r}")
+        learned = self.drafter_spec.learned
         if self.drafter_weights not in ("float32", "bfloat16"):
             raise ValueError(f"engine.spec.drafter_weights must be float32 or bfloat16, got {self.drafter_weights!r}")
         if self.tuner_arms:
@@ -76,7 +86,7 @@ class SpecConfig:
             raise ValueError(f"engine.spec (max_)depth * (max_)topk must be <= 512, got {depth} * {topk}")
         if verify > 64:
             raise ValueError(f"engine.spec (max_)verify_tokens must be <= 64, got {verify}")
-        if self.enabled and ("eagle" in self.drafter or "mtp" in self.drafter) and not self.drafter_path:
+        if self.enabled and learned is not None and not self.drafter_path:
             raise ValueError(
                 f"engine.spec.drafter={self.drafter} needs engine.spec.drafter_path (a folder from "
                 "`python -m spot.warmstart` or `make drafters`)"

@@ -44,9 +44,10 @@ from engine.kv_cache import KVCache
 from engine.model import DecoderLayer, RMSNorm, Transformer, default_slots_and_mask
 from engine.model_config import ModelConfig
 from engine.rope import RopeSource, inverse_frequencies
+from engine.spec.drafter_spec import LEARNED
 
 ARCH = "TailSpecEagleDrafter"
-KINDS = ("eagle", "eagle3", "mtp", "eagle3_vllm")
+KINDS = LEARNED  # the network kinds: the learned drafters of engine.spec.drafter_spec
 
 
 @dataclass(kw_only=True)

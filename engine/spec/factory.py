@@ -12,7 +12,7 @@ def build_drafter(cfg: SpecConfig, target: Transformer) -> Drafter | None:
     if not cfg.enabled:
         return None
     parts = []
-    for name in cfg.drafter.split("+"):
+    for name in cfg.drafter_spec.parts:
         if name == "ngram":
             from engine.spec.ngram import NgramDrafter
 
