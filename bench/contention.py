@@ -43,7 +43,6 @@ def train_forever(model: str, drafter: str, rows: int, chunk: int | None, ready,
     torch.set_num_threads(1)
     from engine.checkpoint import load_checkpoint
     from engine.spec.eagle import EagleModel
-    from spot.drafter_training import DrafterOptim
     from spot.features import TokenSequence, capture_features
     from spot.trainer import SpotTrainer
 
@@ -54,7 +53,7 @@ def train_forever(model: str, drafter: str, rows: int, chunk: int | None, ready,
     seqs = [TokenSequence(f"p{i}", 0, p + torch.randint(3, target.config.vocab_size, (120,), generator=g).tolist(), len(p))
             for i, p in enumerate(ids)]
     data = capture_features(target, seqs, net.config.aux_layers)
-    trainer = SpotTrainer(net, DrafterOptim(lr=1e-4), rows_per_step=rows, chunk_windows=chunk)
+    trainer = SpotTrainer(net, SpotConfig().optim(), rows_per_step=rows, chunk_windows=chunk)
     ready.set()
     i = 0
     while not stop.is_set():

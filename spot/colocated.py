@@ -61,8 +61,7 @@ def drafter_copy(net: EagleModel) -> EagleModel:
 
 
 def optim_of(cfg: SpotConfig) -> DrafterOptim:
-    return DrafterOptim(lr=cfg.lr, warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-                        ce_weight=cfg.ce_weight, min_lr_ratio=1.0)
+    return cfg.optim()
 
 
 def build_spot_work(cfg: SpotConfig, engine, *, run_name: str, rank: int, local_rank: int, world: int, seed: int,

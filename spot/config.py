@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from spot.drafter_training import DrafterOptim
+
 
 @dataclass(kw_only=True)
 class SpotConfig:
@@ -27,12 +29,16 @@ class SpotConfig:
     # window's end stops training in, and the activations held while another rank still generates.
     chunk_windows: int = 1
     max_micro_steps: int | None = None  # per idle window; None: until the window ends
-    # The drafter's optimiser (spot.drafter_training.DrafterOptim): warmup, then constant.
+    # The drafter's optimiser (`optim()`): warmup, then constant (spot.trainer); the rest is TLT's recipe.
     lr: float = 1.0e-4
     warmup_steps: int = 0
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    ce_weight: float = 0.1
+    weight_decay: float = DrafterOptim.weight_decay
+    grad_clip: float = DrafterOptim.grad_clip
+    ce_weight: float = DrafterOptim.ce_weight
+
+    def optim(self) -> DrafterOptim:
+        """The drafter's optimiser (spot.pool.PoolConfig builds a pool's from keys of the same names)."""
+        return DrafterOptim.from_config(self, "spot.")
 
     def validate(self) -> None:
         if self.mode == "pool" and not self.pool_dir:
@@ -44,8 +50,4 @@ class SpotConfig:
             raise ValueError(f"spot.max_micro_steps must be >= 1 or null (until the window ends), got {self.max_micro_steps}")
         if not 0 <= self.offset_ratio <= 1:
             raise ValueError(f"spot.offset_ratio must be in [0, 1], got {self.offset_ratio}")
-        if not self.lr > 0:
-            raise ValueError(f"spot.lr must be > 0, got {self.lr}")
-        for key in ("warmup_steps", "weight_decay", "grad_clip", "ce_weight"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"spot.{key} must be >= 0, got {getattr(self, key)}")
+        self.optim()  # ValueError naming a bad optimiser key

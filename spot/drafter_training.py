@@ -1,7 +1,9 @@
 """Training the EAGLE drafter on packed pairs: the step shared by warm-start and spot training.
 
 `DrafterOptim` holds the optimiser and loss knobs (TLT's recipe: AdamW betas (0.9, 0.95), weight
-decay 0.01 on matrices, grad clip 1.0, warmup then cosine, ce weight 0.1). `DrafterTrainer`
+decay 0.01 on matrices, grad clip 1.0, warmup then cosine, ce weight 0.1): the one declaration of
+them; the config sections that expose them (`spot:`, the spot pool's, warm-start's) have keys of
+the same names and build the record with `DrafterOptim.from_config`. `DrafterTrainer`
 owns the optimiser and runs one step at a time (`step(idx, lr)`), so a caller decides when to
 stop: warm-start by steps and a time budget (`train`), the spot trainer between preemption
 checks. `evaluate` gives the held-out predictors of acceptance (spot.loss).
@@ -12,7 +14,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -29,6 +31,20 @@ class DrafterOptim:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     ce_weight: float = 0.1
+
+    @classmethod
+    def from_config(cls, section, where: str = "") -> DrafterOptim:
+        """The knobs a config section declares under these names (a knob it lacks keeps the default
+        above); ValueError naming the key (`where` + name, e.g. spot.lr) for a bad value."""
+        optim = cls(**{f.name: getattr(section, f.name) for f in fields(cls) if hasattr(section, f.name)})
+        if not optim.lr > 0:
+            raise ValueError(f"{where}lr must be > 0, got {optim.lr}")
+        for key in ("warmup_steps", "weight_decay", "grad_clip", "ce_weight"):
+            if getattr(optim, key) < 0:
+                raise ValueError(f"{where}{key} must be >= 0, got {getattr(optim, key)}")
+        if not 0 <= optim.min_lr_ratio <= 1:
+            raise ValueError(f"{where}min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio}")
+        return optim
 
     def lr_at(self, step: int, progress: float) -> float:
         """Linear warmup over warmup_steps, then cosine from lr to lr * min_lr_ratio as progress goes 0 -> 1."""

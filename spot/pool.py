@@ -75,8 +75,13 @@ class PoolConfig:
     rows_per_step: int = 8
     window: int = 256
     offset_ratio: float = 0.25  # share of the previous RL step's long rows (DataBuffer.sample)
+    # The drafter's optimiser: the keys of the rollout job's `spot:` section (spot.config), so a pool
+    # and colocated spot training given the same values take the same steps.
     lr: float = 3e-4
     warmup_steps: int = 20
+    weight_decay: float = DrafterOptim.weight_decay
+    grad_clip: float = DrafterOptim.grad_clip
+    ce_weight: float = DrafterOptim.ce_weight
     seed: int = 0
     poll_s: float = 0.5  # wait between looks at an empty buffer
     log_every: int = 10
@@ -91,8 +96,12 @@ class PoolConfig:
             raise ValueError(f"spot pool: micro_steps must be >= 1 (or None: until {self.out}/{STOP}), got {self.micro_steps}")
         if not 0.0 <= self.offset_ratio <= 1.0:
             raise ValueError(f"spot pool: offset_ratio must be in [0, 1], got {self.offset_ratio}")
-        if self.lr <= 0 or self.poll_s <= 0:
-            raise ValueError(f"spot pool: lr and poll_s must be > 0, got {self.lr} and {self.poll_s}")
+        if self.poll_s <= 0:
+            raise ValueError(f"spot pool: poll_s must be > 0, got {self.poll_s}")
+        self.optim()  # ValueError naming a bad optimiser key
+
+    def optim(self) -> DrafterOptim:
+        return DrafterOptim.from_config(self, "spot pool: ")
 
 
 @dataclass(kw_only=True)
@@ -266,7 +275,7 @@ def open_inputs(cfg: PoolConfig) -> tuple[EagleModel, DataBuffer]:
 
 
 def make_trainer(cfg: PoolConfig, r: Ranks, model: EagleModel) -> SpotTrainer:
-    optim = DrafterOptim(lr=cfg.lr, warmup_steps=cfg.warmup_steps)
+    optim = cfg.optim()
     ckpt = resume_point(r, Path(cfg.out) / CHECKPOINTS)
     # One backward a micro-step (chunk_windows None): the members' gradient hooks all-reduce per backward,
     # and members whose windows differ in number must still meet in the same collectives.

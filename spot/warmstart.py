@@ -60,12 +60,13 @@ class WarmstartConfig:
     steps: int = 1000
     batch_windows: int = 4  # windows of `window` pairs per step
     window: int = 512
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    ce_weight: float = 0.1
+    # the drafter's optimiser (`optim()`): DrafterOptim's defaults, warmup then cosine
+    lr: float = DrafterOptim.lr
+    min_lr_ratio: float = DrafterOptim.min_lr_ratio
+    warmup_steps: int = DrafterOptim.warmup_steps
+    weight_decay: float = DrafterOptim.weight_decay
+    grad_clip: float = DrafterOptim.grad_clip
+    ce_weight: float = DrafterOptim.ce_weight
     # run
     seed: int = 0
     threads: int = 2
@@ -84,26 +85,21 @@ class WarmstartConfig:
                      "threads", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "weight_decay", "grad_clip", "ce_weight", "temperature"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.draft_vocab is not None and self.draft_vocab < 0:
             raise ValueError(f"draft_vocab must be >= 0 (0 = full vocabulary), got {self.draft_vocab}")
         if self.kind == "mtp" and self.draft_vocab:
             raise ValueError("an mtp head predicts over the full vocabulary (vLLM's mtp method has no draft-vocab map): "
                              "drop --draft-vocab or pass --draft-vocab 0")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        self.optim()  # ValueError naming a bad optimiser key
         if not 0 <= self.holdout < 1:
             raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise ValueError(f"max_minutes must be > 0, got {self.max_minutes}")
 
     def optim(self) -> DrafterOptim:
-        return DrafterOptim(lr=self.lr, min_lr_ratio=self.min_lr_ratio, warmup_steps=self.warmup_steps,
-                            weight_decay=self.weight_decay, grad_clip=self.grad_clip, ce_weight=self.ce_weight)
+        return DrafterOptim.from_config(self)
 
 
 def save(model: EagleModel, out: Path, summary: dict) -> None:

@@ -17,11 +17,14 @@ import torch
 from engine.checkpoint import load_checkpoint
 from engine.spec.eagle import EagleConfig, EagleModel
 from engine.spec.eagle_drafter import EagleDrafter
+from spot.config import SpotConfig
 from spot.drafter_training import DrafterOptim, evaluate
 from spot.features import TokenSequence, capture_features
 from spot.pairs import PackedPairs
 from spot.records import HiddenStateRows
 from spot.trainer import SpotTrainer, checkpoint_path, latest_checkpoint, prune_checkpoints
+from spot.pool import PoolConfig
+from spot.warmstart import WarmstartConfig
 
 TOTAL, EVERY = 8, 2  # micro-steps of a preemption run, and its checkpoint interval
 OPTIM = DrafterOptim(lr=3e-3, warmup_steps=3)
@@ -410,3 +413,17 @@ def test_an_mtp_head_learns_from_the_same_rows(tiny):
     trainer.train(lambda i: rows, lambda: False, max_micro_steps=30)
     after = evaluate(trainer.model, packed, OPTIM.ce_weight)
     assert after["loss"] < 0.8 * before["loss"] and after["top1_agreement"] > before["top1_agreement"] + 0.2, (before, after)
+
+
+def test_every_config_section_builds_the_drafter_optimiser_from_keys_of_the_same_names():
+    keys = dict(lr=2e-4, warmup_steps=5, weight_decay=0.02, grad_clip=0.5, ce_weight=0.3)
+    spot = SpotConfig(**keys).optim()
+    assert spot == PoolConfig(target="t", drafter="d", buffer="b", out="o", **keys).optim()
+    assert (spot.lr, spot.warmup_steps, spot.weight_decay, spot.grad_clip, spot.ce_weight) == tuple(keys.values())
+    assert WarmstartConfig().optim() == DrafterOptim()  # warm start's defaults are the record's
+    with pytest.raises(ValueError, match="spot.weight_decay must be >= 0"):
+        SpotConfig(weight_decay=-1).validate()
+    with pytest.raises(ValueError, match="spot pool: lr must be > 0"):
+        PoolConfig(target="t", drafter="d", buffer="b", out="o", lr=0).validate()
+    with pytest.raises(ValueError, match="^min_lr_ratio must be in"):
+        WarmstartConfig(min_lr_ratio=2).validate()
