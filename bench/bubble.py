@@ -40,7 +40,7 @@ from engine.spec.factory import build_drafter
 from engine.types import Request
 from launch.config import load_config
 from launch.run_config import TrainConfig
-from launch.train import problems_for
+from launch.run import problems_for
 from pipeline.actors import build_actor
 from pipeline.data import PromptLoader
 from pipeline.dist import Ranks

@@ -24,7 +24,7 @@ accept-length curves (PNG). Prints the CPU model; `--json` ends with one line
 `{"step_ratio", "utilisation", "accept_ratio_last", "accept_spot_vs_start", "identical", ...}`.
 It also prints rank 0's time until its idle window closed (rollouts, then the window: the phase
 spot training acts in; with spot training there is no barrier after the window, the ranks meet at
-the actor's update: pipeline.idle) of both ways, and exits 3 when a spot run trained nothing at all.
+the actor's update: common.idle) of both ways, and exits 3 when a spot run trained nothing at all.
 `--prefault-gb G` makes each rank first touch G GiB of memory (on a VM that backs memory lazily, the way that
 uses more memory pays first touches in phases spot training does not run in).
 """

@@ -1,5 +1,5 @@
-"""Weight streams cut into buckets: shared by the weight sync (pipeline.weight_sync's broadcasts)
-and the vLLM backend's pushes (engine.backends.vllm_engine's safetensors files)."""
+"""Weight streams cut into buckets: the vLLM backend's pushes (engine.backends.vllm_engine's
+safetensors files), one file per bucket instead of one call per tensor."""
 
 from __future__ import annotations
 

@@ -21,10 +21,11 @@ KV cache; *active* rows are slots 0..b-1; a *rollout* is one finished sample.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import torch
 
+from engine.backend import BackendCapabilities, NamedTensors, RolloutBackend
 from engine.checkpoint import load_checkpoint, parse_dtype
 from engine.config import EngineConfig
 from engine.decode import GenerateRun
@@ -37,10 +38,8 @@ from engine.spec.drafter import Drafter, DraftShape
 from engine.spec.policy import FixedPolicy, SpecPolicy, TailPolicy
 from engine.types import Request, RolloutBatch
 
-NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
-
-class RolloutEngine:
+class RolloutEngine(RolloutBackend):
     def __init__(self, model: Transformer, cfg: EngineConfig | None = None, drafter: Drafter | None = None,
                  policy: SpecPolicy | None = None, sink: FeatureSink | None = None) -> None:
         self.cfg = cfg or EngineConfig()
@@ -49,6 +48,9 @@ class RolloutEngine:
             torch.set_num_threads(self.cfg.threads)
         self.model = model.eval()
         self.runtime = TargetRuntime(self.model, bf16_weights=self.cfg.weights == "bfloat16")
+        # Log-probs are the served policy's exactly unless the runtime rounds the weights (bf16 copies).
+        self.caps = BackendCapabilities(exact_logprobs=self.cfg.weights == "float32", returns_features=True,
+                                        same_tokens=True, preemptible=True, takes_drafts=True, sleeps=False)
         spec = self.cfg.spec
         iid = spec.verify == "rejection"
         self.shape = DraftShape(depth=spec.depth, topk=spec.topk, verify_tokens=spec.verify_tokens, iid_children=iid,
@@ -94,6 +96,10 @@ class RolloutEngine:
     @property
     def version(self) -> int:
         return self.runtime.version
+
+    @property
+    def model_config(self):
+        return self.model.config
 
     def _build_cache(self, margin: int) -> None:
         """The KV cache, with `margin` slots per row for tentative tree entries, and RoPE rows

@@ -9,7 +9,7 @@ The job, as rendered:
         --rdzv-backend=c10d --rdzv-endpoint=HEAD:PORT                meeting on the first node
         -m launch.train --config C run.dir=RUN_DIR trainer.resume=auto [overrides]
 
-The ranks' process group is the control plane (pipeline.dist, common.control): its store is the
+The ranks' process group is the control plane (pipeline.dist, common.idle.states): its store is the
 rendezvous's, at HEAD:PORT. RUN_DIR is `run.out_dir/<run.name>-<job id>`, stable across requeues,
 so a requeued job resumes the latest checkpoint there (`trainer.resume=auto`). Requeue policy:
 `--requeue` lets Slurm requeue a preempted job or one whose node failed; `--signal=B:USR1@S`

@@ -1,4 +1,4 @@
-"""Bubble drafts ([F]): idle ranks pre-generate the next step's rollouts, which become its drafts.
+"""Bubble drafts: idle ranks pre-generate the next step's rollouts, which become its drafts.
 
 A token is argmax(logits / T + g) with Gumbel noise g keyed by (seed, RL step, prompt, sample,
 position). In its idle window a rank rolls out *its own shard of step t+1* (the data loader's
@@ -8,21 +8,22 @@ and the target's own sample differ only where one policy update flipped an argma
 small learning rates most of a response is accepted. The target still decides every token: the
 rollouts are those of autoregressive decoding, always.
 
-Pre-generation is preempted when the last rank's rollouts are done (`engine.generate(...,
-should_stop)`, checked after every decode step); a row cut there keeps its prefix, which is
-still a draft. The `BubbleStore` holds the drafts of one future step, keyed by (prompt id,
+Pre-generation is preempted at the end of its part of the idle window (`engine.generate(...,
+should_stop)`, checked after every decode step; common.idle.ScheduledIdle decides the part); a
+row cut there keeps its prefix, which is still a draft. The `BubbleStore` holds the drafts of one future step, keyed by (prompt id,
 sample), bounded by `bubble.max_tokens`; it lives in the rank's process, because a rank
 pre-generates only the prompts it will roll out itself (the loader's shards are fixed), so no
 draft has to cross ranks or nodes. (Stealing another rank's shard would need the drafts in the
 node's shared memory, as spot training's DataBuffer does, and across nodes a broadcast.)
 
-With spot training on too, a window is split: pre-generation first, for at most `bubble.share`
-of the window this rank had at the last step, then spot training for the rest.
+With spot training on too, a window is split (common.idle.schedule): pre-generation first, for
+at most `bubble.share` of the window this rank expects (its recent windows' mean), then spot
+training for the rest. `work` returns without a collective; the window's figures are summed over ranks in
+`settle`, after the actor's update.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -30,7 +31,9 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from common.control import ControlPlane, RankState
+from common.idle import ControlPlane, IdleWindow, IdleWork, RankState
+from engine.backend import RolloutBackend
+from engine.sampling import SamplingParams
 from engine.types import FinishReason, Request, Rollout
 
 
@@ -117,52 +120,56 @@ def draft_metrics(steps, source: int = 0) -> dict[str, float]:
     return {"bubble/accept_len": emitted / rows, "bubble/decode_steps_saved": float(accepted)}
 
 
-class BubbleWork:
-    """pipeline.idle.IdleWork: pre-generates this rank's shard of the next step in the idle window."""
+class BubbleWork(IdleWork):
+    """Pre-generates this rank's shard of the next step in its part of the idle window
+    (common.idle.ScheduledIdle decides how long that is)."""
 
-    def __init__(self, engine, requests_for: Callable[[], list[Request]], sampling_for: Callable[[int], object],
-                 store: BubbleStore, cfg: BubbleConfig, control: ControlPlane | None = None) -> None:
+    name = "bubble"
+
+    def __init__(self, engine: RolloutBackend, requests_for: Callable[[], list[Request]],
+                 sampling_for: Callable[[int], SamplingParams], store: BubbleStore, cfg: BubbleConfig,
+                 control: ControlPlane | None = None) -> None:
         self.engine, self.requests_for, self.sampling_for = engine, requests_for, sampling_for
         self.store, self.cfg, self.control = store, cfg, control
-        self.last_window: float | None = None  # this rank's idle seconds at the last step
-
-    def begin(self, step: int) -> None:
-        pass
-
-    def rollouts_done(self, step: int, batch) -> None:
-        pass
+        self.window: IdleWindow | None = None  # the last window's part, settled after the update
+        self.local: list[float] = []  # that window's figures on this rank: pregen_s, rollouts, kept, tokens, preempted
 
     def order(self, requests: list[Request]) -> list[Request]:
         if self.cfg.order == "longest_prompt":  # longer problems, longer answers: the tail's rows first
             return sorted(requests, key=lambda r: -len(r.prompt))
         return requests
 
-    def work(self, window) -> dict[str, float]:
+    def work(self, window: IdleWindow) -> dict[str, float]:
+        """Pre-generates until `window.others_done()` (the schedule's end of this part); no collective."""
         if self.control is not None:
             self.control.set(window.step, RankState.PREGENERATING)
-        t0 = time.time()
-        budget = self.cfg.share * self.last_window if self.last_window is not None and self.cfg.share < 1 else None
-
-        def stop() -> bool:
-            return window.others_done() or (budget is not None and time.time() - t0 >= budget)
-
         rollouts: list[Rollout] = []
-        if not stop():
+        if not window.others_done():
             sink, self.engine.sink = self.engine.sink, None  # pre-generated rows are not training data
             try:
                 batch = self.engine.generate(self.order(self.requests_for()), self.sampling_for(window.step + 1),
-                                             should_stop=stop)
+                                             should_stop=window.others_done)
             finally:
                 self.engine.sink = sink
             rollouts = batch.rollouts
         kept = self.store.put(window.step + 1, rollouts)
-        spent = time.time() - t0
-        self.last_window = max(0.0, window.all_done_at() - window.started)
-        sums = torch.tensor([spent, float(len(rollouts)), float(kept), float(sum(len(r.tokens) for r in rollouts)),
-                             float(sum(r.finish_reason == FinishReason.PREEMPTED for r in rollouts)), self.last_window],
-                            dtype=torch.float64)
+        spent = window.elapsed()
+        self.window = window
+        self.local = [spent, float(len(rollouts)), float(kept), float(sum(len(r.tokens) for r in rollouts)),
+                      float(sum(r.finish_reason == FinishReason.PREEMPTED for r in rollouts))]
+        return {}
+
+    def settle(self) -> dict[str, float]:
+        """The last window's figures summed over ranks (one all-reduce), with this rank's window length."""
+        if self.window is None:
+            return {}
+        idle_s = max(0.0, self.window.all_done_at() - self.window.started)
+        budget_s = idle_s if self.window.budget is None else self.window.budget
+        sums = torch.tensor([*self.local, idle_s, budget_s], dtype=torch.float64)
+        self.window = None
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums)
         return {"bubble/pregen_s": float(sums[0]), "bubble/pregenerated": float(sums[1]), "bubble/kept": float(sums[2]),
                 "bubble/pregen_tokens": float(sums[3]), "bubble/preempted": float(sums[4]),
-                "bubble/idle_s": float(sums[5]), "bubble/store_tokens": float(self.store.tokens)}
+                "bubble/idle_s": float(sums[5]), "bubble/budget_s": float(sums[6]),
+                "bubble/store_tokens": float(self.store.tokens)}

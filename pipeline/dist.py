@@ -4,7 +4,7 @@ loop needs on small values (barriers that are timed, per-rank floats, sums).
 `python -m launch.train` runs as one process (world size 1, no process group) or under
 `torchrun --nproc-per-node=R`: gloo on CPU (127.0.0.1 on one machine); on GPUs NCCL for CUDA tensors and gloo for CPU ones. The
 process group is the control plane; bulk tensors go through the actor's backend (DDP / ZeRO)
-and pipeline.weight_sync.
+and the actor's weight sync into the engine.
 """
 
 from __future__ import annotations
@@ -43,6 +43,15 @@ def init_ranks(device: str = "cpu", timeout_s: float = 1800.0) -> Ranks:
             torch.cuda.set_device(local)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return Ranks(rank=rank, world=world, local_rank=local)
+
+
+def job_store(r: Ranks):
+    """The job's store (the control plane: idle windows, rank states), or None alone. It is the
+    store torchrun's rendezvous made for the default process group, shared by every rank; torch
+    exposes it only through `_get_default_store`, read here and nowhere else."""
+    if r.world == 1:
+        return None
+    return dist.distributed_c10d._get_default_store()
 
 
 def shutdown() -> None:

@@ -9,11 +9,11 @@ finite is an error naming the prompt (never silently dropped).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from engine.engine import RolloutEngine
+from engine.backend import RolloutBackend
 from engine.sampling import SamplingParams
 from engine.types import Request, RolloutBatch
 from pipeline.tasks import Problem, Task
@@ -26,10 +26,39 @@ class ScoredRollouts:
     batch: RolloutBatch  # n rollouts per prompt, grouped in prompt order
     rewards: torch.Tensor  # [N] float, N = len(problems) * n
     n: int
+    fill_metrics: dict[str, float] = field(default_factory=dict)  # dynamic sampling's, when it chose these groups
 
     @property
     def lengths(self) -> torch.Tensor:  # [N]
         return torch.tensor([len(r.tokens) for r in self.batch], dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class StepSampling:
+    """The sampling params of each RL step's rollouts: the rollout section's settings, with the
+    noise keyed by the run's seed and the step."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop_token_ids: tuple[int, ...]
+
+    @classmethod
+    def of(cls, rollout_cfg, seed: int, stop_token_ids: tuple[int, ...]) -> StepSampling:
+        r = rollout_cfg
+        return cls(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=seed,
+                   stop_token_ids=tuple(stop_token_ids))
+
+    @property
+    def is_policy(self) -> bool:
+        """Samples from the policy itself (T = 1, no truncation): the sampler's log-probs are the policy's."""
+        return self.temperature == 1.0 and self.top_p == 1.0 and self.top_k == 0
+
+    def __call__(self, step: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=self.seed, step=step, stop_token_ids=self.stop_token_ids)
 
 
 def encode_problem(tokenizer, problem: Problem, chat: bool) -> list[int]:
@@ -40,7 +69,7 @@ def encode_problem(tokenizer, problem: Problem, chat: bool) -> list[int]:
     return list(tokenizer(problem.prompt)["input_ids"])
 
 
-def roll_out(engine: RolloutEngine, tokenizer, task: Task, problems: list[Problem], params: SamplingParams, n: int,
+def roll_out(engine: RolloutBackend, tokenizer, task: Task, problems: list[Problem], params: SamplingParams, n: int,
              chat: bool, reward=None, drafts: dict[str, dict[int, list[int]]] | None = None) -> ScoredRollouts:
     """`reward(text, answer) -> float`: the training reward (default: the task's own, correctness).
     `drafts`: pre-generated responses by prompt id and sample (bubble drafts), for the engine's

@@ -4,20 +4,20 @@ One step on every rank (colocated: each rank rolls out, then trains):
 
     prompts (pipeline.data: this rank's shard of the step)
     -> rollouts (pipeline.rollouts: the engine, noise keyed by run seed, RL step, prompt, sample)
-    -> idle window (pipeline.idle: wait for the slowest rank, or do spot work)
+    -> idle window (common.idle: wait for the slowest rank, or pre-generate / train the drafter)
     -> rewards -> advantages (pipeline.algorithms; DAPO's dynamic sampling refills the batch)
     -> old (and reference) log-probs (the actor)
     -> PPO epochs over mini-batches (the actor's update with the algorithm's loss)
     -> weight sync (engine.load_weights(actor.named_weights(), version=step))
     -> metrics -> eval every N steps -> checkpoint every N steps.
 
-The engine is either backend (engine.backends.factory) behind one interface. What the loop takes
-from the config about it: the native engine's log-probs are exactly the old policy's, vLLM's are
-not (its numerics), so with engine.backend=vllm the old log-probs are always the actor's and
-`train/mismatch_kl` measures the gap; and with an engine that returns no hidden states, spot
-training's DataBuffer is filled from that same actor forward (`actor_features`,
-spot.actor_features). An engine with `sleep` / `wake_up` (vLLM) frees its memory from the
-rollouts' end to the weight sync, while the colocated actor works (engine.vllm.sleep_level).
+The engine is a rollout backend (engine.backend.RolloutBackend: native or vLLM) and the loop
+reads what it can do from its capabilities: where its log-probs are not exactly the served
+policy's (vLLM's numerics, bf16 weight copies) the old log-probs are the actor's and
+`train/mismatch_kl` measures the gap; where it returns no hidden states, spot training's
+DataBuffer is filled from that same actor forward (`actor_features`, spot.actor_features). The
+backend sleeps from the rollouts' end to the weight sync while the colocated actor works (a no-op
+for the native engine). The parts are built and connected by launch.run.build_run.
 
 Loss weights are normalised over the whole data-parallel mini-batch (all ranks), as the actor
 backends expect. Synchronous by default; `trainer.async_steps: 1` rolls out step t+1 with the
@@ -33,22 +33,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from common.idle import IdleWindows, IdleWork
 from common.text import stop_tokens
-from engine.engine import RolloutEngine
+from engine.backend import RolloutBackend
 from engine.sampling import SamplingParams
-from pipeline.algorithms import build_algorithm, mismatch_kl
+from engine.types import RolloutBatch
+from pipeline.algorithms import build_algorithm, fill_groups, informative_groups, mismatch_kl
 from pipeline.data import PromptLoader
-from pipeline.dist import Ranks, all_sum, gather_floats
-from pipeline.idle import IdleWork, idle_window
+from pipeline.dist import Ranks, all_sum, gather_floats, job_store
 from pipeline.records import TrainBatch
-from pipeline.rollouts import ScoredRollouts, roll_out
+from pipeline.rollouts import ScoredRollouts, StepSampling, roll_out
 from pipeline.run_state import RunState, checkpoint_dir, save_run
 from pipeline.tasks import Problem, Task
 from pipeline.train_batch import pack_rollouts
 
 
-_RUNS = itertools.count()  # Trainers made in this process (pipeline.idle's store keys)
+_RUNS = itertools.count()  # runs made in this process: part of their idle windows' store scope
 
 
 @dataclass
@@ -59,14 +61,16 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, cfg, ranks: Ranks, engine: RolloutEngine, actor, tokenizer, task: Task, loader: PromptLoader,
+    def __init__(self, cfg, ranks: Ranks, engine: RolloutBackend, actor, tokenizer, task: Task, loader: PromptLoader,
                  eval_problems: list[Problem], run_dir, idle_work: IdleWork | None = None, start_step: int = 0,
-                 reference=None, bubbles=None, actor_features=None) -> None:
+                 reference=None, bubbles=None, actor_features=None, sampling: StepSampling | None = None,
+                 windows: IdleWindows | None = None) -> None:
         self.cfg, self.r, self.engine, self.actor, self.tok, self.task = cfg, ranks, engine, actor, tokenizer, task
         self.loader, self.eval_problems, self.run_dir, self.idle_work = loader, eval_problems, run_dir, idle_work
         # Store keys of this run's idle windows: the same on every rank (they make their runs in the
-        # same order), distinct from an earlier run of this job (pipeline.idle).
-        self.scope = f"tailspec/{Path(run_dir).name}/{next(_RUNS)}"
+        # same order), distinct from an earlier run of this job (common.idle.window).
+        self.windows = windows or IdleWindows(job_store(ranks), ranks.rank, ranks.world,
+                                              f"tailspec/{Path(run_dir).name}/{next(_RUNS)}", barrier=self._barrier)
         self.reference = reference  # a ReferencePolicy when algorithm.kl_coef > 0
         self.bubbles = bubbles  # a pipeline.bubble.BubbleStore: drafts pre-generated for the coming steps
         self.bubble_metrics: dict[str, float] = {}
@@ -76,29 +80,25 @@ class Trainer:
         self.algo = build_algorithm(cfg.algorithm, cfg.rollout.max_new_tokens)
         self.step_index = start_step
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.stops = stop_tokens(engine.model.config, tokenizer)
+        self.stops = stop_tokens(engine.model_config, tokenizer)
+        self.sampling = sampling or StepSampling.of(cfg.rollout, cfg.run.seed, self.stops)
         self.reward = training_reward(cfg.task, task)
         self.pending: ScoredRollouts | None = None  # async mode: the next step's rollouts, made before this update
-        r, tc = cfg.rollout, cfg.trainer
-        policy_sampling = r.temperature == 1.0 and r.top_p == 1.0 and r.top_k == 0
-        if tc.old_logprobs == "engine" and not policy_sampling:
+        tc = cfg.trainer
+        if tc.old_logprobs == "engine" and not self.sampling.is_policy:
             raise ValueError("trainer.old_logprobs=engine needs rollout.temperature=1, top_p=1, top_k=0 (the engine's "
                              "log-probs are those of the sampling distribution); use actor or auto")
-        # vLLM's log-probs are not exactly the old policy's (launch.run_config), nor are those of an
-        # engine serving the bf16-rounded policy (engine.weights=bfloat16): the actor recomputes them.
-        exact = cfg.engine.backend == "native" and cfg.engine.weights == "float32"
         self.engine_old_logprobs = tc.old_logprobs == "engine" or (
-            tc.old_logprobs == "auto" and policy_sampling and not tc.async_steps and exact)
+            tc.old_logprobs == "auto" and self.sampling.is_policy and not tc.async_steps and engine.caps.exact_logprobs)
         if actor_features is not None and self.engine_old_logprobs:
             raise ValueError("spot training from the actor's forward needs trainer.old_logprobs=actor or auto (the "
                              "engine's log-probs would skip the forward that fills the DataBuffer)")
 
-    # -- one RL step -----------------------------------------------------------------------
-    def sampling(self, step: int) -> SamplingParams:
-        r = self.cfg.rollout
-        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              seed=self.cfg.run.seed, step=step, stop_token_ids=self.stops)
+    def _barrier(self) -> None:
+        if self.r.world > 1:
+            dist.barrier()
 
+    # -- one RL step -----------------------------------------------------------------------
     def _roll_out(self, step: int) -> ScoredRollouts:
         drafts = self.bubbles.take(step) if self.bubbles is not None else None
         scored = roll_out(self.engine, self.tok, self.task, self.loader.next_step(), self.sampling(step), self.cfg.rollout.n,
@@ -122,12 +122,11 @@ class Trainer:
         else:
             scored = self._fill(step)
         rollout_s = time.perf_counter() - t
-        idle_s, idle_metrics = idle_window(self.r, step, self.idle_work, self.scope)
+        idle_s, idle_metrics = self.windows.run(step, self.idle_work)
         if self.cfg.trainer.async_steps:
             self.pending = self._fill(step + 1)  # with this policy, before this step's update
         batch, metrics = self._train_batch(scored)
-        if hasattr(self.engine, "sleep"):
-            self.engine.sleep()
+        self.engine.sleep()
         t = time.perf_counter()
         if self.engine_old_logprobs:
             batch.old_logprobs = batch.engine_logprobs.clone()
@@ -143,10 +142,9 @@ class Trainer:
         metrics.update(self._update(batch))
         update_s = time.perf_counter() - t
         t = time.perf_counter()
-        if hasattr(self.engine, "wake_up"):
-            self.engine.wake_up()
+        self.engine.wake_up()
         self.sync(version=step + 1)
-        if hasattr(self.idle_work, "settle"):  # work of the idle window that went on during the update (spot's average; timed in timing/sync)
+        if self.idle_work is not None:  # work of the idle window that went on during the update (spot's average; timed in timing/sync)
             idle_metrics.update(self.idle_work.settle())
         sync_s = time.perf_counter() - t
         self.step_index = step + 1
@@ -156,7 +154,8 @@ class Trainer:
         metrics["rollout/policy_version"] = float(scored.batch.policy_version)
         metrics["engine/version"] = float(self.engine.version)
         metrics.update(self._mean_over_ranks(self.bubble_metrics))
-        if hasattr(self.engine.policy, "metrics"):
+        metrics.update(scored.fill_metrics)
+        if self.engine.policy is not None:
             metrics.update(self.engine.policy.metrics())
         lengths = [int(x) for row in gather_floats(self.r, [float(x) for x in scored.lengths.tolist()]) for x in row]
         return StepResult(metrics=metrics, lengths=lengths, rollouts=scored)
@@ -183,19 +182,26 @@ class Trainer:
         self.engine.load_weights(named, version=version)
 
     def _fill(self, step: int) -> ScoredRollouts:
-        """The step's rollouts; with dynamic sampling, groups whose rewards do not differ are
-        dropped and more prompts rolled out until every rank has its share (all ranks take the
-        same number of rounds, so their data loaders stay in step)."""
-        scored = self._roll_out(step)
+        """The step's rollouts. With dynamic sampling (DAPO), every rank rolls out more rounds of
+        prompts until each has `prompts_per_step` groups whose rewards differ (all ranks take the
+        same number of rounds, so their data loaders stay in step), and trains on the first of them
+        (`fill_groups`); a rank still short after `algorithm.max_sampling_rounds` rounds stops the
+        run on every rank with an error."""
+        rounds = [self._roll_out(step)]
         if not self.algo.dynamic_sampling:
-            return scored
-        want, n = len(scored.problems), scored.n
-        kept = [scored]
-        for _ in range(self.algo.max_sampling_rounds - 1):
-            if all_sum(self.r, float(_informative(kept, n) < want)) == 0:
-                break
-            kept.append(self._roll_out(step))
-        return _select_informative(kept, want, n)
+            return rounds[0]
+        want, n = len(rounds[0].problems), rounds[0].n
+        while (short := all_sum(self.r, float(_informative(rounds, n) < want))) > 0:
+            if len(rounds) == self.algo.max_sampling_rounds:
+                raise ValueError(
+                    f"dynamic sampling: {int(short)} rank(s) found fewer than {want} prompts whose {n} rewards differ in "
+                    f"{len(rounds)} rounds of rollouts at step {step + 1}; raise algorithm.max_sampling_rounds, use "
+                    "problems the policy sometimes solves, or set algorithm.dynamic_sampling=false")
+            rounds.append(self._roll_out(step))
+        groups = ((_Group(part, g), part.rewards[g * n : (g + 1) * n].tolist())
+                  for part in rounds for g in range(len(part.problems)))
+        kept, metrics = fill_groups(groups, want)
+        return _join_groups(kept, rounds, n, metrics | {"train/dynamic_sampling_rounds": float(len(rounds))})
 
     def _train_batch(self, scored: ScoredRollouts) -> tuple[TrainBatch, dict[str, float]]:
         n = scored.n
@@ -266,7 +272,7 @@ class Trainer:
             m[f"timing/rollout/rank{rank}"], m[f"timing/idle/rank{rank}"] = row[0], row[1]
             m[f"timing/prefill/rank{rank}"] = row[9]  # the prompts' prefill within the rollout (sim.calibrate)
         # Means over ranks: rollout + idle is the time until every rank was done (with idle work: plus what
-        # this rank's work had in flight then; pipeline.idle), about the same on every rank.
+        # this rank's work had in flight then; common.idle), about the same on every rank.
         m["timing/rollout"] = sum(row[0] for row in per_rank) / len(per_rank)
         m["timing/rollout_max"] = rollout_max
         m["timing/idle"] = sum(row[1] for row in per_rank) / len(per_rank)
@@ -302,17 +308,17 @@ class Trainer:
 
     def save(self) -> None:
         components = {}
-        if hasattr(self.engine.policy, "state_dict"):  # a learning policy (the tuner) resumes where it was
+        if self.engine.policy is not None:  # a learning policy (the tuner) resumes where it was
             components["spec_policy"] = self.engine.policy.state_dict()
         extras = {}
-        if hasattr(self.idle_work, "save"):  # spot training: its trainer's folder and state
+        if self.idle_work is not None:  # spot training: its trainer's folder and state
             components["idle_work"] = self.idle_work.state_dict()
-            extras["spot"] = self.idle_work.save
+            extras = self.idle_work.checkpoint_files()
         state = RunState(step=self.step_index, loader=self.loader.state_dict(), engine_version=self.engine.version,
                          components=components)
         drafter = next(iter(self.engine.drafter_nets()), None)
-        if drafter is None:  # a drafter served out of process (vLLM): the spot trainer's copy holds its weights
-            drafter = getattr(getattr(self.idle_work, "trainer", None), "model", None)
+        if drafter is None and self.idle_work is not None:  # a drafter served out of process (vLLM): the spot trainer's copy
+            drafter = self.idle_work.drafter()
         save_run(checkpoint_dir(self.run_dir, self.step_index), state, self.actor, drafter, main=self.r.main, extras=extras)
 
 
@@ -334,32 +340,27 @@ def _row_prompts(scored: ScoredRollouts) -> list[list[int]]:
 
 
 def _informative(parts: list[ScoredRollouts], n: int) -> int:
-    return sum(int((p.rewards.view(-1, n).max(1).values > p.rewards.view(-1, n).min(1).values).sum()) for p in parts)
+    return sum(int(informative_groups(p.rewards.view(-1, n)).sum()) for p in parts)
 
 
-def _select_informative(parts: list[ScoredRollouts], want: int, n: int) -> ScoredRollouts:
-    """The first `want` groups with differing rewards across the rounds' rollouts (fewer if the
-    rounds ran out: then the batch is smaller, and the step's metrics say how many were kept)."""
-    from engine.types import RolloutBatch
+@dataclass(frozen=True)
+class _Group:
+    """One prompt's n rollouts within a round of dynamic sampling."""
 
-    problems, prompts, rollouts, rewards, steps = [], [], [], [], []
+    part: ScoredRollouts
+    index: int
+
+
+def _join_groups(groups: list[_Group], rounds: list[ScoredRollouts], n: int, metrics: dict[str, float]) -> ScoredRollouts:
+    """The chosen groups as one batch; its step records, prefill and wall time are every round's."""
     counters: dict[str, int] | None = None  # a backend without step records (vLLM): its counters, summed
-    for p in parts:
-        grouped = p.rewards.view(-1, n)
-        for g in range(grouped.shape[0]):
-            if len(problems) == want:
-                break
-            if grouped[g].max() > grouped[g].min():
-                problems.append(p.problems[g])
-                prompts.append(p.prompts[g])
-                rollouts.extend(p.batch.rollouts[g * n : (g + 1) * n])
-                rewards.append(grouped[g])
-        steps.extend(p.batch.steps)
+    for p in rounds:
         if p.batch.counters is not None:
             counters = {k: (counters or {}).get(k, 0) + v for k, v in p.batch.counters.items()}
-    if not problems:  # nothing informative at all: train on the first round (zero advantages)
-        return parts[0]
-    batch = RolloutBatch(rollouts=rollouts, steps=steps, prefill_s=sum(p.batch.prefill_s for p in parts),
-                         wall_s=sum(p.batch.wall_s for p in parts), policy_version=parts[0].batch.policy_version,
+    batch = RolloutBatch(rollouts=[ro for g in groups for ro in g.part.batch.rollouts[g.index * n : (g.index + 1) * n]],
+                         steps=[s for p in rounds for s in p.batch.steps], prefill_s=sum(p.batch.prefill_s for p in rounds),
+                         wall_s=sum(p.batch.wall_s for p in rounds), policy_version=rounds[0].batch.policy_version,
                          counters=counters)
-    return ScoredRollouts(problems=problems, prompts=prompts, batch=batch, rewards=torch.cat(rewards), n=n)
+    return ScoredRollouts(problems=[g.part.problems[g.index] for g in groups], prompts=[g.part.prompts[g.index] for g in groups],
+                          batch=batch, rewards=torch.cat([g.part.rewards[g.index * n : (g.index + 1) * n] for g in groups]),
+                          n=n, fill_metrics=metrics)

@@ -27,7 +27,8 @@ from spot.actor_features import ActorFeatures, HeadTarget
 from spot.buffer import DataBuffer
 from spot.segment import reclaim_stale, segment_name
 from spot.config import SpotConfig
-from common.control import ControlPlane
+from common.idle import ControlPlane, IdleWork
+from engine.backend import RolloutBackend
 from spot.coordinator import SpotSettings, SpotWork
 from spot.drafter_training import DrafterOptim
 from spot.sink import DataBufferSink
@@ -38,15 +39,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass
 class SpotRun:
-    work: SpotWork  # or a spot.follower.PoolFollower (spot.mode: pool)
+    work: IdleWork  # a SpotWork, or a spot.follower.PoolFollower (spot.mode: pool)
+    engine: RolloutBackend
     buffer: DataBuffer
     owner: bool
     actor_features: ActorFeatures | None = None  # engines without hidden states: the loop fills the buffer
+    group: object | None = None  # the window end's process group (SpotWork's average)
 
     def close(self) -> None:
-        self.work.engine.sink = None
-        if getattr(self.work, "group", None) is not None:  # the window end's process group (build_spot_work)
-            dist.destroy_process_group(self.work.group)
+        self.engine.sink = None
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
         self.buffer.close()
         if self.owner:
             self.buffer.unlink()
@@ -64,9 +67,12 @@ def optim_of(cfg: SpotConfig) -> DrafterOptim:
     return cfg.optim()
 
 
-def build_spot_work(cfg: SpotConfig, engine, *, run_name: str, rank: int, local_rank: int, world: int, seed: int,
-                    max_new_tokens: int, resume: Path | None = None) -> SpotRun:
-    from_actor = engine.cfg.backend != "native"  # no hidden states from the engine: from the actor's forward
+def build_spot_work(cfg: SpotConfig, engine: RolloutBackend, *, run_name: str, rank: int, local_rank: int, world: int,
+                    seed: int, max_new_tokens: int, store=None, resume: Path | None = None,
+                    resume_state: dict | None = None) -> SpotRun:
+    """`store`: the job's store (the control plane; None alone); `resume`: a checkpoint folder
+    whose `spot/` the trainer continues from, and `resume_state` the work's state saved with it."""
+    from_actor = not engine.caps.returns_features  # no hidden states from the engine: from the actor's forward
     nets = [served_drafter(engine)] if from_actor else engine.drafter_nets()
     if len(nets) != 1 or not isinstance(nets[0], EagleModel):
         raise ValueError("spot.enabled needs a speculative engine with one EAGLE drafter (engine.spec.enabled: true, "
@@ -89,12 +95,11 @@ def build_spot_work(cfg: SpotConfig, engine, *, run_name: str, rank: int, local_
     else:
         sink = DataBufferSink(buffer, max_new_tokens=max_new_tokens, feature_layers=net.config.aux_layers)
         engine.sink = sink
-    store = dist.distributed_c10d._get_default_store() if world > 1 else None
     if cfg.mode == "pool":
         from spot.follower import PoolFollower
 
-        return SpotRun(work=PoolFollower(engine, buffer, sink, cfg.pool_dir, store, rank), buffer=buffer, owner=owner,
-                       actor_features=features)
+        return SpotRun(work=PoolFollower(engine, buffer, sink, cfg.pool_dir, store, rank), engine=engine, buffer=buffer,
+                       owner=owner, actor_features=features)
     model = net if from_actor else drafter_copy(net)  # the served one lives in vLLM: this is a copy already
     kw = dict(window=cfg.window, rows_per_step=cfg.rows_per_step, seed=seed * 1000 + rank, chunk_windows=cfg.chunk_windows)
     if resume is not None and (resume / "spot").is_dir():
@@ -106,7 +111,10 @@ def build_spot_work(cfg: SpotConfig, engine, *, run_name: str, rank: int, local_
                             max_micro_steps=cfg.max_micro_steps, seed=seed)
     group = dist.new_group() if world > 1 else None  # the window end's average runs beside the actor's collectives
     work = SpotWork(engine, trainer, buffer, sink, control, settings, group)
-    return SpotRun(work=work, buffer=buffer, owner=owner, actor_features=features)
+    if resume_state is not None:  # the engine serves the checkpoint's drafter, as the stopped run did
+        work.load_state_dict(resume_state)
+        engine.load_drafter_weights(trainer.named_weights(), version=work.drafter_version)
+    return SpotRun(work=work, engine=engine, buffer=buffer, owner=owner, actor_features=features, group=group)
 
 
 def served_drafter(engine) -> EagleModel | None:

@@ -1,29 +1,26 @@
 """The rank coordinator: spot training in each rank's idle window, one drafter for all ranks.
 
-Per rank and step, a state machine kept in the job's TCPStore (common.control, the control
+Per rank and step, a state machine kept in the job's TCPStore (common.idle.states, the control
 plane: no Redis, ZMQ or Ray):
 
     GENERATING --rollouts done--> IDLE --spot work--> TRAINING --last rank done--> BARRIER
 
-`SpotWork` is the loop's idle-window hook (pipeline.idle.IdleWork). While a rank generates,
-its engine's feature sink collects the target's features (stashed when its rollouts are done,
-`rollouts_done`) and the rank puts them into the node's DataBuffer as its idle window opens; the
-rank that finished last keeps them for its next window instead (spot.sink: nobody is left to
-train on them this step, and the put would delay the step). In the idle window the rank trains its copy of
-the drafter on buffer samples (the current step's finished responses mixed with the previous
-step's long ones) and checks before each micro-step and after each chunk's forward and backward
-inside it (spot.trainer) whether every rank is done, so it stops within about half a chunk of
-the window's end; the micro-step in flight is taken on its chunks done (the chunk in flight is
-dropped). Then the replicas are averaged, each weighted by the
-micro-steps it ran (one all-reduce: gloo on CPU, NCCL on GPU; a rank that ran none counts
-zero), and every rank loads the average into its engine as a new drafter version before the
-next step. Each rank keeps its own AdamW moments (local-SGD style): only weights are averaged.
-The all-reduce, which also gathers every rank's window statistics, is posted as the window ends
-and not waited for (`post_average`, on a process group of its own): it runs while the step goes
-on through the barrier and the actor's update, and the loop calls `settle()` after the update to
-load the average and report the window's metrics. Left on the critical path is the barrier,
-which waits for the chunk in flight; the exchange is not (on the tiny config, when it waited, the
-1.9 MB average took 1.6-7.4 ms a step after an all-gather that waited for that chunk).
+`SpotWork` is the loop's idle-window hook (common.idle.IdleWork), the last part of a window
+(common.idle.ScheduledIdle: after any bubble pre-generation). While a rank generates, its
+engine's feature sink collects the target's features (stashed when its rollouts are done,
+`rollouts_done`) and the rank puts them into the node's DataBuffer as its window opens, except on
+the rank that finished last (common.idle.rules). In the window the rank trains its copy of the
+drafter on buffer samples (the current step's finished responses mixed with the previous step's
+long ones) and checks before each micro-step and after each chunk's forward and backward inside
+it (spot.trainer) whether every rank is done, so it stops within about half a chunk of the
+window's end; the micro-step in flight is kept on its chunks done (the chunk in flight is
+dropped). Then the replicas are averaged, each weighted by the micro-steps it ran (one
+all-reduce: gloo on CPU, NCCL on GPU; a rank that ran none counts zero), and every rank loads the
+average into its engine as a new drafter version before the next step. Each rank keeps its own
+AdamW moments (local-SGD style): only weights are averaged. The all-reduce, which also gathers
+every rank's window statistics, is posted as the window ends and not waited for (`post_average`,
+on a process group of its own): it runs while the step goes on through the actor's update, and
+the loop calls `settle()` after the update to load the average and report the window's metrics.
 
 Time is accounted honestly: a rank's idle time is from its rollouts' end to the last rank's
 (`IdleWindow.all_done_at`); training within it counts towards `spot/utilisation`; training past
@@ -32,13 +29,12 @@ it is `spot/overrun_s`, time the step pays for spot training.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from common.control import ControlPlane, RankState
+from common.idle import ControlPlane, IdleWindow, IdleWork, RankState
 from spot.buffer import DataBuffer
 from spot.sink import put_as_window_opens
 from spot.trainer import SpotTrainer
@@ -77,8 +73,7 @@ def post_average(named: list[tuple[str, torch.Tensor]], weight: float, stats: li
     one) in one all-reduce that does not block, with this rank's `stats` (STATS) gathered in the
     same buffer; `PendingAverage.result()` waits. Identical on every rank: an all-reduce hands
     every rank the same sum. A rank of weight 0 sends zeros without reading its weights. float32:
-    the drafter's dtype (float64 would double the bytes: a 467k-weight tiny drafter's average took
-    1.5 against 4.5 ms on 2 gloo ranks)."""
+    the drafter's dtype (float64 would double the bytes on the critical path of nothing but cost)."""
     distributed = dist.is_initialized() and dist.get_world_size(group) > 1
     world, rank = (dist.get_world_size(group), dist.get_rank(group)) if distributed else (1, 0)
     N = sum(t.numel() for _, t in named)
@@ -106,8 +101,10 @@ class SpotSettings:
     seed: int = 0
 
 
-class SpotWork:
-    """pipeline.idle.IdleWork: spot training in the idle window, on one rank."""
+class SpotWork(IdleWork):
+    """Spot training in the idle window, on one rank (common.idle.IdleWork)."""
+
+    name = "spot"
 
     def __init__(self, engine, trainer: SpotTrainer, buffer: DataBuffer, sink, control: ControlPlane | None,
                  settings: SpotSettings, group=None) -> None:
@@ -119,8 +116,11 @@ class SpotWork:
         self.generator = torch.Generator().manual_seed(settings.seed * 1000 + (control.rank if control else 0))
 
     # -- checkpoints (pipeline.run_state: rank 0 writes, every rank resumes from it) ----------
-    def save(self, folder) -> None:
-        self.trainer.save(folder)
+    def checkpoint_files(self):
+        return {"spot": self.trainer.save}
+
+    def drafter(self):
+        return self.trainer.model
 
     def state_dict(self) -> dict:
         return {"drafter_version": self.drafter_version}
@@ -144,20 +144,22 @@ class SpotWork:
         s = self.settings
         # The newest step the producer has put: this one (the engine's sink, put as the ranks'
         # windows open) or the one before (the actor's forward, which runs after the idle window).
-        newest = step - getattr(self.sink, "lag", 0)
+        newest = step - self.sink.lag
         return [e.to_row() for e in self.buffer.sample(s.rows_per_step, step=newest, offset_ratio=s.offset_ratio,
                                                        generator=self.generator)]
 
-    def work(self, window) -> dict[str, float]:
+    def work(self, window: IdleWindow) -> dict[str, float]:
+        """Trains until the window ends, then waits for its end (the window's figures need it) and
+        posts the average; the last part of a window (common.idle.ScheduledIdle)."""
         step = window.step
         self._state(step, RankState.IDLE)
         put_as_window_opens(self.sink, window)
         self.trainer.model.refresh_head()  # the target's LM head changed at the last weight sync
         self._state(step, RankState.TRAINING)
-        t0 = time.time()
+        t0 = window.clock()
         result = self.trainer.train(lambda i: self._rows(step), window.others_done, self.settings.max_micro_steps,
                                     keep_cut=True)  # the window's end keeps the chunks done
-        t1 = time.time()
+        t1 = window.clock()
         self._state(step, RankState.BARRIER)
         end = window.all_done_at()
         idle_s = max(0.0, end - window.started)

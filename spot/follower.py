@@ -11,20 +11,20 @@ the next step.
 
 from __future__ import annotations
 
+from common.idle import IdleWork
 from spot.pool import latest_published, published_weights
 from spot.sink import put_as_window_opens
 
 
-class PoolFollower:
-    """pipeline.idle.IdleWork: fill the buffer, pick up the pool's drafters."""
+class PoolFollower(IdleWork):
+    """Fills the buffer and picks up the pool's drafters in the idle window (common.idle.IdleWork)."""
+
+    name = "spot"
 
     def __init__(self, engine, buffer, sink, pool_dir: str, store, rank: int) -> None:
         self.engine, self.buffer, self.sink, self.pool_dir = engine, buffer, sink, pool_dir
         self.store, self.rank = store, rank
         self.drafter_version = 0
-
-    def begin(self, step: int) -> None:
-        pass
 
     def rollouts_done(self, step: int, batch) -> None:
         self.sink.stash(batch.rollouts, step)

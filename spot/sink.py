@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.idle.rules import stashes_to_hold
 from engine.features import CommittedFeatures
 from engine.types import FinishReason, Rollout
 from spot.buffer import BufferEntry, DataBuffer
@@ -45,17 +46,15 @@ class Stash:
     block: torch.Tensor  # [R, L, F]
 
 
-HELD_STEPS = 2  # stashes the last rank holds back at most: this step's, and one from being last before
-
-
 def put_as_window_opens(sink, window) -> int:
-    """The rank coordinator's rule (spot.coordinator, spot.follower), as a rank's idle window opens:
-    put every stash, except on the rank that finished last (`window.others_done()` already): it
-    holds its newest HELD_STEPS stashes for its next window as an early rank."""
-    return sink.put_stashed(hold=HELD_STEPS if window.others_done() else 0)
+    """The rule of common.idle.rules as a rank's idle window opens (spot.coordinator, spot.follower):
+    put every stash, except those the rank that finished last holds for its next window."""
+    return sink.put_stashed(hold=stashes_to_hold(window))
 
 
 class DataBufferSink:
+    lag = 0  # the entries of step t are put as step t's idle windows open (spot.actor_features: 1)
+
     def __init__(self, buffer: DataBuffer, *, max_new_tokens: int, feature_layers: Sequence[int] = ()) -> None:
         self.buffer = buffer
         self.feature_layers = tuple(feature_layers)

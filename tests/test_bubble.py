@@ -18,7 +18,7 @@ from engine.spec.eagle_drafter import EagleDrafter
 from engine.spec.pregenerated import PregeneratedDrafter
 from engine.types import FinishReason, Request, Rollout
 from pipeline.bubble import BubbleConfig, BubbleStore, BubbleWork, common_prefix, coverage_metrics
-from pipeline.idle import IdleWindow
+from common.idle import IdleWindow
 
 DEPTH = 6
 
@@ -110,14 +110,16 @@ def window(step: int, stop_after: int | None) -> IdleWindow:
         calls.append(1)
         return stop_after is not None and len(calls) > stop_after
 
-    return IdleWindow(step=step, rank=0, world=1, started=0.0, others_done=others_done, all_done_at=lambda: 0.0)
+    return IdleWindow(step=step, rank=0, world=1, started=0.0, others_done=others_done, all_done_at=lambda: 0.0,
+                      opened_last=False)
 
 
 def test_a_preempted_pregeneration_keeps_prefixes_of_the_next_steps_rollouts(target):
     e = RolloutEngine(target, EngineConfig(max_batch=4, max_len=128))  # 9 rows > 4 slots: some never start
     store = BubbleStore(max_tokens=10_000)
     work = BubbleWork(e, lambda: requests(), params, store, BubbleConfig(order="loader"))
-    metrics = work.work(window(step=3, stop_after=5))  # the last rank finishes 5 decode steps in
+    assert work.work(window(step=3, stop_after=5)) == {}  # the last rank finishes 5 decode steps in; no collective
+    metrics = work.settle()
     full = by_key(RolloutEngine(target, EngineConfig(max_batch=16, max_len=128)).generate(requests(), params(step=4)))
     assert 0 < metrics["bubble/preempted"] and 0 < len(store.drafts) < len(full)
     for key, tokens in store.drafts.items():
@@ -178,3 +180,22 @@ def test_a_two_rank_run_with_bubble_drafts_is_the_run_without_them(char_model_di
     assert any(r.get("bubble/decode_steps_saved", 0) > 0 for r in with_bubble[1:])
     rollouts = lambda d: sorted(json.dumps(x, sort_keys=True) for x in map(json.loads, (d / "rollouts.jsonl").read_text().splitlines()))  # noqa: E731
     assert rollouts(runs["bubble"]) == rollouts(runs["plain"])
+
+
+@pytest.mark.slow
+def test_with_spot_training_too_each_window_pregenerates_for_its_share_then_trains(char_model_dir, tmp_path, monkeypatch):
+    from tests.test_trainer import step_rows
+    from tests.test_spot_loop import two_rank_run
+
+    # Rank 1 rolls out 1 s longer every step (tests.mp.slow_rank_train): rank 0 has a window to split,
+    # long against the timing noise of a busy 2-core host.
+    monkeypatch.setenv("TAILSPEC_TEST_DELAY", "1.0")
+    run_dir = two_rank_run(char_model_dir, tmp_path, "bubble.enabled=true", "bubble.share=0.5",
+                           "engine.spec.drafter=pregenerated+eagle", "spot.enabled=true", "spot.rows_per_step=4",
+                           "spot.window=64", "trainer.steps=4", module="tests.mp.slow_rank_train")
+    rows = step_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows[1:]:  # from step 2 on, each rank expects a window: pre-generation gets half of it, spot training the rest
+        assert r["spot/micro_steps"] > 0, r
+        assert 0 < r["bubble/pregen_s"] <= r["bubble/budget_s"] + 0.05, r  # within one decode step's estimate
+        assert r["bubble/budget_s"] < r["bubble/idle_s"], r

@@ -7,7 +7,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.mp.idle_worker import DELAY, worker
-from tests.test_weight_sync import free_port
+from tests.mp import free_port
 
 
 def test_a_later_run_of_the_same_job_opens_its_own_windows(tmp_path):

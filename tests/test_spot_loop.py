@@ -23,13 +23,13 @@ from engine.spec.eagle import EagleConfig, EagleModel
 from engine.spec.eagle_drafter import EagleDrafter
 from engine.types import Request
 from spot.buffer import DataBuffer
-from common.control import RankState
+from common.idle import RankState
 from spot.features import TokenSequence, capture_features
 from spot.sink import DataBufferSink
 from tests.conftest import REPO
 from tests.test_trainer import step_rows
 from tests.mp.spot_worker import worker
-from tests.test_weight_sync import free_port
+from tests.mp import free_port
 
 
 @pytest.fixture
@@ -176,7 +176,7 @@ def test_a_two_rank_run_with_spot_training_trains_its_drafter_online(char_model_
 
 
 def test_pool_mode_ranks_load_the_pools_newest_publication_once(hf_folders, buffer_name, tmp_path):
-    from pipeline.idle import IdleWindow
+    from common.idle import IdleWindow
     from spot.follower import PoolFollower
     from spot.pool import publish
 
@@ -185,7 +185,8 @@ def test_pool_mode_ranks_load_the_pools_newest_publication_once(hf_folders, buff
     net = EagleModel(EagleConfig.for_target(target.config), target)
     engine = RolloutEngine(target, EngineConfig(max_batch=2, max_len=64, spec=SpecConfig(depth=2, verify_tokens=2)),
                            EagleDrafter(net))
-    window = IdleWindow(step=1, rank=0, world=1, started=0.0, others_done=lambda: True, all_done_at=lambda: 0.0)
+    window = IdleWindow(step=1, rank=0, world=1, started=0.0, others_done=lambda: True, all_done_at=lambda: 0.0,
+                        opened_last=True)
     with DataBuffer.create(buffer_name, capacity_bytes=2**20, feature_size=net.config.feature_size) as buf:
         follower = PoolFollower(engine, buf, DataBufferSink(buf, max_new_tokens=8), str(tmp_path / "pool"), None, 0)
         assert follower.work(window)["spot/drafter_version"] == 0  # nothing published yet: the warm drafter stays

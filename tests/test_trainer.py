@@ -14,7 +14,7 @@ import torch
 
 from launch.config import load_config
 from launch.run_config import TrainConfig
-from launch.train import run
+from launch.run import run
 from pipeline.dist import Ranks
 from pipeline.tasks import TASKS, Task, arith
 
@@ -230,8 +230,27 @@ def test_one_step_asynchronous_mode_trains_on_rollouts_one_policy_behind(char_mo
 
 
 @pytest.mark.slow
-def test_dapo_with_dynamic_sampling_runs_and_reports_what_it_kept(char_model_dir, digits_task, tmp_path):
-    out = run(config(char_model_dir, tmp_path, "engine.spec.enabled=false", "algorithm.name=dapo", "trainer.steps=2"), Ranks())
+def odd_answers_only(text: str, answer: str) -> float:
+    """digit_share for problems with an odd answer, 0 for the others: their groups' rewards never differ."""
+    return digit_share(text, answer) if int(answer) % 2 else 0.0
+
+
+def test_dapo_refills_the_batch_with_groups_whose_rewards_differ(char_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(TASKS, "odd", Task(name="odd", make_problems=arith.make_problems, reward=odd_answers_only))
+    out = run(config(char_model_dir, tmp_path, "engine.spec.enabled=false", "algorithm.name=dapo", "trainer.steps=2",
+                     "task.name=odd"), Ranks())
     rows = step_rows(out["run_dir"])
-    assert len(rows) == 2 and all(r["rollout/batch_size"] <= 16 for r in rows)
-    assert all("train/pg_clipfrac_high" in r for r in rows)
+    assert len(rows) == 2 and all("train/pg_clipfrac_high" in r for r in rows)
+    for r in rows:  # a full batch (4 prompts x 4 samples), every group informative, what was dropped counted
+        assert r["rollout/batch_size"] == 16 and r["train/zero_std_groups"] == 0, r
+        assert r["train/dynamic_sampling_dropped"] > 0 and r["train/dynamic_sampling_rounds"] >= 2, r
+    answers = {p.id: p.answer for p in arith.make_problems("train", 64, 0)}  # the run's problems (task.train_problems, run.seed)
+    trained = [json.loads(line) for line in (Path(out["run_dir"]) / "rollouts.jsonl").read_text().splitlines()]
+    assert trained and all(int(answers[row["prompt_id"]]) % 2 for row in trained)  # only odd-answer prompts were trained on
+
+
+def test_dynamic_sampling_that_cannot_fill_the_batch_stops_the_run_naming_the_key(char_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(TASKS, "flat", Task(name="flat", make_problems=arith.make_problems, reward=lambda text, answer: 1.0))
+    with pytest.raises(ValueError, match="algorithm.max_sampling_rounds"):
+        run(config(char_model_dir, tmp_path, "engine.spec.enabled=false", "algorithm.name=dapo", "task.name=flat",
+                   "algorithm.max_sampling_rounds=2"), Ranks())

@@ -32,10 +32,11 @@ import shutil
 import tempfile
 import time
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 
-
 from common.buckets import buckets_of
+from engine.backend import BackendCapabilities, RolloutBackend
 from engine.backends.vllm_config import MODEL_DRAFTERS
 from engine.backends.vllm_export import export_eagle, vllm_eagle3_tensors
 from engine.backends.vllm_mtp import export_mtp, mtp_tensors, with_zero_biases
@@ -49,13 +50,6 @@ WORKER = "engine.backends.vllm_worker.TailSpecWorkerExtension"
 SHM = "/dev/shm"  # pushes travel as safetensors files here (engine.backends.vllm_worker says why)
 COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
             "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
-
-
-class _ModelInfo:
-    """What the loop reads from `engine.model`: its config (stop tokens, sizes)."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.config = read_config(path)
 
 
 def speculative_config(cfg: EngineConfig, export_dir: Path) -> dict | None:
@@ -109,7 +103,7 @@ def sample_seed(seed: int, step: int, prompt_id: str, sample: int) -> int:
     return zlib.crc32(f"{seed}:{step}:{prompt_id}:{sample}".encode()) & 0x7FFFFFFF
 
 
-class VllmEngine:
+class VllmEngine(RolloutBackend):
     def __init__(self, model_path: str | Path, cfg: EngineConfig, *, seed: int = 0) -> None:
         from vllm import LLM
 
@@ -117,7 +111,9 @@ class VllmEngine:
         if cfg.backend != "vllm":
             raise ValueError(f"VllmEngine needs engine.backend=vllm, got {cfg.backend!r}")
         self.cfg, self.path = cfg, Path(model_path)
-        self.model = _ModelInfo(model_path)
+        self.model_config = read_config(model_path)
+        self.caps = BackendCapabilities(exact_logprobs=False, returns_features=False, same_tokens=False, preemptible=False,
+                                        takes_drafts=False, sleeps=cfg.vllm.sleep_level > 0)
         self.version = 0
         self.drafter_version = 0
         self.policy = None  # vLLM applies the schedule itself; no per-step policy object
@@ -214,7 +210,7 @@ class VllmEngine:
 
     def load_weights(self, named_tensors, version: int) -> None:
         """The policy's weights by Hugging Face name, served as `version` from now on."""
-        items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         if serves_mtp(self.cfg):  # served as MiMo (Qwen2): its attention has biases, zero for a Llama-style policy
             items = with_zero_biases(items)
         self._push("tailspec_load_weights", items, "version", version)
@@ -225,7 +221,7 @@ class VllmEngine:
         if not (self.cfg.spec.enabled and self.cfg.spec.drafter in MODEL_DRAFTERS):
             raise ValueError("load_drafter_weights: this vLLM engine serves no model drafter (engine.spec.drafter="
                              f"{' / '.join(MODEL_DRAFTERS)})")
-        items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         named = [(n, t.detach().to("cpu").clone()) for n, t in items if n != "draft_vocab"]
         if serves_mtp(self.cfg):
             named = list(mtp_tensors(dict(named)).items())

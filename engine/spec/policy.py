@@ -19,11 +19,24 @@ from engine.types import StepRecord
 
 
 class SpecPolicy(Protocol):
+    """Implementations subclass it and inherit the defaults of a policy that learns nothing."""
+
     def choose(self, batch_size: int, last: StepRecord | None) -> DraftShape | None: ...
+
+    def metrics(self) -> dict[str, float]:
+        """What the policy learned so far, for the step's metrics (namespaced, e.g. tuner/...)."""
+        return {}
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue choosing as this one would."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 @dataclass
-class FixedPolicy:
+class FixedPolicy(SpecPolicy):
     """The same shape (or always off, with None) on every step."""
 
     shape: DraftShape | None
@@ -33,7 +46,7 @@ class FixedPolicy:
 
 
 @dataclass
-class TailPolicy:
+class TailPolicy(SpecPolicy):
     """The shape while at most `max_active` rows are active, off above (TLT's adaptive switch,
     without its hysteresis: switching costs nothing here)."""
 

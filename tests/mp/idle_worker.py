@@ -12,16 +12,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from common.idle import IdleWork
+
 DELAY = 0.5
 
 
-class Probe:
+class Probe(IdleWork):
     def __init__(self) -> None:
         self.seen: list[tuple[bool, float]] = []
-
-    def begin(self, step: int) -> None: ...
-
-    def rollouts_done(self, step: int, batch) -> None: ...
 
     def work(self, window) -> dict[str, float]:
         done_at_open = window.others_done()
@@ -33,15 +31,14 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from pipeline.dist import Ranks
-        from pipeline.idle import idle_window
+        from common.idle import IdleWindows
 
-        probe, r = Probe(), Ranks(rank=rank, world=world, local_rank=rank)
+        probe, store = Probe(), dist.distributed_c10d._get_default_store()
         for scope in ("tailspec/run-a/0", "tailspec/run-b/1"):  # two runs of one job, both at step 1
             dist.barrier()
             if rank == 1:
-                time.sleep(DELAY)
-            idle_window(r, 1, probe, scope)
+                time.sleep(DELAY)  # rank 1's rollouts take longer: a workload, not a synchronisation
+            IdleWindows(store, rank, world, scope, barrier=dist.barrier).run(1, probe)
         if rank == 0:
             torch.save(probe.seen, os.path.join(out, "rank0.pt"))
     finally:

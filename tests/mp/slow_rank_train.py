@@ -1,5 +1,6 @@
 """`python -m tests.mp.slow_rank_train ...`: launch.train, with rank 1's rollouts DELAY seconds
-longer every step, so rank 0 has an idle window of at least that long in every step.
+(TAILSPEC_TEST_DELAY, default 0.3) longer every step, so rank 0 has an idle window of at least
+that long in every step.
 
 Without it, the idle windows of a test-sized run are whatever the two ranks' timing noise gives
 (1-20 ms on a 2-core host): too short, now and then, for a single spot micro-step.
@@ -13,7 +14,7 @@ import time
 
 import pipeline.trainer as trainer
 
-DELAY = 0.3
+DELAY = float(os.environ.get("TAILSPEC_TEST_DELAY", "0.3"))
 
 if os.environ.get("RANK") == "1":
     _roll_out = trainer.roll_out

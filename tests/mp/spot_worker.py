@@ -1,9 +1,10 @@
 """A rank of the coordinator test: spot training in an idle window that ends when the last rank is done.
 
-Rank r finishes its "rollouts" r * STAGGER seconds after the others start, so earlier ranks have
-longer idle windows. Each rank writes what it trained (its replica before the average, its
-micro-steps), what its engine serves after the window, the metrics, and where its own rollouts'
-features went (the buffer's keys of them, the steps its sink still holds), to <out>/rank{r}.pt.
+Rank r waits (through the store) until every earlier rank is training, then finishes its
+"rollouts" STAGGER seconds later, so earlier ranks have longer idle windows. Each rank writes what
+it trained (its replica before the average, its micro-steps), what its engine serves after the
+window, the metrics, and where its own rollouts' features went (the buffer's keys of them, the
+steps its sink still holds), to <out>/rank{r}.pt.
 """
 
 from __future__ import annotations
@@ -31,11 +32,10 @@ def worker(rank: int, world: int, port: int, out: str, model_dir: str, buffer_na
         from engine.sampling import SamplingParams
         from engine.types import Request
         from spot.sink import DataBufferSink
-        from pipeline.dist import Ranks
-        from pipeline.idle import idle_window
+        from common.idle import IdleWindows, RankState
         from spot.buffer import DataBuffer
         from spot.colocated import drafter_copy
-        from common.control import ControlPlane
+        from common.idle import ControlPlane
         from spot.coordinator import SpotSettings, SpotWork
         from spot.drafter_training import DrafterOptim
         from spot.trainer import SpotTrainer
@@ -48,7 +48,8 @@ def worker(rank: int, world: int, port: int, out: str, model_dir: str, buffer_na
         buffer = DataBuffer.attach(buffer_name)
         trainer = SpotTrainer(drafter_copy(net), DrafterOptim(lr=3e-3, warmup_steps=0), window=64, rows_per_step=4,
                               seed=rank)
-        control = ControlPlane(dist.distributed_c10d._get_default_store(), rank, world)
+        store = dist.distributed_c10d._get_default_store()
+        control = ControlPlane(store, rank, world)
         sink = DataBufferSink(buffer, max_new_tokens=8)
         engine.sink = sink
         work = SpotWork(engine, trainer, buffer, sink, control, SpotSettings(rows_per_step=4, offset_ratio=0.0, seed=0))
@@ -65,9 +66,14 @@ def worker(rank: int, world: int, port: int, out: str, model_dir: str, buffer_na
         batch = engine.generate([Request(prompt_id=f"r{rank}", prompt=[5, 9, 17], n=2)],
                                 SamplingParams(max_new_tokens=8, temperature=1.0, seed=rank))
         work.rollouts_done(1, batch)  # not yet in the buffer: put as the window opens
-        time.sleep(rank * STAGGER)
+        deadline = time.monotonic() + 60  # synchronised by the store: every earlier rank is training
+        while any(s != (1, RankState.TRAINING) for s in control.states()[:rank]):
+            assert time.monotonic() < deadline, control.states()
+            time.sleep(0.005)
+        if rank:
+            time.sleep(STAGGER)  # this rank's rollouts take longer: a workload, not a synchronisation
         seen = control.states()  # the last rank sees the others training while it still generates
-        _, metrics = idle_window(Ranks(rank=rank, world=world, local_rank=rank), 1, work)
+        _, metrics = IdleWindows(store, rank, world, "tailspec/spot-worker", barrier=dist.barrier).run(1, work)
         metrics |= work.settle()  # the loop's call after the actor's update: the average, loaded
         torch.save({"before": before, "micro_steps": trainer.micro_steps, "metrics": metrics, "seen": [None if s is None else (s[0], s[1].value) for s in seen],
                     "served": {n: p.detach().clone() for n, p in engine.drafter_nets()[0].named_parameters()},

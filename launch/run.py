@@ -1,0 +1,247 @@
+"""`build_run(cfg, ranks) -> Run`: every part of an RL run built once and connected explicitly.
+
+The one place that assembles a run, for `python -m launch.train`, the benches (bench.runs) and
+the tests: the rollout backend (engine.backend.RolloutBackend, native or vLLM), the actor and
+its reference policy, the data loader, the step's sampling, the idle window's work (bubble
+pre-generation and spot training, run by one common.idle.ScheduledIdle), the metrics logger and
+the Trainer that runs the steps, each given exactly the parts it uses. `Run.train()` runs the
+steps with evaluation, logging and checkpoints; `Run.close()` releases what the run started
+(shared memory, process groups, vLLM's processes). `run(cfg, ranks)` does all three.
+
+The run folder holds the resolved config, metrics.jsonl, lengths.jsonl, the W&B offline run,
+checkpoints, dashboard.png, summary.txt and summary.json; rank 0 prints and every rank writes its
+own log (`rank{r}.log`). `trainer.resume=runs/<run>/checkpoints/step-N` continues a run exactly
+where it stopped; `run.dir=runs/<run> trainer.resume=auto` continues from that folder's latest
+checkpoint, or starts fresh there if it has none (what a requeued Slurm job does).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common.idle import ControlPlane, IdleSchedule, IdleWork, ScheduledIdle
+from common.text import load_tokenizer, stop_tokens
+from engine.backend import RolloutBackend
+from engine.backends.factory import build_rollout_engine
+from engine.types import Request
+from launch.config import save_config, to_dict
+from launch.run_config import TrainConfig
+from pipeline.actors import build_actor
+from pipeline.data import PromptLoader
+from pipeline.dist import Ranks, job_store
+from pipeline.metrics import MetricsLogger
+from pipeline.records_log import log_step, truncate_after
+from pipeline.rollouts import StepSampling, encode_problem
+from pipeline.run_state import RunState, latest_checkpoint, load_run
+from pipeline.tasks import Problem, Task, get_task
+from pipeline.tasks.eval import EVAL_SEED
+from pipeline.trainer import Trainer
+
+
+class RankLog:
+    """Rank 0 prints; every rank appends to its own file."""
+
+    def __init__(self, run_dir: Path, r: Ranks) -> None:
+        self.r, self.path = r, run_dir / f"rank{r.rank}.log"
+
+    def __call__(self, msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+        if self.r.main:
+            print(line, flush=True)
+
+
+@dataclass
+class Run:
+    cfg: TrainConfig
+    ranks: Ranks
+    run_dir: Path
+    log: RankLog
+    task: Task
+    held_out: list[Problem]
+    loader: PromptLoader
+    engine: RolloutBackend
+    actor: object  # pipeline.actors.base.Actor
+    idle_work: IdleWork | None  # a ScheduledIdle of bubble pre-generation and / or spot training
+    trainer: Trainer
+    logger: MetricsLogger
+    start_step: int  # RL steps done before this process (a resumed run's checkpoint)
+    resources: ExitStack = field(default_factory=ExitStack)  # closed by close(), last built first
+
+    def train(self) -> dict:
+        """Runs the remaining steps: eval before the first, every `trainer.eval_every` steps and at the
+        end; metrics every step; checkpoints every `trainer.save_every` steps and at the end."""
+        cfg, r, trainer, log = self.cfg, self.ranks, self.trainer, self.log
+        tc = cfg.trainer
+        accuracy: dict[int, float] = {}
+        with self.logger:
+            if self.start_step == 0:
+                accuracy[0] = trainer.evaluate()
+                if r.main:
+                    self.logger.log(0, {"eval/accuracy": accuracy[0]})
+                    log(f"held-out greedy accuracy before training: {accuracy[0]:.1%} on {len(self.held_out)} problems")
+            t0 = time.perf_counter()
+            for _ in range(self.start_step, tc.steps):
+                result = trainer.step()
+                step = trainer.step_index
+                log_step(self.run_dir, step, r.rank, result.rollouts)
+                metrics = result.metrics
+                if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
+                    acc = trainer.evaluate()
+                    if acc is not None:
+                        metrics["eval/accuracy"] = accuracy[step] = acc
+                self.logger.log(step, metrics, lengths=result.lengths)
+                if (tc.save_every and step % tc.save_every == 0) or step == tc.steps:
+                    trainer.save()
+            train_s = time.perf_counter() - t0
+        summary = {"run_dir": str(self.run_dir), "steps": tc.steps, "world_size": r.world, "train_seconds": round(train_s, 1),
+                   "heldout_accuracy": {str(k): v for k, v in accuracy.items()}}
+        if r.main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            for name in ("dashboard.png", "summary.txt"):
+                if (self.run_dir / name).exists():
+                    log(f"wrote {self.run_dir / name}")
+        return summary
+
+    def close(self) -> None:
+        self.resources.close()
+
+
+def run(cfg: TrainConfig, r: Ranks) -> dict:
+    """Builds the run, trains it, releases it; returns the summary (also in summary.json)."""
+    built = build_run(cfg, r)
+    try:
+        return built.train()
+    finally:
+        built.close()
+
+
+def build_run(cfg: TrainConfig, r: Ranks) -> Run:
+    """Every part of the run from its config on this rank (collective: every rank calls it)."""
+    resolve_resume(cfg, r)
+    run_dir = run_dir_for(cfg, r)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if r.world > 1:
+        dist.barrier()  # rank 0's look at run.dir (resolve_resume) happens before anyone logs into it
+    log = RankLog(run_dir, r)
+    if r.main and not cfg.trainer.resume:
+        truncate_after(run_dir, -1)  # a fresh start in a fixed run.dir: an earlier attempt's lines go
+        save_config(cfg, run_dir / "config.yaml")
+    log(f"run {run_dir} on {r.world} rank(s)")
+    torch.manual_seed(cfg.run.seed)
+    resources = ExitStack()
+    try:
+        return _build(cfg, r, run_dir, log, resources)
+    except BaseException:
+        resources.close()
+        raise
+
+
+def _build(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: ExitStack) -> Run:
+    tokenizer = load_tokenizer(cfg.model.path)
+    task, train_problems, held_out = problems_for(cfg)
+    loader = PromptLoader(train_problems, cfg.trainer.prompts_per_step, cfg.run.seed, world_size=r.world, rank=r.rank)
+    engine = build_rollout_engine(cfg.model.path, cfg.engine, seed=cfg.run.seed)
+    resources.callback(engine.close)
+    sampling = StepSampling.of(cfg.rollout, cfg.run.seed, stop_tokens(engine.model_config, tokenizer))
+    actor = build_actor(cfg.actor, cfg.model.path)
+    reference = None
+    if cfg.algorithm.kl_coef > 0:
+        from pipeline.reference import ReferencePolicy
+
+        reference = ReferencePolicy(cfg.actor, cfg.model.path)
+    resume = Path(cfg.trainer.resume) if cfg.trainer.resume else None
+    state = load_run(resume) if resume is not None else RunState(step=0, loader={}, engine_version=0)
+    if resume is not None:
+        if r.main:
+            truncate_after(run_dir, state.step)
+        actor.load(resume / "actor")
+        loader.load_state_dict(state.loader)
+        if engine.policy is not None and "spec_policy" in state.components:
+            engine.policy.load_state_dict(state.components["spec_policy"])
+        log(f"resumed from {resume} at step {state.step}")
+    store = job_store(r)
+
+    spot = None
+    if cfg.spot.enabled:
+        from spot.colocated import build_spot_work
+
+        spot = build_spot_work(cfg.spot, engine, run_name=run_dir.name, rank=r.rank, local_rank=r.local_rank, world=r.world,
+                               seed=cfg.run.seed, max_new_tokens=cfg.rollout.max_new_tokens, store=store, resume=resume,
+                               resume_state=state.components.get("idle_work", {}).get("spot"))
+        resources.callback(spot.close)
+        log(f"spot training on: node buffer {spot.buffer.name} ({cfg.spot.buffer_mb} MiB), drafter trained in idle windows")
+
+    bubbles = bubble = None
+    if cfg.bubble.enabled:
+        from pipeline.bubble import BubbleStore, BubbleWork
+
+        bubbles = BubbleStore(cfg.bubble.max_tokens)
+
+        def requests_for() -> list[Request]:  # this rank's shard of the next step
+            return [Request(prompt_id=p.id, prompt=encode_problem(tokenizer, p, cfg.task.chat), n=cfg.rollout.n)
+                    for p in loader.peek()]
+
+        control = ControlPlane(store, r.rank, r.world) if store is not None else None
+        bubble = BubbleWork(engine, requests_for, sampling, bubbles, cfg.bubble, control)
+
+    idle_work = None
+    if spot is not None or bubble is not None:
+        schedule = IdleSchedule(pregenerate=bubble is not None, train=spot is not None, share=cfg.bubble.share)
+        idle_work = ScheduledIdle(schedule, bubble, spot.work if spot is not None else None)
+
+    trainer = Trainer(cfg, r, engine, actor, tokenizer, task, loader, held_out, run_dir, idle_work=idle_work,
+                      start_step=state.step, reference=reference, bubbles=bubbles,
+                      actor_features=spot.actor_features if spot is not None else None, sampling=sampling)
+    trainer.sync(version=state.step)  # the engine serves exactly the actor's weights (a resumed run's too)
+    logger = MetricsLogger.from_config(run_dir, cfg.metrics, rank=r.rank, run_name=run_dir.name,
+                                       resolved_config=to_dict(cfg),
+                                       resume_after_step=state.step if resume is not None else -1)  # -1: a fresh start drops an earlier attempt's lines
+    return Run(cfg=cfg, ranks=r, run_dir=run_dir, log=log, task=task, held_out=held_out, loader=loader, engine=engine,
+               actor=actor, idle_work=idle_work, trainer=trainer, logger=logger, start_step=state.step, resources=resources)
+
+
+def resolve_resume(cfg: TrainConfig, r: Ranks) -> None:
+    """trainer.resume=auto becomes run.dir's latest complete checkpoint (rank 0 looks), or None."""
+    if cfg.trainer.resume != "auto":
+        return
+    found = [latest_checkpoint(cfg.run.dir)]
+    if r.world > 1:
+        dist.broadcast_object_list(found, src=0)
+    cfg.trainer.resume = str(found[0]) if found[0] is not None else None
+
+
+def run_dir_for(cfg: TrainConfig, r: Ranks) -> Path:
+    """The run folder: run.dir, or chosen by rank 0 (its timestamp) and told to the others; a resumed
+    run keeps its folder."""
+    if cfg.trainer.resume:
+        return Path(cfg.trainer.resume).resolve().parent.parent
+    if cfg.run.dir:
+        return Path(cfg.run.dir)
+    name = [f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"]
+    if r.world > 1:
+        dist.broadcast_object_list(name, src=0)
+    return Path(cfg.run.out_dir) / name[0]
+
+
+def problems_for(cfg: TrainConfig) -> tuple[Task, list[Problem], list[Problem]]:
+    """The task, its training problems (generated, or a math file's rows) and the held-out set."""
+    task = get_task(cfg.task.name)
+    held = task.make_problems("test", cfg.task.eval_problems, EVAL_SEED)
+    if cfg.task.file:
+        from pipeline.tasks.math import load_math_file
+
+        train, _ = load_math_file(  # bad rows are reported as file:line by the loader
+            cfg.task.file, prompt_field=cfg.task.prompt_field, answer_field=cfg.task.answer_field,
+            id_field=cfg.task.id_field, max_bad_share=cfg.task.max_bad_share)
+        return task, train, held
+    shape = {k: v for k, v in (("max_digits", cfg.task.max_digits), ("tail", cfg.task.tail)) if v is not None}
+    return task, task.make_problems("train", cfg.task.train_problems, cfg.run.seed, **shape), held
