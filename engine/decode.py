@@ -12,6 +12,9 @@ target's token at every entry with the noise-indexed sampler, keeps the accepted
 the drafter and the feature sink, and appends a `StepRecord`. With no draft this is plain
 autoregressive decoding. Rows that finish become rollouts and leave their slot; the rest are
 compacted into the first slots, so the work shrinks with the batch (the long tail).
+
+The step's target forward is chosen once per call: the engine's CUDA graphs where it has them
+(engine.graphs.DecodeGraphs; a shape without a graph runs eager), else the eager runtime.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.features import CommittedFeatures, target_features
-from engine.model import causal_mask
+from engine.model import ModelOutput, causal_mask
 from engine.sampling import SamplingParams, gumbel, mask_logits, prompt_key, row_keys, sample
 from engine.slots import SlotState
 from engine.spec.drafter import Admission, DraftContext, DraftShape
@@ -82,6 +85,10 @@ class GenerateRun:
         self._rows = torch.arange(engine.cfg.max_batch, device=self.device)  # [max_batch] a plain step's entry rows, sliced
         self._entries = torch.arange(engine.limits.verify_tokens + engine.limits.depth + 2, device=self.device)  # [root, nodes] indices, sliced
         self.hidden_layers = tuple(sorted(set(self.drafter_layers) | set(self.sink_layers)))
+        # The target's decode forward, chosen once: CUDA graphs (eager outside their shapes), or eager.
+        graphs = engine.graphs
+        self.target = self._eager if graphs is None else graphs.runner(
+            engine.runtime, engine.cache, engine.model.rope_table, self.hidden_layers, speculative=drafter is not None)
 
     def run(self) -> RolloutBatch:
         preempted = False
@@ -250,10 +257,14 @@ class GenerateRun:
         ))
 
     def _forward(self, entries, pos, slots, mask):
+        """The target over entries [b, T] at positions and cache slots [b, T] under mask [b, T, S]; and its seconds."""
         t = time.perf_counter()
-        out = self.e.runtime(entries, pos, cache=self.e.cache, cache_pos=slots, attn_mask=mask, hidden_layers=self.hidden_layers)
+        out = self.target(entries, pos, slots, mask)
         _sync(self.device)
         return out, time.perf_counter() - t
+
+    def _eager(self, entries, pos, slots, mask) -> ModelOutput:
+        return self.e.runtime(entries, pos, cache=self.e.cache, cache_pos=slots, attn_mask=mask, hidden_layers=self.hidden_layers)
 
     def _plain_step(self, b: int):
         """Autoregressive decoding (no draft this step): the general step without tree bookkeeping."""

@@ -14,6 +14,8 @@ Its handles for a training loop:
 - `policy` (engine.spec.policy.SpecPolicy): asked every decode step; the default is the config's
   fixed shape. Any shape within `limits` (engine.spec.max_*) works on any step.
 - `sink` (engine.features.FeatureSink): the target's features of every committed token.
+- `graphs` (engine.graphs.DecodeGraphs): on a CUDA device with `engine.cuda_graphs`, the CUDA
+  graphs the decode loop replays for the target's decode and verify forwards; None elsewhere.
 
 Tokens in, tokens out: tokenisation lives with the caller. Vocabulary: a *slot* is a row of the
 KV cache; *active* rows are slots 0..b-1; a *rollout* is one finished sample.
@@ -30,6 +32,7 @@ from engine.checkpoint import load_checkpoint, parse_dtype
 from engine.config import EngineConfig
 from engine.decode import GenerateRun
 from engine.features import FeatureSink
+from engine.graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.model import Transformer
 from engine.runtime import TargetRuntime
@@ -60,6 +63,10 @@ class RolloutEngine(RolloutBackend):
         self.policy: SpecPolicy = policy or self._config_policy()
         self.sink = sink
         self.max_len = min(self.cfg.max_len, model.config.max_position_embeddings)
+        # Chosen once: on CUDA the decode loop's target forwards replay CUDA graphs; elsewhere they run eager.
+        self.graphs: DecodeGraphs | None = None
+        if self.cfg.cuda_graphs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs.for_config(spec, self.shape, self.cfg.max_batch, model.config, context=self.max_len)
         self.drafter: Drafter | None = None
         self.cache: KVCache | None = None
         self._build_cache(margin=0)

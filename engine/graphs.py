@@ -15,8 +15,10 @@ for the drafter (TLT, arXiv 2511.16665: 30.39 GB for multi-strategy graphs). Buc
 from the model configs (activations of one forward at that shape; the weights and the KV cache
 are shared by all graphs and not counted). `GraphRunner` captures `torch.cuda.CUDAGraph`s of
 the target forward per the plan's target graphs and replays them, padding rows and tokens up
-to the captured shape; anything without a graph (CPU, a larger batch, another width) runs
-eager, so the same calls work everywhere.
+to the captured shape; a call no graph holds (a larger batch, a wider verify) runs eager.
+`DecodeGraphs` is what the engine holds on CUDA (engine.cuda_graphs): the target shapes of its
+speculation policy and the runner its decode loop calls for every target forward. Drafter
+graphs are planned and sized here; the drafters run eager.
 
 Shapes: B rows, T tokens per row, S visible cache slots, H hidden, V vocab, I intermediate size.
 """
@@ -24,13 +26,17 @@ Shapes: B rows, T tokens per row, S visible cache slots, H hidden, V vocab, I in
 from __future__ import annotations
 
 import bisect
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.model import ModelOutput
 from engine.model_config import ModelConfig
+from engine.spec.config import SpecConfig
 from engine.spec.drafter import DraftShape
+from engine.spec.tuner import parse_arm
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -164,28 +170,40 @@ def capture_plan(arms: list[DraftShape | None], thresholds: list[int], max_batch
     return plan
 
 
+@dataclass
+class Captured:
+    """One captured shape: its static inputs, filled before each replay, and the replay, which
+    returns the graph's static outputs."""
+
+    inputs: dict[str, torch.Tensor]  # ids, pos, slots [B, T] long; mask [B, T, cache.max_len] bool
+    replay: Callable[[], ModelOutput]
+
+
+def _replay(graph: torch.cuda.CUDAGraph, out: ModelOutput) -> ModelOutput:
+    graph.replay()
+    return out
+
+
 class GraphRunner:
     """The target forward through CUDA graphs at the plan's (batch, tokens) shapes, eager elsewhere.
 
     `forward` is how the engine runs the target (engine.runtime.TargetRuntime or the Transformer),
     `cache` the engine's KVCache: graphs read and write its storage in place, so a rebuilt cache
-    (engine.attach_drafter growing the margin) needs a new runner. Calls take the engine's decode
-    arguments for rows 0..b-1 with T tokens each and a mask over S <= cache.max_len slots; rows
-    are padded with free cache rows (b..batch-1: the engine keeps nothing there while decoding),
-    tokens with the next tentative slots, the mask with False. The returned tensors are views of
-    the graph's static outputs: read them before the next call.
+    (engine.attach_drafter growing the margin) needs a new runner (DecodeGraphs makes one). Calls
+    take the engine's decode arguments for rows 0..b-1 with T tokens each and a mask over
+    S <= cache.max_len slots; rows are padded with free cache rows (b..batch-1: the engine keeps
+    nothing there while decoding), tokens with the next tentative slots, the mask with False. The
+    returned tensors are contiguous; unless tokens were padded they are views of the graph's
+    static outputs: read them before the next call.
     """
 
     def __init__(self, forward, cache, shapes: list[tuple[int, int]], *, hidden_layers: tuple[int, ...] = ()) -> None:
         self.forward, self.cache, self.hidden_layers = forward, cache, tuple(hidden_layers)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, ModelOutput]] = {}
-        device = cache.k.device
-        if device.type != "cuda":
-            return  # eager: nothing to capture
-        self.pool = torch.cuda.graph_pool_handle()
-        for shape in sorted(set(shapes), reverse=True):  # largest first: smaller graphs reuse its pool
-            if shape[0] <= cache.max_batch:
-                self.graphs[shape] = self._capture(*shape)
+        self.graphs: dict[tuple[int, int], Captured] = {}
+        self.pool = None
+        # Largest first: the smaller graphs reuse its pool.
+        for shape in sorted({s for s in shapes if s[0] <= cache.max_batch}, reverse=True):
+            self.graphs[shape] = self._capture(*shape)
 
     @property
     def captured(self) -> list[tuple[int, int]]:
@@ -197,24 +215,32 @@ class GraphRunner:
         return {"ids": torch.zeros(batch, tokens, dtype=torch.long, device=dev), "pos": pos, "slots": pos.clone(),
                 "mask": torch.arange(S, device=dev) <= pos.unsqueeze(-1)}
 
+    def _run(self, x: dict[str, torch.Tensor]) -> ModelOutput:
+        """The forward on static inputs x (what a graph records)."""
+        return self.forward(x["ids"], x["pos"], cache=self.cache, cache_pos=x["slots"], attn_mask=x["mask"],
+                            hidden_layers=self.hidden_layers)
+
     @torch.inference_mode()
-    def _capture(self, batch: int, tokens: int):
+    def _capture(self, batch: int, tokens: int) -> Captured:
+        if self.cache.k.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the KV cache on a CUDA device, not {self.cache.k.device}; "
+                             "elsewhere the engine runs the forward eagerly (it builds no GraphRunner)")
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         x = self._static_inputs(batch, tokens)
-        run = lambda: self.forward(x["ids"], x["pos"], cache=self.cache, cache_pos=x["slots"], attn_mask=x["mask"],  # noqa: E731
-                                   hidden_layers=self.hidden_layers)
         saved = self.cache.k[:, :batch, :, :tokens].clone(), self.cache.v[:, :batch, :, :tokens].clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up off the capture (lazy inits, autotuning)
             for _ in range(2):
-                run()
+                self._run(x)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = run()
+            out = self._run(x)
         self.cache.k[:, :batch, :, :tokens], self.cache.v[:, :batch, :, :tokens] = saved  # capture wrote dummy entries
         torch.cuda.synchronize()
-        return graph, x, out
+        return Captured(x, functools.partial(_replay, graph, out))
 
     def graph_for(self, batch: int, tokens: int) -> tuple[int, int] | None:
         """The smallest captured shape that holds (batch, tokens), or None (eager)."""
@@ -229,9 +255,9 @@ class GraphRunner:
         if key is None:
             return self.forward(input_ids, positions, cache=self.cache, cache_pos=cache_pos, attn_mask=attn_mask,
                                 hidden_layers=self.hidden_layers)
-        graph, x, out = self.graphs[key]
+        g = self.graphs[key]
         B, W = key
-        ids, pos, slots, mask = x["ids"], x["pos"], x["slots"], x["mask"]
+        ids, pos, slots, mask = g.inputs["ids"], g.inputs["pos"], g.inputs["slots"], g.inputs["mask"]
         S, last = attn_mask.shape[-1], self.cache.max_len - 1
         ids[:b, :T].copy_(input_ids)
         pos[:b, :T].copy_(positions)
@@ -250,7 +276,61 @@ class GraphRunner:
             pos[b:] = torch.arange(W, device=pos.device)
             slots[b:] = pos[b:]
             mask[b:] = torch.arange(mask.shape[-1], device=mask.device) <= pos[b:].unsqueeze(-1)
-        graph.replay()
-        cut = lambda t: t[:b, :T]  # noqa: E731
+        out = g.replay()
+        cut = lambda t: t[:b, :T].contiguous()  # noqa: E731  (a copy only where tokens were padded)
         return ModelOutput(hidden=cut(out.hidden), logits=cut(out.logits) if out.logits is not None else None,
                            layer_hidden={i: cut(h) for i, h in out.layer_hidden.items()})
+
+
+def config_arms(spec: SpecConfig, shape: DraftShape) -> tuple[list[DraftShape | None], list[int], list[list[int]]]:
+    """What the engine's config policy (engine.RolloutEngine._config_policy) may choose, as
+    `capture_plan` takes it: arms (None = off, always a candidate: a step whose drafter proposes
+    nothing runs plain), bucket thresholds, and each bucket's arm indices. The tuner: its arms in
+    its buckets; the fixed shape: in every bucket, or only up to `max_active_batch` rows."""
+    if spec.tuner_arms:
+        arms = [None, *(a for a in (parse_arm(label) for label in spec.tuner_arms) if a is not None)]
+        return arms, list(spec.tuner_buckets), [list(range(len(arms)))] * len(spec.tuner_buckets)
+    if spec.max_active_batch is not None:
+        return [None, shape], [1, spec.max_active_batch + 1], [[0, 1], [0]]
+    return [None, shape], [1], [[0, 1]]
+
+
+class DecodeGraphs:
+    """The engine's graphed target decode: the (batch, tokens) shapes to capture and the
+    GraphRunner that serves the decode loop's target forwards.
+
+    `plain`: the shapes of autoregressive decoding (no drafter attached); `speculative`: those of
+    the policy's arms, off included. A runner's graphs hold what they were captured with: the
+    forward, the KV cache, the RoPE table (its rows are gathered inside the graph) and the hidden
+    layers returned. `runner()` captures on first use and again whenever one of them differs
+    (attach_drafter rebuilds the cache and the table; the drafter and the sink choose the layers),
+    so no graph replays storage the engine has replaced. `make_runner` builds the runner
+    (GraphRunner; tests pass one that records the shapes it serves).
+    """
+
+    def __init__(self, plain: list[tuple[int, int]], speculative: list[tuple[int, int]], *,
+                 make_runner: Callable[..., GraphRunner] = GraphRunner) -> None:
+        self.plain, self.speculative, self.make_runner = sorted(set(plain)), sorted(set(speculative)), make_runner
+        self.current: GraphRunner | None = None
+        # ((forward, cache, RoPE table), (layers, speculative)) of `current`, held: its storage stays alive.
+        self._key: tuple | None = None
+
+    @classmethod
+    def for_config(cls, spec: SpecConfig, shape: DraftShape, max_batch: int, target: ModelConfig, *,
+                   context: int) -> DecodeGraphs:
+        """The target graphs of the engine's config policy (`config_arms`) at batch sizes up to max_batch."""
+        arms, thresholds, bucket_arms = config_arms(spec, shape)
+        plain = capture_plan([None], [1], max_batch, target, context=context)
+        speculative = capture_plan(arms, thresholds, max_batch, target, context=context, bucket_arms=bucket_arms)
+        return cls(plain.target_shapes(), speculative.target_shapes())
+
+    def runner(self, forward, cache, rope_table, hidden_layers: tuple[int, ...], *, speculative: bool) -> GraphRunner:
+        """The runner for a generate() call with this forward, cache, RoPE table and hidden layers;
+        `speculative`: a drafter is attached."""
+        held, asked = (forward, cache, rope_table), (tuple(hidden_layers), speculative)
+        if self._key is None or any(a is not b for a, b in zip(held, self._key[0])) or asked != self._key[1]:
+            self.current = self._key = None  # the old graphs are released before the new ones are captured
+            shapes = self.speculative if speculative else self.plain
+            self.current = self.make_runner(forward, cache, shapes, hidden_layers=asked[0])
+            self._key = held, asked
+        return self.current

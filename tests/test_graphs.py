@@ -1,16 +1,27 @@
-"""Bucketed CUDA graphs: the capture plan (sizes, sharing, memory) on CPU; replay equals eager on CUDA."""
+"""Bucketed CUDA graphs: the capture plan (sizes, sharing, memory) and the engine's use of a runner
+on CPU (a runner whose graphs run eagerly, recording the shapes it serves); on CUDA, replay
+equals eager, and so does a whole generate() with graphs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.graphs import GraphRunner, bucket_ranges, capture_plan, capture_sizes, pad_batch, verify_width
+from engine.checkpoint import load_checkpoint
+from engine.config import EngineConfig
+from engine.engine import RolloutEngine
+from engine.graphs import (Captured, DecodeGraphs, GraphRunner, bucket_ranges, capture_plan, capture_sizes, pad_batch,
+                           verify_width)
 from engine.kv_cache import KVCache
 from engine.model import Transformer, causal_mask
 from engine.model_config import ModelConfig
+from engine.sampling import SamplingParams
+from engine.spec.config import SpecConfig
 from engine.spec.drafter import DraftShape
+from engine.spec.policy import FixedPolicy
 from engine.spec.tuner import parse_arm
+from engine.types import Request
+from tests.spec_drafters import OracleDrafter, RandomDrafter
 
 TLT = [1, 2, 5, 21]
 ARMS = [parse_arm(a) for a in ("off", "d4k1v4", "d4k3v4", "d16k1v16")]
@@ -113,15 +124,154 @@ def prefilled(device: str, dtype=torch.float32, max_batch: int = 8, rows: int = 
     return model, cache
 
 
-def test_on_cpu_the_runner_captures_nothing_and_runs_the_forward_eagerly():
+def test_the_engine_builds_no_graphs_on_cpu_and_a_runner_refuses_a_cpu_cache():
     model, cache = prefilled("cpu")
-    runner = GraphRunner(model, cache, [(8, 1), (8, 5)])
-    assert runner.captured == []
-    ids, pos, slots, mask = decode_inputs(cache, 5, 1, 101, 1)
-    with torch.inference_mode():
-        want = model(ids, pos, cache=cache, cache_pos=slots, attn_mask=mask).logits
-        got = runner(ids, pos, slots, mask).logits
-    assert torch.equal(got, want)
+    engine = RolloutEngine(model, EngineConfig(max_batch=8, max_len=64, cuda_graphs=True))
+    assert engine.graphs is None
+    with pytest.raises(ValueError, match="CUDA device"):
+        GraphRunner(model, cache, [(8, 1)])
+    with pytest.raises(ValueError, match="engine.cuda_graphs must be true or false"):
+        EngineConfig(cuda_graphs="yes").validate()
+
+
+def test_the_config_policy_plans_off_in_every_bucket_and_the_shape_where_the_policy_speculates():
+    fixed, tail, tuner = (
+        DecodeGraphs.for_config(SpecConfig(depth=4, topk=1, verify_tokens=4, **kw), parse_arm("d4k1v4"), 16, config(),
+                                context=64)
+        for kw in ({}, {"max_active_batch": 4}, {"tuner_arms": ["off", "d4k2v6", "d16k1v16"], "tuner_buckets": [1, 5]}))
+    sizes = [1, 2, 4, 8, 16]
+    assert fixed.plain == tail.plain == tuner.plain == [(s, 1) for s in sizes]
+    assert fixed.speculative == sorted([(s, 1) for s in sizes] + [(s, 5) for s in sizes])
+    assert tail.speculative == sorted([(s, 1) for s in sizes] + [(s, 5) for s in (1, 2, 4)])  # speculates at <= 4 rows
+    assert tuner.speculative == sorted((s, t) for s in sizes for t in (1, 7, 17))
+
+
+class EagerGraphRunner(GraphRunner):
+    """A GraphRunner whose "graphs" run the forward eagerly on their padded static inputs, so that
+    its choice of graph and its padding run on a CPU. Records every call's (batch, tokens) with the
+    captured shape chosen for it (None: eager), and every replay."""
+
+    def __init__(self, *args, **kw) -> None:
+        self.calls: list[tuple[tuple[int, int], tuple[int, int] | None]] = []
+        self.replays: list[tuple[int, int]] = []
+        super().__init__(*args, **kw)
+
+    def _capture(self, batch: int, tokens: int) -> Captured:
+        x = self._static_inputs(batch, tokens)
+
+        def replay():
+            self.replays.append((batch, tokens))
+            return self._run(x)
+
+        return Captured(x, replay)
+
+    def __call__(self, input_ids, positions, cache_pos, attn_mask):
+        shape = tuple(input_ids.shape)
+        self.calls.append((shape, self.graph_for(*shape)))
+        return super().__call__(input_ids, positions, cache_pos, attn_mask)
+
+
+GEN = {"greedy": SamplingParams(max_new_tokens=40, temperature=0.0),
+       "T1-top-p0.9": SamplingParams(max_new_tokens=40, temperature=1.0, top_p=0.9, seed=5)}
+
+
+def varied_requests() -> list[Request]:
+    """Prompts of 3-11 tokens under max_len 36: rows reach their limit at different steps, so the batch shrinks."""
+    g = torch.Generator().manual_seed(4)
+    return [Request(prompt_id=f"p{i}", prompt=torch.randint(3, 101, (3 + 2 * i,), generator=g).tolist(), n=2) for i in range(5)]
+
+
+def generate(folder, drafter=None, topk: int = 1, runner_shapes=None, params=GEN["greedy"]):
+    """Rollouts (with step records) and the runner (None: eager) of the llama fixture at float32
+    (the CPU kernels), speculating with `drafter` (chains for topk 1) if one is given."""
+    spec = SpecConfig(depth=4, topk=topk, verify_tokens=6)
+    engine = RolloutEngine(load_checkpoint(folder, dtype=torch.float32), EngineConfig(max_batch=8, max_len=36, spec=spec), drafter)
+    if runner_shapes is not None:
+        engine.graphs = DecodeGraphs(runner_shapes, runner_shapes, make_runner=EagerGraphRunner)
+    out = engine.generate(varied_requests(), params)
+    return out, engine.graphs.current if engine.graphs is not None else None
+
+
+def smallest_of(shapes):
+    """The expected graph for (b, T): the captured shape of fewest entries that holds it (None: eager)."""
+    return lambda b, T: min((s for s in shapes if s[0] >= b and s[1] >= T), key=lambda s: s[0] * s[1], default=None)
+
+
+SHAPES = [(4, 1), (4, 5), (2, 7)]  # rows 3-4: decode or a chain of 4; rows 1-2: anything up to 6 drafts
+CASES = {  # drafter (given the autoregressive rollouts), topk, tokens a step (None: 1 + the step's widest draft)
+    "autoregressive": (lambda ref: None, 1, 1),
+    "random chain": (lambda ref: RandomDrafter(101), 1, 5),  # rarely accepted
+    "random tree": (lambda ref: RandomDrafter(101), 3, 7),
+    "oracle chain": (lambda ref: OracleDrafter(ref), 1, None),  # all accepted: the padding must not touch them
+}
+
+
+@pytest.mark.parametrize("params", GEN.values(), ids=GEN.keys())
+@pytest.mark.parametrize("case", CASES)
+def test_decode_asks_the_runner_for_each_steps_rows_and_tokens_and_its_tokens_equal_eager(hf_folders, case, params):
+    """Rows and tokens padded up to a captured shape where one holds them (the verify width padded
+    too: a chain of 5 tokens in a (2, 7) graph), the eager forward elsewhere; the same rollouts."""
+    make_drafter, topk, tokens = CASES[case]
+    autoregressive = generate(hf_folders["llama"], params=params)[0] if case == "oracle chain" else None
+    eager, none = generate(hf_folders["llama"], make_drafter(autoregressive), topk, params=params)
+    graphed, runner = generate(hf_folders["llama"], make_drafter(autoregressive), topk, SHAPES, params=params)
+    assert none is None and runner.captured == sorted(SHAPES)
+    assert [r.tokens for r in graphed] == [r.tokens for r in eager]
+    assert [r.logprobs for r in graphed] == [r.logprobs for r in eager]
+    steps = graphed.steps
+    assert len({s.batch_size for s in steps}) > 2  # the batch shrank (and grew on admission)
+    asked = [(s.batch_size, tokens or 1 + max(s.drafted)) for s in steps]
+    assert [shape for shape, _ in runner.calls] == asked  # one target pass a step, at the step's rows and tokens
+    assert [graph for _, graph in runner.calls] == [smallest_of(SHAPES)(*shape) for shape in asked]
+    assert runner.replays == [graph for _, graph in runner.calls if graph is not None]
+    assert any(graph is None for _, graph in runner.calls) and runner.replays  # both paths served
+    if case == "oracle chain":
+        assert graphed.stats.accepted == graphed.stats.drafted > 0
+
+
+def test_decode_graphs_capture_again_only_when_what_the_runner_holds_changes():
+    made = []
+    graphs = DecodeGraphs([(8, 1)], [(8, 1), (8, 5)], make_runner=lambda *args, **kw: made.append((args, kw)) or len(made))
+    forward, cache, rope = object(), object(), object()
+    assert graphs.runner(forward, cache, rope, (), speculative=False) == 1
+    assert graphs.runner(forward, cache, rope, (), speculative=False) == 1  # the same call: the same graphs
+    assert made[0] == ((forward, cache, [(8, 1)]), {"hidden_layers": ()})
+    other = object()
+    assert [graphs.runner(*held, layers, speculative=spec) for held, layers, spec in [
+        ((other, cache, rope), (), False), ((other, other, rope), (), False), ((other, other, other), (), False),
+        ((other, other, other), (1,), False), ((other, other, other), (1,), True), ((other, other, other), (1,), True),
+    ]] == [2, 3, 4, 5, 6, 6]
+    assert made[-1] == ((other, other, [(8, 1), (8, 5)]), {"hidden_layers": (1,)})
+
+
+def test_an_engine_captures_again_after_attach_drafter_and_for_a_sinks_layers(hf_folders):
+    params = GEN["T1-top-p0.9"]
+    model = load_checkpoint(hf_folders["llama"], dtype=torch.float32)
+    engine = RolloutEngine(model, EngineConfig(max_batch=8, max_len=36, spec=SpecConfig(depth=4, topk=1, verify_tokens=6)))
+    engine.graphs = DecodeGraphs([(8, 1)], [(8, 1), (8, 5)], make_runner=EagerGraphRunner)
+    plain = engine.generate(varied_requests(), params)
+    first = engine.graphs.current
+    engine.generate(varied_requests(), params)
+    assert engine.graphs.current is first and first.captured == [(8, 1)]
+    engine.attach_drafter(RandomDrafter(101))  # a new cache, with room for drafts
+    spec = engine.generate(varied_requests(), params)
+    second = engine.graphs.current
+    assert second is not first and second.cache is engine.cache and second.captured == [(8, 1), (8, 5)]
+    assert [r.tokens for r in spec] == [r.tokens for r in plain] and second.replays
+
+    class Sink:
+        feature_layers = (1,)
+
+        def prompt(self, *args) -> None:
+            pass
+
+        def tokens(self, committed) -> None:
+            self.rows = committed.features.shape[0]
+
+    engine.sink = Sink()
+    engine.generate(varied_requests(), params)
+    assert engine.graphs.current is not second and engine.graphs.current.hidden_layers == (1,)
+    assert engine.sink.rows > 0
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; this machine has no GPU")
@@ -151,57 +301,40 @@ def test_graph_replay_equals_eager_on_the_same_cache(b, tokens):
         eager_cache.lengths[:b] += tokens
 
 
-class _GraphedRuntime:
-    """The engine's runtime with its decode forwards (cache_pos given) through a GraphRunner."""
-
-    def __init__(self, runtime, runner: GraphRunner) -> None:
-        self._runtime, self._runner = runtime, runner
-
-    def __call__(self, input_ids, positions, cache=None, cache_pos=None, attn_mask=None, logits=True, hidden_layers=()):
-        if cache is self._runner.cache and cache_pos is not None and logits and tuple(hidden_layers) == self._runner.hidden_layers:
-            return self._runner(input_ids, positions, cache_pos, attn_mask)
-        return self._runtime(input_ids, positions, cache=cache, cache_pos=cache_pos, attn_mask=attn_mask, logits=logits,
-                             hidden_layers=hidden_layers)
-
-    def __getattr__(self, name):
-        return getattr(self._runtime, name)
-
-
 @pytest.mark.gpu
 @cuda
-def test_rollouts_through_graphs_equal_eager_rollouts_speculative_and_not(hf_folders):
-    from engine.checkpoint import load_checkpoint
-    from engine.config import EngineConfig
-    from engine.engine import RolloutEngine
-    from engine.graphs import capture_plan
-    from engine.sampling import SamplingParams
-    from engine.spec.config import SpecConfig
+def test_generate_with_cuda_graphs_equals_eager_token_for_token(hf_folders, monkeypatch):
+    """engine.cuda_graphs on and off, plain and then speculative (attach_drafter rebuilds the cache:
+    graphs are captured again) with off, a chain padded to the tree's width, and the tree."""
     from engine.spec.eagle import EagleConfig, EagleModel
     from engine.spec.eagle_drafter import EagleDrafter
-    from engine.types import Request
 
-    params = SamplingParams(max_new_tokens=32, temperature=1.0, seed=3)
-    reqs = [Request(prompt_id=f"g{i}", prompt=[5 + i, 9, 17, 4], n=2) for i in range(3)]
+    replays = []
+    replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: (replays.append(graph), replay(graph))[1])
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, seed=3)
+    reqs = [Request(prompt_id=f"g{i}", prompt=[5 + i, 9, 17, 4] * (i + 1), n=2) for i in range(3)]  # limits differ: the batch shrinks
     arms = [parse_arm(a) for a in ("off", "d4k1v4", "d4k2v6")]
-    results = []
-    for graphed in (False, True):
+    results = {}
+    for graphs in (False, True):
         target = load_checkpoint(hf_folders["llama"], dtype=torch.float64, device="cuda")
-        cfg = EngineConfig(max_batch=8, max_len=64, device="cuda", spec=SpecConfig(depth=4, topk=2, verify_tokens=6))
+        cfg = EngineConfig(max_batch=8, max_len=40, device="cuda", cuda_graphs=graphs,
+                           spec=SpecConfig(depth=4, topk=2, verify_tokens=6))
+        engine = RolloutEngine(target, cfg)
+        assert (engine.graphs is not None) == graphs
+        out = [[(r.tokens, r.logprobs) for r in engine.generate(reqs, params)]]
         torch.manual_seed(0)
-        drafter = EagleDrafter(EagleModel(EagleConfig.for_target(target.config), target).double().cuda())
-        engine = RolloutEngine(target, cfg, drafter)
-        if graphed:
-            plan = capture_plan(arms, TLT, 8, target.config, context=engine.cache.max_len)
-            layers = tuple(sorted(set(drafter.feature_layers)))
-            runner = GraphRunner(engine.runtime, engine.cache, plan.target_shapes(), hidden_layers=layers)
-            assert runner.captured
-            engine.runtime = _GraphedRuntime(engine.runtime, runner)
-        out = []
+        engine.attach_drafter(EagleDrafter(EagleModel(EagleConfig.for_target(target.config), target).double().cuda()))
         for arm in arms:
-            from engine.spec.policy import FixedPolicy
-
             engine.policy = FixedPolicy(arm)
-            out.append([r.tokens for r in engine.generate(reqs, params)])
-        results.append(out)
-    assert results[0] == results[1]
-    assert results[0][0] == results[0][1] == results[0][2]
+            out.append([(r.tokens, r.logprobs) for r in engine.generate(reqs, params)])
+        results[graphs] = out
+        if graphs:
+            runner = engine.graphs.current
+            assert runner.cache is engine.cache and {(8, 1), (8, 7)} <= set(runner.captured)
+    assert replays
+    for eager, graphed in zip(results[False], results[True]):
+        assert [t for t, _ in graphed] == [t for t, _ in eager]
+        for (_, a), (_, b) in zip(eager, graphed):
+            assert b == pytest.approx(a, abs=1e-9)
+    assert all([t for t, _ in run] == [t for t, _ in results[True][0]] for run in results[True])  # speculation changes no token
