@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
               "bubble.enabled=false", "trainer.async_steps=0", *args.overrides]
     try:
         cfg = load_config(TrainConfig, args.config, common)
-        if not cfg.engine.spec.enabled or "+" in cfg.engine.spec.drafter:
+        if not cfg.engine.spec.enabled or cfg.engine.spec.drafter_spec.composed:
             raise ValueError("bench.bubble needs engine.spec.enabled=true with a single drafter (eagle, eagle3 or ngram)")
         lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else [cfg.actor.lr]
     except (FileNotFoundError, ValueError) as e:

@@ -50,7 +50,7 @@ def run_steps(config: str, steps: int, overrides: list[str], out: str | None, as
 
     try:
         base = load_config(TrainConfig, config, common).engine.spec
-        if not base.enabled or "+" in base.drafter:
+        if not base.enabled or base.drafter_spec.composed:
             raise ValueError("bench.bubble needs engine.spec.enabled=true with a single drafter (eagle, eagle3 or ngram)")
         plan = [("warmup", ["trainer.steps=1"]),
                 ("bubble", ["bubble.enabled=true", f"engine.spec.drafter=pregenerated+{base.drafter}"]),

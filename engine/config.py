@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.backends.vllm_config import SERVED_DRAFTERS, VllmConfig
+from engine.backends.vllm_config import SERVED, VllmConfig, vllm_serves
 from engine.spec.config import SpecConfig
 
 
@@ -47,6 +47,6 @@ class EngineConfig:
                              f"engine.dtype=float32 and engine.backend=native (got {self.dtype}, {self.backend})")
         self.spec.validate()
         self.vllm.validate()
-        if self.backend == "vllm" and self.spec.enabled and self.spec.drafter not in SERVED_DRAFTERS:
-            raise ValueError(f"engine.backend=vllm serves engine.spec.drafter {', '.join(SERVED_DRAFTERS)}, got {self.spec.drafter!r} "
+        if self.backend == "vllm" and self.spec.enabled and not vllm_serves(self.spec.drafter_spec):
+            raise ValueError(f"engine.backend=vllm serves engine.spec.drafter {SERVED}, got {self.spec.drafter!r} "
                              "(compositions and pre-generated drafts are the native engine's)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.backends.vllm_config import MODEL_DRAFTERS
+from engine.backends.vllm_config import VLLM_METHODS, vllm_network
 from engine.config import EngineConfig
 from launch.cluster_config import ClusterSection
 from pipeline.actors.base import ActorConfig
@@ -135,7 +135,7 @@ class TrainConfig:
             raise ValueError("spot.enabled trains the engine's EAGLE drafter, but engine.spec.enabled is false: set "
                              "spot.enabled=false, or turn speculation on with an EAGLE drafter (engine.spec.drafter: eagle)")
         if self.bubble.enabled:
-            if not (self.engine.spec.enabled and self.engine.spec.drafter.startswith("pregenerated+")):
+            if not (self.engine.spec.enabled and self.engine.spec.drafter_spec.pregenerated):
                 raise ValueError("bubble.enabled needs engine.spec.enabled: true and a drafter that proposes pre-generated "
                                  f"responses first (engine.spec.drafter: pregenerated+eagle), got {self.engine.spec.drafter!r}")
             if self.trainer.async_steps:
@@ -157,7 +157,8 @@ class TrainConfig:
         if self.bubble.enabled:
             raise ValueError("bubble.enabled needs engine.backend=native: vLLM cannot preempt a generate call nor take "
                              "pre-generated drafts; set bubble.enabled=false with engine.backend=vllm")
-        if self.spot.enabled and not (self.engine.spec.enabled and self.engine.spec.drafter in MODEL_DRAFTERS):
+        spec = self.engine.spec
+        if self.spot.enabled and not (spec.enabled and vllm_network(spec.drafter_spec)):
             raise ValueError("spot.enabled with engine.backend=vllm trains the drafter vLLM serves: set "
-                             "engine.spec.enabled=true and engine.spec.drafter=eagle, eagle3_vllm or mtp "
-                             f"(got {self.engine.spec.drafter!r})")
+                             f"engine.spec.enabled=true and engine.spec.drafter={' or '.join(VLLM_METHODS)} "
+                             f"(got {spec.drafter!r})")

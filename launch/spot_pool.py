@@ -13,6 +13,7 @@ import argparse
 import os
 import signal
 import sys
+from dataclasses import MISSING, fields
 
 from launch.config import from_dict
 from pipeline.dist import init_ranks, shutdown
@@ -41,13 +42,12 @@ def parse(argv: list[str] | None) -> tuple[PoolConfig, float]:
     p.add_argument("--drafter", required=True, help="warm-start drafter folder (EagleModel.save layout)")
     p.add_argument("--buffer", required=True, help="this node's DataBuffer segment name (spot.buffer.segment_name)")
     p.add_argument("--out", required=True, help="checkpoints/, published/ and STOP go here (shared by all members)")
-    defaults = PoolConfig(target="", drafter="", buffer="", out="")
-    for key in ("micro_steps", "checkpoint_every", "publish_every", "keep_published", "keep_checkpoints",
-                "rows_per_step", "window", "offset_ratio", "lr", "warmup_steps", "seed", "poll_s", "log_every",
-                "device"):
-        value = getattr(defaults, key)
+    for f in fields(PoolConfig):  # every key with a default is a flag: PoolConfig is the one declaration
+        if f.default is MISSING:
+            continue  # the four required above
+        value = f.default
         kind = float if isinstance(value, float) else str if isinstance(value, str) else int
-        p.add_argument("--" + key.replace("_", "-"), type=kind, default=value, help=f"default {value}")
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=value, help=f"default {value}")
     p.add_argument("--pg-timeout", type=float, default=300.0,
                    help="seconds a collective may wait for a member before the pool restarts without it")
     args = vars(p.parse_args(argv))

@@ -53,8 +53,8 @@ class StepSampling:
 
     @property
     def is_policy(self) -> bool:
-        """Samples from the policy itself (T = 1, no truncation): the sampler's log-probs are the policy's."""
-        return self.temperature == 1.0 and self.top_p == 1.0 and self.top_k == 0
+        """Samples from the policy itself (SamplingParams.samples_policy, the same on every step)."""
+        return self(0).samples_policy
 
     def __call__(self, step: int) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,

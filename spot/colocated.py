@@ -30,7 +30,6 @@ from spot.config import SpotConfig
 from common.idle import ControlPlane, IdleWork
 from engine.backend import RolloutBackend
 from spot.coordinator import SpotSettings, SpotWork
-from spot.drafter_training import DrafterOptim
 from spot.sink import DataBufferSink
 from spot.trainer import SpotTrainer
 
@@ -61,10 +60,6 @@ def drafter_copy(net: EagleModel) -> EagleModel:
     copy = EagleModel(net.config, net.target, vocab).to(net.fc.weight.device, net.fc.weight.dtype)
     copy.load_state_dict(net.state_dict())
     return copy
-
-
-def optim_of(cfg: SpotConfig) -> DrafterOptim:
-    return cfg.optim()
 
 
 def build_spot_work(cfg: SpotConfig, engine: RolloutBackend, *, run_name: str, rank: int, local_rank: int, world: int,
@@ -103,9 +98,9 @@ def build_spot_work(cfg: SpotConfig, engine: RolloutBackend, *, run_name: str, r
     model = net if from_actor else drafter_copy(net)  # the served one lives in vLLM: this is a copy already
     kw = dict(window=cfg.window, rows_per_step=cfg.rows_per_step, seed=seed * 1000 + rank, chunk_windows=cfg.chunk_windows)
     if resume is not None and (resume / "spot").is_dir():
-        trainer = SpotTrainer.resume(resume / "spot", model, optim_of(cfg), **kw)
+        trainer = SpotTrainer.resume(resume / "spot", model, cfg.optim(), **kw)
     else:
-        trainer = SpotTrainer(model, optim_of(cfg), **kw)
+        trainer = SpotTrainer(model, cfg.optim(), **kw)
     control = ControlPlane(store, rank, world) if store is not None else None
     settings = SpotSettings(rows_per_step=cfg.rows_per_step, offset_ratio=cfg.offset_ratio,
                             max_micro_steps=cfg.max_micro_steps, seed=seed)

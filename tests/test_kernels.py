@@ -94,8 +94,7 @@ def test_packed_forward_with_kernels_equals_the_module_forward(hf_folders, famil
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("min_confidence", [0.0, 0.99], ids=["full-depth", "confidence-stop"])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32-weights", "bf16-weights"])
-def test_compiled_chain_draft_proposes_what_the_python_chain_proposes(hf_folders, kind, temperature, min_confidence, bf16,
-                                                                      monkeypatch):
+def test_compiled_chain_draft_proposes_what_the_python_chain_proposes(hf_folders, kind, temperature, min_confidence, bf16):
     runtime = TargetRuntime(load_checkpoint(hf_folders["llama"]))
     target = runtime.model
     torch.manual_seed(4)
@@ -109,10 +108,10 @@ def test_compiled_chain_draft_proposes_what_the_python_chain_proposes(hf_folders
         out = runtime(prompt, torch.arange(5).expand(2, 5), hidden_layers=tuple(net.config.aux_layers))
     feats = torch.cat([out.layer_hidden[i] for i in net.config.aux_layers] + [out.hidden], -1)
 
-    def draft() -> list[list[int]]:
+    def draft(reference: bool) -> list[list[int]]:
         from engine.spec.drafter import Admission
 
-        drafter = EagleDrafter(net, bf16_weights=bf16)
+        drafter = EagleDrafter(net, bf16_weights=bf16, reference=reference)
         shape = DraftShape(depth=6, topk=1, verify_tokens=6, min_confidence=min_confidence)
         drafter.reset(2, 64, params, shape)
         drafter.admit(Admission(slots=torch.tensor([0, 1]), owner=torch.tensor([0, 1]), tokens=prompt,
@@ -128,11 +127,10 @@ def test_compiled_chain_draft_proposes_what_the_python_chain_proposes(hf_folders
 
     assert chain_kernel.supported(EagleDrafter(net).rt)
     assert EagleDrafter(net, bf16_weights=bf16).rt.bf16 == bf16
-    compiled = draft()
+    compiled = draft(reference=False)
     if min_confidence > 0:  # the stop acts: a chain ends early (else comparing lengths says nothing)
         assert min(compiled[1]) < 6
-    monkeypatch.setattr(chain_kernel, "supported", lambda rt: False)
-    assert draft() == compiled
+    assert draft(reference=True) == compiled
 
 
 def test_rope_write_attend_equals_rope_then_cache_write_then_attention():

@@ -7,9 +7,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The drafters vLLM serves: the model drafters (their weights are exported and pushed), and ngram.
-MODEL_DRAFTERS = ("eagle", "eagle3_vllm", "mtp")
-SERVED_DRAFTERS = (*MODEL_DRAFTERS, "ngram")
+from engine.spec.drafter_spec import DrafterSpec
+
+# The drafters vLLM serves are single parts (compositions and pre-generated drafts are the native
+# engine's): ngram, or a learned network of one of these kinds (its weights are exported and
+# pushed), by the vLLM speculative method that runs it.
+VLLM_METHODS = {"eagle": "eagle", "eagle3_vllm": "eagle3", "mtp": "mtp"}
+SERVED = ", ".join((*VLLM_METHODS, "ngram"))  # for messages
+
+
+def vllm_serves(drafter: DrafterSpec) -> bool:
+    return not drafter.composed and (drafter.ngram or drafter.learned in VLLM_METHODS)
+
+
+def vllm_network(drafter: DrafterSpec) -> str | None:
+    """The learned kind whose network vLLM serves for this drafter, or None (ngram, or not served)."""
+    return drafter.learned if vllm_serves(drafter) else None
 
 
 @dataclass(kw_only=True)

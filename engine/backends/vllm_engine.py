@@ -37,7 +37,7 @@ from pathlib import Path
 
 from common.buckets import buckets_of
 from engine.backend import BackendCapabilities, RolloutBackend
-from engine.backends.vllm_config import MODEL_DRAFTERS
+from engine.backends.vllm_config import SERVED, VLLM_METHODS, vllm_network, vllm_serves
 from engine.backends.vllm_export import export_eagle, vllm_eagle3_tensors
 from engine.backends.vllm_mtp import export_mtp, mtp_tensors, with_zero_biases
 from engine.backends.vllm_schedule import arm_tokens, vllm_schedule
@@ -64,23 +64,24 @@ def speculative_config(cfg: EngineConfig, export_dir: Path) -> dict | None:
         k, schedule = spec.depth, None
     if k < 1:
         raise ValueError("engine.spec.tuner_arms are all 'off': set engine.spec.enabled=false instead")
-    if spec.drafter == "ngram":
+    drafter = spec.drafter_spec
+    if not vllm_serves(drafter):
+        raise ValueError(f"engine.backend=vllm serves engine.spec.drafter {SERVED}, got {spec.drafter!r}")
+    if drafter.ngram:
         out = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": cfg.vllm.ngram_max}
-    elif spec.drafter in ("eagle", "eagle3_vllm"):
-        method = "eagle" if spec.drafter == "eagle" else "eagle3"
-        out = {"method": method, "model": str(export_eagle(spec.drafter_path, export_dir / method)),
-               "num_speculative_tokens": k}
-    elif spec.drafter == "mtp":  # the head is in the served model's own folder (served_model)
+    elif drafter.learned == "mtp":  # the head is in the served model's own folder (served_model)
         out = {"method": "mtp", "num_speculative_tokens": k}
     else:
-        raise ValueError(f"engine.backend=vllm serves engine.spec.drafter eagle, eagle3_vllm, mtp or ngram, got {spec.drafter!r}")
+        method = VLLM_METHODS[drafter.learned]
+        out = {"method": method, "model": str(export_eagle(spec.drafter_path, export_dir / method)),
+               "num_speculative_tokens": k}
     if schedule is not None:
         out["num_speculative_tokens_per_batch_size"] = schedule
     return out
 
 
 def serves_mtp(cfg: EngineConfig) -> bool:
-    return cfg.spec.enabled and cfg.spec.drafter == "mtp"
+    return cfg.spec.enabled and vllm_network(cfg.spec.drafter_spec) == "mtp"
 
 
 def served_model(model_path: str | Path, cfg: EngineConfig, export_dir: Path) -> Path:
@@ -90,7 +91,7 @@ def served_model(model_path: str | Path, cfg: EngineConfig, export_dir: Path) ->
 
 def _draft_vocab(cfg: EngineConfig):
     """An eagle3_vllm drafter's draft vocabulary (its pushes carry d2t), or None."""
-    if not (cfg.spec.enabled and cfg.spec.drafter == "eagle3_vllm"):
+    if not (cfg.spec.enabled and vllm_network(cfg.spec.drafter_spec) == "eagle3_vllm"):
         return None
     from safetensors import safe_open
 
@@ -218,14 +219,15 @@ class VllmEngine(RolloutBackend):
     def load_drafter_weights(self, named_tensors, version: int) -> None:
         """The drafter's weights by this project's names (`fc.weight`, `layers.0.*`; an mtp head's are
         renamed to MiMo's `model.mtp_layers.0.*`)."""
-        if not (self.cfg.spec.enabled and self.cfg.spec.drafter in MODEL_DRAFTERS):
+        network = vllm_network(self.cfg.spec.drafter_spec) if self.cfg.spec.enabled else None
+        if network is None:
             raise ValueError("load_drafter_weights: this vLLM engine serves no model drafter (engine.spec.drafter="
-                             f"{' / '.join(MODEL_DRAFTERS)})")
+                             f"{' / '.join(VLLM_METHODS)})")
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         named = [(n, t.detach().to("cpu").clone()) for n, t in items if n != "draft_vocab"]
         if serves_mtp(self.cfg):
             named = list(mtp_tensors(dict(named)).items())
-        elif self.cfg.spec.drafter == "eagle3_vllm":  # SpecForge names, and the draft vocabulary's d2t again
+        elif network == "eagle3_vllm":  # SpecForge names, and the draft vocabulary's d2t again
             named = list(vllm_eagle3_tensors(dict(named), self._draft_vocab).items())
         self._drafter_named = named
         self._push("tailspec_load_drafter_weights", named, "drafter_version", version)

@@ -27,6 +27,7 @@ import statistics
 from collections import deque
 
 from engine.spec.drafter import DraftShape
+from engine.spec.policy import SpecPolicy
 from engine.types import StepRecord
 
 _LABEL = re.compile(r"^d(\d+)k(\d+)v(\d+)(?:c(0?\.\d+))?$")
@@ -118,7 +119,7 @@ def _tuple(x):
     return tuple(_tuple(v) for v in x) if isinstance(x, list) else x
 
 
-class TunerPolicy:
+class TunerPolicy(SpecPolicy):
     """A SpecPolicy that learns which arm pays per batch-size bucket."""
 
     def __init__(self, arms: list[DraftShape | None], thresholds: list[int], *, epsilon: float = 0.1, window: int = 300,
