@@ -16,6 +16,7 @@ from pipeline.metrics import MetricsConfig, MetricsLogger
 from pipeline.metrics.dashboard import dashboard_figure, main, render_dashboard
 from pipeline.metrics.history import load_history
 from pipeline.metrics.jsonl import read_records
+from pipeline.metrics.lengths import length_stats
 from pipeline.metrics.sinks import ConsoleSink, JsonlSink, resolve_wandb_mode
 from pipeline.metrics.summary import summary_lines, write_summary
 
@@ -37,12 +38,11 @@ def step_metrics(step: int) -> dict[str, float]:
 
 
 def write_run(run_dir: Path, steps: int, *, eval_every: int = 0, lengths: bool = True) -> None:
-    sink = JsonlSink(run_dir)
-    for step in range(steps):
-        sink.write(step, step_metrics(step), [10 + step, 20 + step, 30] if lengths else None)
-        if eval_every and step % eval_every == 0:
-            sink.write(step, {"eval/accuracy": 0.3 + 0.1 * step}, None)
-    sink.close()
+    with MetricsLogger(run_dir, [JsonlSink(run_dir)]) as logger:
+        for step in range(steps):
+            logger.log(step, step_metrics(step), lengths=[10 + step, 20 + step, 30] if lengths else None)
+            if eval_every and step % eval_every == 0:
+                logger.log(step, {"eval/accuracy": 0.3 + 0.1 * step})
 
 
 @pytest.mark.slow  # W&B's offline init starts its service process (~1-3 s)
@@ -55,13 +55,14 @@ def test_logger_writes_jsonl_wandb_offline_and_console(tmp_path, capsys):
         logger.log(1, step_metrics(1), lengths=[11, 21])
         logger.log(1, {"eval/accuracy": 0.4})
     assert read_records(tmp_path / "metrics.jsonl") == [
-        {"step": 0, **step_metrics(0)}, {"step": 1, **step_metrics(1)}, {"step": 1, "eval/accuracy": 0.4}]
+        {"step": 0, **step_metrics(0), **length_stats([10, 20])},
+        {"step": 1, **step_metrics(1), **length_stats([11, 21])}, {"step": 1, "eval/accuracy": 0.4}]
     assert read_records(tmp_path / "lengths.jsonl") == [{"step": 0, "lengths": [10, 20]},
                                                         {"step": 1, "lengths": [11, 21]}]
     offline_runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 1 and list(offline_runs[0].glob("run-*.wandb"))
     out = capsys.readouterr().out
-    assert "step 1  reward 0.100  len 51  max 101  rollout 5.0s  accept 3.00  tok/s 400  idle 10%" in out
+    assert "step 1  reward 0.100  len p50 16  max 21  rollout 5.0s  accept 3.00  tok/s 400  idle 10%" in out
     assert "step 1  eval 0.400" in out
 
 
@@ -87,7 +88,9 @@ def test_jsonl_lines_survive_a_crash(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, timeout=60)
     assert proc.returncode == 3
-    assert read_records(tmp_path / "metrics.jsonl") == [{"step": s, "reward/mean": s / 2} for s in range(3)]
+    records = read_records(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["reward/mean"], r["rollout/response_length/max"]) for r in records] == [
+        (s, s / 2, s) for s in range(3)]
     assert [r["lengths"] for r in read_records(tmp_path / "lengths.jsonl")] == [[0], [1], [2]]
 
 
@@ -100,7 +103,8 @@ def test_resume_drops_later_steps_and_a_torn_line(tmp_path):
     logger.log(3, {"reward/mean": 9.0}, lengths=[7])
     logger.close()
     records = read_records(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in records] == [0, 1, 2, 3] and records[-1] == {"step": 3, "reward/mean": 9.0}
+    assert [r["step"] for r in records] == [0, 1, 2, 3] and records[-1] == {"step": 3, "reward/mean": 9.0,
+                                                                           **length_stats([7])}
     assert [r["step"] for r in read_records(tmp_path / "lengths.jsonl")] == [0, 1, 2, 3]
 
 
@@ -184,7 +188,7 @@ def test_dashboard_renders_every_panel_from_a_run_folder(tmp_path, capsys):
     png = tmp_path / "dashboard.png"
     assert capsys.readouterr().out == f"dashboard: {png}\nsummary: {tmp_path / 'summary.txt'}\n"
     assert png.stat().st_size < 200_000
-    assert Image.open(png).size == (1350, 756)
+    assert Image.open(png).size == (1800, 756)
 
 
 def test_dashboard_panels_without_data_say_so(tmp_path):
@@ -193,7 +197,8 @@ def test_dashboard_panels_without_data_say_so(tmp_path):
     sink.close()
     fig = dashboard_figure(load_history(tmp_path), "t")
     notes = sorted(t.get_text() for ax in fig.axes for t in ax.texts)
-    assert notes == ["no response lengths (lengths.jsonl) logged", "no rollout/tokens_per_s logged",
+    assert notes == ["no response lengths (lengths.jsonl) logged", "no rollout/response_length/p50, p90 or max logged",
+                     "no rollout/tokens_per_s logged",
                      "no spec/accept_len or spec/accept_rate logged", "no timing/idle/rank<r> with timing/step logged",
                      "no timing/step logged"]
     assert render_dashboard(tmp_path).exists()

@@ -1,27 +1,36 @@
 """dashboard.png: one figure of a run, drawn from its folder's files alone.
 
 Panels: mean reward (with its std band) and held-out accuracy over steps; the response-length
-distribution of the first and last quarter of the steps; the step time split into rollout /
-idle / log-prob / update / sync / other; accept length and rate; each rank's idle share;
-rollout throughput. A panel whose metrics the run did not log says so instead.
+percentiles (p50, p90, max) per step, on a log scale when the tail is ten times the median or
+more; the response-length distribution of the first and last quarter of the steps; rollout
+throughput; the step time split into rollout / idle / log-prob / update / sync / other; accept
+length and rate; each rank's idle share. A panel whose metrics the run did not log says so
+instead. When the run is compared with a reference run (pipeline.metrics.comparison: given, or
+the folder's comparison.json) a further panel shows the step-time ratio per step (reference /
+this run) and its mean; without a comparison there is no such panel.
 
-`python -m pipeline.metrics.dashboard runs/<run>` rebuilds the dashboard and summary.txt.
-Drawn on matplotlib's Agg canvas directly (no pyplot, no global backend switch).
+`python -m pipeline.metrics.dashboard runs/<run> [--compare runs/<reference>]` rebuilds the
+dashboard and summary.txt. Drawn on matplotlib's Agg canvas directly (no pyplot, no global
+backend switch).
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import LogFormatter
 from PIL import Image
 
 from common.atomic import atomic_write
+from pipeline.metrics.comparison import Comparison, compare_runs, read_comparison
 from pipeline.metrics.history import TIME_SPLIT, RunHistory, load_history
+from pipeline.metrics.lengths import PERCENTILES, length_metric
 from pipeline.metrics.summary import write_summary
 
 DASHBOARD_FILE = "dashboard.png"
@@ -57,6 +66,31 @@ def _reward(ax: Axes, h: RunHistory) -> None:
         acc_ax.set_ylabel("held-out accuracy")
         acc_ax.set_ylim(0, 1)
     ax.legend(handles=handles, loc="lower right", fontsize=8)
+
+
+LENGTH_LINES = [(f"p{q}", color) for q, color in zip(PERCENTILES, ("#4C72B0", "#DD8452"))] + [("max", "#C44E52")]
+WIDE_SPREAD = 10  # max / p50 from which the length panel's y axis is logarithmic: the median stays readable
+
+
+def _length_percentiles(ax: Axes, h: RunHistory) -> None:
+    ax.set_title("Response length percentiles")
+    lines = [(stat, color, *h.series(length_metric(stat))) for stat, color in LENGTH_LINES]
+    lines = [line for line in lines if line[2]]
+    if not lines:
+        return _no_data(ax, f"{length_metric('p50')}, p90 or max")
+    for stat, color, steps, values in lines:
+        ax.plot(steps, values, color=color, label=stat, marker="o" if len(steps) == 1 else None)
+    # The tail against the median: the lowest line (p50 when logged) against the highest (max).
+    low, high = min((v for v in lines[0][3] if v > 0), default=0), max(lines[-1][3])
+    if low and high / low >= WIDE_SPREAD:
+        ax.set_yscale("log")
+        for axis_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            axis_formatter(LogFormatter(labelOnlyBase=False))  # "300", not "3x10^2": lengths are read as counts
+    else:
+        ax.set_ylim(bottom=0)
+    ax.set_xlabel("step")
+    ax.set_ylabel("response length (tokens)")
+    ax.legend(loc="upper left", fontsize=8)
 
 
 def _lengths(ax: Axes, h: RunHistory) -> None:
@@ -162,23 +196,46 @@ def _throughput(ax: Axes, h: RunHistory) -> None:
     ax.set_ylim(bottom=0)
 
 
-PANELS = (_reward, _lengths, _time_split, _speculation, _idle, _throughput)
+def _step_ratio(ax: Axes, c: Comparison) -> None:
+    ax.set_title("Step-time ratio: reference / this run")
+    ax.plot(c.steps, c.step_ratios, "o-", color="#55A868", markersize=3, label=f"vs {Path(c.reference_run).name}")
+    steps = c.timed_steps
+    ax.axhline(c.step_ratio, color="0.3", linestyle="--",
+               label=f"mean step time, steps {steps[0]}..{steps[-1]}: {c.step_ratio:.2f}x")
+    ax.axhline(1.0, color="0.6", linestyle=":", linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reference step time / this step time")
+    ax.set_ylim(0, 1.3 * max(*c.step_ratios, 1.0))  # headroom for the legend; 1 (no speedup) always in view
+    ax.legend(loc="upper left", fontsize=8)
 
 
-def dashboard_figure(history: RunHistory, title: str) -> Figure:
-    fig = Figure(figsize=(15, 8.4), dpi=90, layout="constrained")
+PANELS = (_reward, _length_percentiles, _lengths, _throughput, _time_split, _speculation, _idle)
+COMPARISON_AT = 5  # the step-ratio panel's place: beside the step time split
+
+
+def dashboard_figure(history: RunHistory, title: str, comparison: Comparison | None = None) -> Figure:
+    panels: list[tuple[Callable, RunHistory | Comparison]] = [(panel, history) for panel in PANELS]
+    if comparison is not None:
+        panels.insert(COMPARISON_AT, (_step_ratio, comparison))
+    fig = Figure(figsize=(20, 8.4), dpi=90, layout="constrained")
     trained = sum(1 for row in history.rows.values() if "timing/step" in row)  # step 0 holds the first eval only
     fig.suptitle(f"{title}: {trained} steps", fontsize=13)
-    for panel, ax in zip(PANELS, fig.subplots(2, 3).flat):
-        panel(ax, history)
+    axes = list(fig.subplots(2, 4).flat)
+    for (panel, data), ax in zip(panels, axes):
+        panel(ax, data)
         ax.grid(alpha=0.25)
+    for ax in axes[len(panels):]:
+        fig.delaxes(ax)
     return fig
 
 
-def render_dashboard(run_dir: str | Path) -> Path:
-    """Draw <run_dir>/dashboard.png from the run's metrics files; returns its path."""
+def render_dashboard(run_dir: str | Path, comparison: Comparison | None = None) -> Path:
+    """Draw <run_dir>/dashboard.png from the run's metrics files and `comparison` (default: the
+    folder's comparison.json, if any); returns its path."""
     run_dir = Path(run_dir)
-    fig = dashboard_figure(load_history(run_dir), run_dir.name)
+    if comparison is None:
+        comparison = read_comparison(run_dir)
+    fig = dashboard_figure(load_history(run_dir), run_dir.name, comparison)
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     # A 256-colour palette keeps a long run's antialiased lines well under 200 KB (about a third of RGB).
@@ -188,18 +245,28 @@ def render_dashboard(run_dir: str | Path) -> Path:
     return path
 
 
-def write_report(run_dir: str | Path) -> tuple[Path, Path]:
-    """The dashboard and summary.txt of a run; prints both paths."""
-    dashboard, summary = render_dashboard(run_dir), write_summary(run_dir)
+def write_report(run_dir: str | Path, reference_dir: str | Path | None = None) -> tuple[Path, Path]:
+    """The dashboard and summary.txt of a run, compared with `reference_dir`'s run when given
+    (else with the folder's comparison.json, if any); prints both paths."""
+    comparison = compare_runs(run_dir, reference_dir) if reference_dir is not None else None
+    dashboard, summary = render_dashboard(run_dir, comparison), write_summary(run_dir, comparison)
     print(f"dashboard: {dashboard}\nsummary: {summary}", flush=True)
     return dashboard, summary
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) != 1:
-        raise SystemExit("usage: python -m pipeline.metrics.dashboard runs/<run>")
-    write_report(argv[0])
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m pipeline.metrics.dashboard",
+                                description="Rebuild a run's dashboard.png and summary.txt from its folder.")
+    p.add_argument("run_dir", help="the run folder (runs/<run>)")
+    p.add_argument("--compare", metavar="REFERENCE_RUN_DIR", default=None,
+                   help="a reference run (e.g. the same run with speculation off): adds the step-time ratio per "
+                        "step and the measured speedup")
+    args = p.parse_args(argv)
+    try:
+        write_report(args.run_dir, args.compare)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from e
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -5,6 +5,10 @@ values are plain numbers (a tensor must be `.item()`-ed by the caller: a metric 
 hidden device sync). Only rank 0 holds sinks; other ranks' loggers check what they are given
 and write nothing, so the same loop code runs on every rank.
 
+Given a step's `lengths` (every response length of the step, all ranks), the logger adds their
+statistics as `rollout/response_length/{mean,p50,p90,max}` (pipeline.metrics.lengths) before any
+sink sees the step; these replace a caller's values of the same names, which may be one rank's.
+
 A sink that fails never stops the run: the logger warns once, naming the sink and the error,
 and leaves that sink out from then on; the other sinks go on. Bad input (a step or a value
 that is not a number) is the caller's bug and raises ValueError.
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.metrics.config import MetricsConfig
+from pipeline.metrics.lengths import length_stats
 from pipeline.metrics.sinks import ConsoleSink, JsonlSink, Sink, WandbSink, resolve_wandb_mode
 
 
@@ -70,7 +75,8 @@ class MetricsLogger:
         return [sink.name for sink in self._sinks]
 
     def log(self, step: int, metrics: Mapping[str, Any], *, lengths: Sequence[int] | None = None) -> None:
-        """Record `metrics` for RL step `step`; `lengths`: the step's response lengths in tokens."""
+        """Record `metrics` for RL step `step`; `lengths`: the step's response lengths in tokens, every
+        rank's (their mean, p50, p90 and max are logged with the step)."""
         if self._closed:
             raise ValueError("MetricsLogger.log after close()")
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
@@ -80,6 +86,7 @@ class MetricsLogger:
             raise ValueError(f"metrics['step']={metrics['step']} disagrees with step={step}")
         if lengths is not None:
             lengths = [int(_number("lengths", n)) for n in lengths]
+            values.update(length_stats(lengths))
         for sink in list(self._sinks):
             try:
                 sink.write(int(step), values, lengths)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from pipeline.metrics import jsonl
+from pipeline.metrics.lengths import length_metric
 
 WANDB_MODES = {"online": "online", "offline": "offline", "disabled": "disabled",
                "run": "online", "dryrun": "offline"}  # wandb's own aliases, as WANDB_MODE may use them
@@ -112,8 +113,8 @@ class WandbSink:
 CONSOLE_FIELDS = (  # (label, metric, format): the fields of a step's line, in order
     ("reward", "reward/mean", "{:.3f}"),
     ("eval", "eval/accuracy", "{:.3f}"),
-    ("len", "rollout/response_length/mean", "{:.0f}"),
-    ("max", "rollout/response_length/max", "{:.0f}"),
+    ("len p50", length_metric("p50"), "{:.0f}"),  # the median and the tail: a long-tailed step's time is its max
+    ("max", length_metric("max"), "{:.0f}"),
     ("rollout", "timing/rollout", "{:.1f}s"),
     ("accept", "spec/accept_len", "{:.2f}"),
     ("tok/s", "rollout/tokens_per_s", "{:.0f}"),

@@ -3,6 +3,11 @@
 Steps, first and last mean reward, best held-out accuracy, where the mean step's time went
 (`timing/step` split into rollout / idle / log-prob / update / sync, the rest as "other"), mean
 accept length and the idle share per rank. A quantity the run never logged reads "n/a".
+
+A speedup is stated only when it was measured: with a comparison against a reference run
+(pipeline.metrics.comparison: given, or the run folder's comparison.json), a last line gives the
+step ratio, the steps it is over and whether the two runs were identical; without one, the
+summary says nothing about speed relative to anything.
 """
 
 from __future__ import annotations
@@ -10,12 +15,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.atomic import atomic_write
+from pipeline.metrics.comparison import Comparison, read_comparison
 from pipeline.metrics.history import TIME_SPLIT, RunHistory, load_history
 
 SUMMARY_FILE = "summary.txt"
 
 
-def summary_lines(history: RunHistory) -> list[str]:
+def summary_lines(history: RunHistory, comparison: Comparison | None = None) -> list[str]:
     steps = list(history.rows)
     lines = [f"steps: {len(steps)}" + (f" ({steps[0]}..{steps[-1]})" if steps else "")]
     reward_steps, rewards = history.series("reward/mean")
@@ -35,7 +41,16 @@ def summary_lines(history: RunHistory) -> list[str]:
     per_rank = ", ".join(f"rank {r} {share:.1%}" for r, share in rank_shares if share is not None)
     idle_text = f"{idle:.1%}" if idle is not None else "n/a"
     lines.append(f"idle share: {idle_text}" + (f" ({per_rank})" if per_rank else ""))
+    if comparison is not None:
+        lines.append(speedup_line(comparison))
     return lines
+
+
+def speedup_line(c: Comparison) -> str:
+    identical = {True: "yes", False: "no", None: "not checked"}[c.identical]
+    steps = c.timed_steps
+    return (f"measured speedup: {c.step_ratio:.2f}x vs {c.reference_run} (mean step time, reference / this run, "
+            f"steps {steps[0]}..{steps[-1]}; identical runs: {identical})")
 
 
 def _time_split(history: RunHistory) -> str:
@@ -49,9 +64,12 @@ def _time_split(history: RunHistory) -> str:
     return text + f" + other {other:.2f}" if parts else f"mean {step:.2f} s"
 
 
-def write_summary(run_dir: str | Path) -> Path:
-    """Write <run_dir>/summary.txt from the run's metrics files; returns its path."""
+def write_summary(run_dir: str | Path, comparison: Comparison | None = None) -> Path:
+    """Write <run_dir>/summary.txt from the run's metrics files and `comparison` (default: the
+    folder's comparison.json, if any); returns its path."""
     path = Path(run_dir) / SUMMARY_FILE
-    text = "\n".join([f"run: {Path(run_dir).name}", *summary_lines(load_history(run_dir))]) + "\n"
+    if comparison is None:
+        comparison = read_comparison(run_dir)
+    text = "\n".join([f"run: {Path(run_dir).name}", *summary_lines(load_history(run_dir), comparison)]) + "\n"
     atomic_write(path, lambda tmp: tmp.write_text(text))
     return path
