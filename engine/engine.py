@@ -205,7 +205,7 @@ class RolloutEngine(RolloutBackend):
         rollouts finished so far. `should_stop()`, if given, is checked after every decode step:
         once true, the active rows end as FinishReason.PREEMPTED (each a prefix of the response it
         would have become: the noise is keyed by position) and samples never admitted are left
-        out, so the batch may hold fewer rollouts than asked for (pre-generation, [F])."""
+        out, so the batch may hold fewer rollouts than asked for (bubble pre-generation)."""
         self.check(requests)
         self._check_fresh()
         if self.drafter is not None:

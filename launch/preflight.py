@@ -135,7 +135,7 @@ def _node_checks(cfg: TrainConfig, missing: list[str]) -> list[Check]:
     if "model.path" not in missing:
         checks.append(_model_folder(cfg.model.path, "model", "model.path"))
     spec = cfg.engine.spec
-    if spec.enabled and "eagle" in spec.drafter and "engine.spec.drafter_path" not in missing:
+    if spec.enabled and spec.drafter_spec.learned is not None and "engine.spec.drafter_path" not in missing:
         checks.append(_model_folder(spec.drafter_path, "drafter", "engine.spec.drafter_path"))
     if cfg.task.file and "task.file" not in missing:
         ok = Path(cfg.task.file).is_file()

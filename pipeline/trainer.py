@@ -285,9 +285,6 @@ class Trainer:
             spec = [row for row in per_rank if row[6] > 0]
             m["spec/accept_len"] = sum(row[5] * row[6] for row in spec) / sum(row[6] for row in spec)
             m["spec/accept_rate"] = accepted / drafted
-        lengths = scored.lengths.float()
-        m["rollout/response_length/mean"] = float(lengths.mean())
-        m["rollout/response_length/max"] = float(lengths.max())
         return m
 
     # -- eval and checkpoints --------------------------------------------------------------

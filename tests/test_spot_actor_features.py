@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine.backend import BackendCapabilities
 from engine.checkpoint import load_checkpoint, read_config
 from engine.config import EngineConfig
 from engine.engine import RolloutEngine
@@ -114,7 +115,9 @@ def test_build_spot_work_for_an_engine_without_hidden_states_trains_the_folders_
     EagleModel(EagleConfig.for_target(target.config), target).save(tmp_path / "drafter")
     spec = SpecConfig(enabled=True, drafter="eagle", drafter_path=str(tmp_path / "drafter"), depth=2, verify_tokens=2)
     # What build_spot_work reads of a vLLM engine (engine.backends.vllm_engine.VllmEngine).
-    engine = SimpleNamespace(cfg=EngineConfig(backend="vllm", spec=spec), path=folder, sink=None, drafter_nets=lambda: [])
+    engine = SimpleNamespace(cfg=EngineConfig(backend="vllm", spec=spec), path=folder, sink=None, drafter_nets=lambda: [],
+                             caps=BackendCapabilities(exact_logprobs=False, returns_features=False, same_tokens=False,
+                                                      preemptible=False, takes_drafts=False, sleeps=False))
     run = build_spot_work(SpotConfig(enabled=True, buffer_name=names[0], buffer_mb=1), engine, run_name="t", rank=0,
                           local_rank=0, world=1, seed=0, max_new_tokens=16)
     try:
