@@ -1,69 +1,275 @@
-"""`python -m bench.e2e --config configs/tiny.yaml --steps N [--json]`: RL steps, speculation on vs off.
+"""`python -m bench.e2e --config configs/tiny.yaml --steps N [--levers spec,tuner,spot,bubble] [--plot F.png] [--json]`:
+the product's headline: the same RL steps with every lever off, as shipped, and with each lever alone.
 
-Runs the same N RL steps twice in this process (same seeds, same data): once with the config's
-speculation, once with `engine.spec.enabled=false` (and no spot training: nothing to train), and compares them side by side:
+Runs the same N RL steps (same seeds, same data) several ways in this process group, one after
+another (bench.runs):
 
-- step-time ratio (off / on, mean over steps 2..N: step 1 pays one-time costs);
-- R_gen, the generation share of the step without speculation (rollout / step time);
-- alpha, the accept length with speculation (spec/accept_len);
-- the ceiling 1 / (R_gen / alpha + 1 - R_gen) (NeMo-RL's step bound: speculation free, verification
-  as cheap as decoding);
-- whether the two runs were identical: every step's rewards and losses, and the final weights.
+- all-off: autoregressive rollouts, no spot training, no bubble drafts (ALL_OFF);
+- as-shipped: the config as given;
+- each lever added alone to all-off (`levers`, chosen with `--levers`): `spec`, the config's
+  drafter with its fixed shape (depth, top-k, verify tokens, max_active_batch; no tuner); `tuner`,
+  the BEG-MAB tuner over the config's arms (a default arm set where the config has none, said
+  with the table); `spot`, the config's speculation plus spot training; `bubble`, the config's
+  speculation behind bubble drafts (`pregenerated+<drafter>`). A lever the config does not turn
+  on is measured all the same, unless it cannot run here (spot needs a learned drafter; spot and
+  bubble need idle windows, so two or more ranks): then it is skipped and the reason printed.
 
-Under `torchrun` every rank runs both. Prints the CPU model and the kernel state with the table;
-`--json` ends with one line `{"step_ratio", "r_gen", "accept_len", "ceiling", "identical", ...}`.
+No lever changes a token, so every way must be the same run as all-off: each step's reward,
+losses, grad norm and response length, and the final weights (bench.runs.same_steps,
+same_weights). Over steps 2..N (step 1 pays one-time costs), it prints the CPU model, a table per
+way (step, rollout, update and idle seconds, accept length, step ratio against all-off,
+identical), then:
+
+- the step ratio all-off / as-shipped and the rollout ratio;
+- R_gen, the rollout share of all-off's step, and its idle share (the other ranks' wait: the
+  bubble spot training and bubble drafts fill);
+- alpha, as-shipped's accept length, and the ceiling 1 / (R_gen / alpha + 1 - R_gen)
+  (NeMo-RL's step bound: speculation free, verification as cheap as decoding), with the step
+  ratio as a share of it;
+- each lever's contribution: its step ratio against all-off.
+
+`--plot` draws each step's time split (rollout, idle, log-probs, update, sync), all-off beside
+as-shipped. `--json` ends with one line `{"step_ratio", "rollout_ratio", "r_gen", "accept_len",
+"ceiling", "identical", "idle_share", "levers": {name: {"step_ratio", "rollout_ratio",
+"accept_len", "identical"}}, "cpu", ...}`. Exits 0 when every way was identical to all-off, 2
+when one was not, 1 on bad input.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
+import os
 import sys
 import tempfile
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from bench.common import cpu_model, finish
-from bench.runs import bench_overrides, mean, read_metrics, same_steps, same_weights, train_runs
+from bench.common import cpu_model, finish, save_plot
+from bench.runs import bench_overrides, mean, plan_config, read_metrics, same_steps, same_weights, train_runs
+from engine.spec.drafter import DraftShape
+from launch.config import load_config
+from launch.run_config import TrainConfig
+
+ALL_OFF = ("engine.spec.enabled=false", "spot.enabled=false", "bubble.enabled=false")
+LEVERS = ("spec", "tuner", "spot", "bubble")
+PARTS = ("rollout", "idle", "logprob", "update", "sync")  # a step's phases, in order (timing/<part>)
+
+
+@dataclass(frozen=True)
+class Lever:
+    """One lever added alone to all-off: its overrides (after ALL_OFF), a note said with the table,
+    and why it cannot run here (None: it runs)."""
+
+    name: str
+    overrides: tuple[str, ...]
+    note: str = ""
+    skip: str | None = None
+
+
+def default_arms(shape: DraftShape) -> list[str]:
+    """'off', then the shape at a quarter, half and full depth and verify tokens (deduplicated)."""
+    arms = ["off"]
+    for div in (4, 2, 1):
+        label = DraftShape(depth=max(1, shape.depth // div), topk=shape.topk,
+                           verify_tokens=max(1, shape.verify_tokens // div)).label
+        if label not in arms:
+            arms.append(label)
+    return arms
+
+
+def levers(cfg: TrainConfig, world: int) -> list[Lever]:
+    """The levers of the config `cfg` (as shipped) on `world` ranks, in LEVERS' order. Each turns
+    speculation on with the config's drafter less any bubble part; the rest of engine.spec is
+    the config's unless the lever is that setting."""
+    spec = cfg.engine.spec
+    drafter = "+".join(p for p in spec.drafter_spec.parts if p != "pregenerated")
+    arms, note = spec.tuner_arms, ""
+    if not arms:
+        arms = default_arms(DraftShape(depth=spec.depth, topk=spec.topk, verify_tokens=spec.verify_tokens))
+        note = f"the config has no tuner arms: the default set {','.join(arms)} (its shape, half and quarter)"
+    idle = None if world > 1 else "needs idle windows, so two or more ranks: run under torchrun --nproc-per-node=2"
+    learned = (None if spec.drafter_spec.learned
+               else f"spot training trains a learned drafter; engine.spec.drafter={drafter} has none")
+    on = lambda d: ("engine.spec.enabled=true", f"engine.spec.drafter={d}")  # noqa: E731
+    return [
+        Lever("spec", (*on(drafter), "engine.spec.tuner_arms=[]")),
+        # The tuner decides when to speculate ("off" is an arm): no max_active_batch beside it.
+        Lever("tuner", (*on(drafter), f"engine.spec.tuner_arms={json.dumps(arms)}", "engine.spec.max_active_batch=null"), note),
+        Lever("spot", (*on(drafter), "spot.enabled=true"), skip=learned or idle),
+        Lever("bubble", (*on(f"pregenerated+{drafter}"), "bubble.enabled=true"), skip=idle),
+    ]
+
+
+def choose(all_levers: list[Lever], names: str | None) -> list[Lever]:
+    """The levers named in `names` ('spot,bubble'; None: all), in LEVERS' order; ValueError naming an unknown one."""
+    if names is None:
+        return all_levers
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    for n in wanted:
+        if n not in LEVERS:
+            close = difflib.get_close_matches(n, LEVERS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"--levers: unknown lever {n!r}{hint}; the levers are {', '.join(LEVERS)}")
+    return [lever for lever in all_levers if lever.name in wanted]
+
+
+@dataclass(frozen=True)
+class WayTimes:
+    """One way's means over steps 2..N of a run's metric rows (step 1 pays one-time costs)."""
+
+    step_s: float
+    rollout_s: float
+    idle_s: float
+    logprob_s: float
+    update_s: float
+    sync_s: float
+    accept_len: float | None  # None: no speculative step
+    r_gen: float  # rollout / step, step by step
+    idle_share: float  # idle / step, step by step
+
+    @classmethod
+    def of(cls, rows: list[dict]) -> WayTimes:
+        later = rows[1:]
+        if not later:
+            raise ValueError("a way's summary needs two or more steps (step 1 is excluded)")
+        accepts = [m["spec/accept_len"] for m in later if "spec/accept_len" in m]
+        return cls(step_s=mean([m["timing/step"] for m in later]),
+                   **{f"{part}_s": mean([m[f"timing/{part}"] for m in later]) for part in PARTS},
+                   accept_len=mean(accepts) if accepts else None,
+                   r_gen=mean([m["timing/rollout"] / m["timing/step"] for m in later]),
+                   idle_share=mean([m["timing/idle"] / m["timing/step"] for m in later]))
+
+
+def ceiling(r_gen: float, alpha: float) -> float:
+    """The step-time ratio speculation could reach at most: the rollout (a share r_gen of the step)
+    `alpha` times faster, the rest unchanged (1 / (r_gen / alpha + 1 - r_gen))."""
+    if not 0 <= r_gen <= 1 or alpha <= 0:
+        raise ValueError(f"the ceiling needs 0 <= R_gen <= 1 and alpha > 0, got R_gen {r_gen} and alpha {alpha}")
+    return 1.0 / (r_gen / alpha + 1.0 - r_gen)
+
+
+def against(base: WayTimes, way: WayTimes, identical: bool) -> dict:
+    """A way beside all-off: step and rollout ratios (all-off / way), its accept length, identical."""
+    return {"step_ratio": round(base.step_s / way.step_s, 3), "rollout_ratio": round(base.rollout_s / way.rollout_s, 3),
+            "accept_len": None if way.accept_len is None else round(way.accept_len, 3), "identical": identical}
+
+
+def headline(ways: dict[str, WayTimes], identical: dict[str, bool]) -> dict:
+    """The bench's result from each way's times ('all-off', 'as-shipped', then levers) and whether
+    each way but all-off was the same run as all-off."""
+    off, shipped = ways["all-off"], ways["as-shipped"]
+    top = ceiling(off.r_gen, shipped.accept_len or 1.0)  # no speculation: the rollout no faster
+    vs = {name: against(off, ways[name], identical[name]) for name in ways if name != "all-off"}
+    return {"step_ratio": vs["as-shipped"]["step_ratio"], "rollout_ratio": vs["as-shipped"]["rollout_ratio"],
+            "accept_len": vs["as-shipped"]["accept_len"], "r_gen": round(off.r_gen, 3), "idle_share": round(off.idle_share, 3),
+            "ceiling": round(top, 3), "of_ceiling": round(off.step_s / shipped.step_s / top, 3),
+            "identical": all(identical.values()), "identical_ways": identical,
+            "levers": {name: v for name, v in vs.items() if name != "as-shipped"},
+            "ways": {name: {k: None if v is None else round(v, 4) for k, v in asdict(w).items()} for name, w in ways.items()}}
+
+
+def runnable(config: str, common: list[str], lever: Lever, out: Path) -> Lever:
+    """The lever, with its config's validation error as the reason to skip it (if it has one)."""
+    if lever.skip is None:
+        try:
+            plan_config(config, common, [*ALL_OFF, *lever.overrides], out / lever.name, f"e2e-{lever.name}")
+        except ValueError as e:
+            return replace(lever, skip=str(e))
+    return lever
+
+
+def plot(path: Path, off: list[dict], shipped: list[dict], title: str) -> None:
+    """Each step's time split as stacked bars, all-off (plain) beside as-shipped (hatched)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(off) + 2), 4.8))
+    colours = plt.get_cmap("tab10").colors
+    for shift, rows, hatch in ((-0.2, off, None), (0.2, shipped, "//")):
+        x = [i + 1 + shift for i in range(len(rows))]
+        bottom = [0.0] * len(rows)
+        for k, part in enumerate((*PARTS, "other")):
+            # other: what the step spent outside the named phases (bookkeeping, metrics)
+            h = [max(0.0, m["timing/step"] - sum(m[f"timing/{q}"] for q in PARTS)) if part == "other" else m[f"timing/{part}"]
+                 for m in rows]
+            ax.bar(x, h, 0.38, bottom=bottom, color=colours[k], hatch=hatch, edgecolor="white" if hatch else None,
+                   label=part if hatch is None else None)
+            bottom = [b + v for b, v in zip(bottom, h)]
+    ax.bar([1], [0], 0.38, color="lightgrey", hatch="//", edgecolor="white", linewidth=0, label="as shipped (hatched)")
+    ax.set_xticks(range(1, len(off) + 1))
+    ax.set_ylim(0, 2.0 * max(m["timing/step"] for m in (*off, *shipped)))  # room for the legend above the bars
+    ax.set_xlabel("RL step (left: all levers off, right: as shipped)")
+    ax.set_ylabel("seconds")
+    save_plot(fig, ax, path, title)
+
+
+def report(result: dict, chosen: list[Lever]) -> None:
+    """The human table and summary on stderr."""
+    err = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    fmt = lambda v, spec=".2f": "-" if v is None else format(v, spec)  # noqa: E731
+    err(f"cpu: {result['cpu']}; {result['world_size']} rank(s); means over steps 2..{result['steps']}")
+    err(f"{'way':<11} {'step s':>7} {'rollout s':>9} {'update s':>8} {'idle s':>7} {'accept':>6} {'vs all-off':>10} identical")
+    off = result["ways"]["all-off"]["step_s"]
+    for name, w in result["ways"].items():
+        err(f"{name:<11} {w['step_s']:>7.2f} {w['rollout_s']:>9.2f} {w['update_s']:>8.2f} {w['idle_s']:>7.2f} "
+            f"{fmt(w['accept_len']):>6} {off / w['step_s']:>10.3f} {result['identical_ways'].get(name, '-')}")
+    err(f"step ratio all-off / as-shipped {result['step_ratio']:.3f}x (rollout {result['rollout_ratio']:.3f}x); all-off: "
+        f"R_gen {result['r_gen']:.2f}, idle share {result['idle_share']:.2f}; as-shipped accept length "
+        f"{fmt(result['accept_len'], '.3f')}; ceiling {result['ceiling']:.2f}x ({result['of_ceiling']:.0%} of it)")
+    for name, lever in result["levers"].items():
+        err(f"  + {name}: step ratio {lever['step_ratio']:.3f}x, rollout {lever['rollout_ratio']:.3f}x")
+    for lever in chosen:
+        if lever.skip:
+            err(f"  + {lever.name}: skipped: {lever.skip}")
+        elif lever.note:
+            err(f"  ({lever.name}: {lever.note})")
+    err(f"identical runs: {result['identical']}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.splitlines()[1])
     p.add_argument("--config", default="configs/tiny.yaml")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--out", default=None, help="folder for the two runs (default: a temporary one)")
+    p.add_argument("--levers", default=None, help=f"comma-separated subset of {','.join(LEVERS)} (default: all; all-off "
+                                                  "and as-shipped always run)")
+    p.add_argument("--out", default=None, help="folder for the runs (default: a temporary one)")
+    p.add_argument("--plot", default=None, help="write each step's time split, all-off beside as-shipped, to this PNG")
     p.add_argument("--json", action="store_true")
-    p.add_argument("overrides", nargs="*", help="section.key=value, applied to both runs")
+    p.add_argument("overrides", nargs="*", help="section.key=value, applied to every run (before the ways' own)")
     args = p.parse_args(argv)
     if args.steps < 2:
-        print("error: --steps must be >= 2 (step 1 is excluded from the timing)", file=sys.stderr)
+        print(f"error: --steps must be >= 2 (step 1 is excluded from the timing), got {args.steps}", file=sys.stderr)
         return 1
     out = Path(args.out or tempfile.mkdtemp(prefix="tailspec-e2e-"))
-    plan = [("on", []), ("off", ["engine.spec.enabled=false", "spot.enabled=false"])]
+    common = bench_overrides(args.steps, args.overrides)
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; pipeline.dist.init_ranks reads the same
     try:
-        runs, _ = train_runs(args.config, plan, bench_overrides(args.steps, args.overrides), out, "e2e")
+        shipped = load_config(TrainConfig, args.config, common)
+        chosen = [runnable(args.config, common, lever, out) for lever in choose(levers(shipped, world), args.levers)]
+        plan = [("all-off", list(ALL_OFF)), ("as-shipped", []),
+                *((lever.name, [*ALL_OFF, *lever.overrides]) for lever in chosen if lever.skip is None)]
+        runs, r = train_runs(args.config, plan, common, out, "e2e")
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    on, off = read_metrics(runs["on"]), read_metrics(runs["off"])
-    identical_steps, identical_weights = same_steps(on, off), same_weights(runs["on"], runs["off"], args.steps)
-    t_on, t_off = mean([m["timing/step"] for m in on[1:]]), mean([m["timing/step"] for m in off[1:]])
-    r_gen = mean([m["timing/rollout"] / m["timing/step"] for m in off[1:]])
-    alpha = mean([m["spec/accept_len"] for m in on[1:] if "spec/accept_len" in m]) if any("spec/accept_len" in m for m in on) else 1.0
-    ceiling = 1.0 / (r_gen / alpha + 1.0 - r_gen)
-    result = {
-        "step_ratio": round(t_off / t_on, 3), "r_gen": round(r_gen, 3), "accept_len": round(alpha, 3),
-        "ceiling": round(ceiling, 3), "of_ceiling": round(t_off / t_on / ceiling, 3), "identical": identical_steps and identical_weights,
-        "identical_steps": identical_steps, "identical_weights": identical_weights, "step_s_on": round(t_on, 3),
-        "step_s_off": round(t_off, 3),
-        "rollout_s_on": round(mean([m["timing/rollout"] for m in on[1:]]), 3),
-        "rollout_s_off": round(mean([m["timing/rollout"] for m in off[1:]]), 3),
-        "steps": args.steps, "config": args.config, "cpu": cpu_model(), "runs": {k: str(v) for k, v in runs.items()},
-    }
-    print(f"cpu: {result['cpu']}", file=sys.stderr)
-    print(f"{'':>10} {'step s':>8} {'rollout s':>10}", file=sys.stderr)
-    print(f"{'spec on':>10} {t_on:>8.2f} {result['rollout_s_on']:>10.2f}", file=sys.stderr)
-    print(f"{'spec off':>10} {t_off:>8.2f} {result['rollout_s_off']:>10.2f}", file=sys.stderr)
-    print(f"step ratio {result['step_ratio']:.2f}x, R_gen {r_gen:.2f}, accept length {alpha:.2f}, ceiling {ceiling:.2f}x "
-          f"({result['of_ceiling']:.0%} of it); identical runs: {result['identical']}", file=sys.stderr)
+    if not r.main:
+        return 0
+    rows = {name: read_metrics(folder) for name, folder in runs.items()}
+    identical = {name: same_steps(rows["all-off"], rows[name]) and same_weights(runs["all-off"], runs[name], args.steps)
+                 for name in runs if name != "all-off"}
+    result = {**headline({name: WayTimes.of(rows[name]) for name in runs}, identical),
+              "skipped": {lever.name: lever.skip for lever in chosen if lever.skip},
+              "notes": {lever.name: lever.note for lever in chosen if lever.note and not lever.skip},
+              "steps": args.steps, "world_size": r.world, "config": args.config, "overrides": args.overrides,
+              "cpu": cpu_model(), "runs": {k: str(v) for k, v in runs.items()}}
+    report(result, chosen)
+    if args.plot:
+        plot(Path(args.plot), rows["all-off"], rows["as-shipped"], f"{args.config}: each step's time, {result['cpu']}")
+        print(f"wrote {args.plot}", file=sys.stderr)
     finish(result, args.json)
     return 0 if result["identical"] else 2
 

@@ -1,4 +1,4 @@
-"""Whole RL runs side by side, for the benches that compare two ways of one run (bench.e2e,
+"""Whole RL runs side by side, for the benches that compare ways of one run (bench.e2e,
 bench.spot, bench.bubble --steps): run a plan of configs through launch.run in this process
 group, read their metrics, and check two runs were the same run."""
 
@@ -34,7 +34,7 @@ def train_runs(config: str, plan: list[tuple[str, list[str]]], common: list[str]
     r = None
     try:
         for name, extra in plan:
-            cfg = load_config(TrainConfig, config, [*common, *extra, f"run.out_dir={out / name}", f"run.name={prefix}-{name}"])
+            cfg = plan_config(config, common, extra, out / name, f"{prefix}-{name}")
             r = r or init_ranks(cfg.actor.device)
             if check is not None:
                 check(cfg, r)
@@ -42,6 +42,11 @@ def train_runs(config: str, plan: list[tuple[str, list[str]]], common: list[str]
     finally:
         shutdown()
     return runs, r
+
+
+def plan_config(config: str, common: list[str], extra: list[str], out_dir: Path, name: str) -> TrainConfig:
+    """The config of one run of a plan (validated: ValueError naming a bad key or value)."""
+    return load_config(TrainConfig, config, [*common, *extra, f"run.out_dir={out_dir}", f"run.name={name}"])
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
