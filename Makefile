@@ -25,7 +25,7 @@ help:
 	@echo "make drafters       warm-start the tiny model's drafters (EAGLE ~3 min, MTP and EAGLE-3 up to 8 min each) and SmolLM2's (~22 min)"
 	@echo "make bench          engine benchmark on SmolLM2 against transformers generate"
 	@echo "make bench-spec     speculative vs autoregressive on the tiny model and SmolLM2"
-	@echo "make bench-e2e      RL steps with speculation on vs off on the tiny config (identical runs, step-time ratio)"
+	@echo "make bench-e2e      the headline: RL steps all-off vs as shipped vs each lever alone, 2 ranks (identical runs, step ratio)"
 	@echo "make bench-spot     RL steps with spot training vs a frozen drafter on 2 ranks (free? does it follow the policy?)"
 	@echo "make bench-bubble   bubble drafts at step t+1 (pre-generated with policy t) vs autoregressive and EAGLE, over learning rates"
 	@echo "make bench-longtail one long-tailed rollout: autoregressive, each tuner arm, TLT's threshold, the tuner"
@@ -128,7 +128,8 @@ bench-spec: drafters
 		--prompts checkpoints/smollm2-bench-prompts.jsonl --cost-model || exit 1; done
 
 bench-e2e: setup checkpoints/tiny/config.json checkpoints/tiny-drafter/config.json
-	$(PY) -m bench.e2e --config configs/tiny.yaml --steps 6
+	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 -m bench.e2e --config configs/tiny.yaml --steps 6 \
+		--plot docs/figures/e2e_split.png
 
 bench-bubble: setup checkpoints/tiny/config.json checkpoints/tiny-drafter/config.json
 	$(PY) -m bench.bubble --config configs/tiny.yaml --lrs 3e-5,1e-4,3e-4,1e-3 --batch1 16 --plot docs/figures/bubble_lr.png \

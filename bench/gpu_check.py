@@ -65,7 +65,7 @@ class Step:
 
 
 def steps(py: str) -> list[Step]:
-    e2e = ["--config", "configs/tiny.yaml", "--steps", "2", "--json", f"model.path={QWEN}", "engine.device=cuda",
+    e2e = ["--config", "configs/tiny.yaml", "--steps", "2", "--json", "--levers", "spec", f"model.path={QWEN}", "engine.device=cuda",
            "actor.device=cuda", "engine.spec.drafter=ngram", "engine.spec.max_active_batch=null", "spot.enabled=false",
            "task.train_problems=64", "task.eval_problems=4", "rollout.n=4", "rollout.max_new_tokens=64",
            "trainer.prompts_per_step=8", "trainer.eval_every=0", "metrics.wandb=false", "metrics.dashboard=false"]
