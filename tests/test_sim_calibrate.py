@@ -22,7 +22,7 @@ from sim.lengths import deal
 from sim.project import step_lengths
 from sim.runs import DecodeStep, read_run
 from sim.step import Techniques, chunks, padded_tokens, phase_times, simulate_step
-from sim.trace import write_run
+from tests.sim_trace import write_run
 from sim.validation import validate
 from tests.test_sim_model import small_scenario
 

@@ -1,4 +1,4 @@
-"""A real one-node Slurm cluster on this machine, for `make test-slurm` (and for trying a job locally).
+"""A real one-node Slurm cluster on this machine, for `make test-slurm`.
 
     with LocalSlurm(tmp_dir) as slurm:        # installs slurm-wlm + munge if missing (root, apt)
         subprocess.run(["sbatch", ...], env=slurm.env)
