@@ -20,9 +20,10 @@ same_weights). Over steps 2..N (step 1 pays one-time costs), it prints the CPU m
 way (step, rollout, update and idle seconds, accept length, step ratio against all-off,
 identical), then:
 
-- the step ratio all-off / as-shipped and the rollout ratio;
-- R_gen, the rollout share of all-off's step, and its idle share (the other ranks' wait: the
-  bubble spot training and bubble drafts fill);
+- the step ratio all-off / as-shipped and the rollout ratio (of the generation phase: rollouts
+  until every rank is done, rollout + idle);
+- R_gen, the generation phase's share of all-off's step, and its idle share (the other ranks'
+  wait: the bubble spot training and bubble drafts fill);
 - alpha, as-shipped's accept length, and the ceiling 1 / (R_gen / alpha + 1 - R_gen)
   (NeMo-RL's step bound: speculation free, verification as cheap as decoding), with the step
   ratio as a share of it;
@@ -126,8 +127,13 @@ class WayTimes:
     update_s: float
     sync_s: float
     accept_len: float | None  # None: no speculative step
-    r_gen: float  # rollout / step, step by step
+    r_gen: float  # the generation phase (rollout + idle: until every rank is done) / step, step by step
     idle_share: float  # idle / step, step by step
+
+    @property
+    def gen_s(self) -> float:
+        """The generation phase: until every rank's rollouts were done (a synchronous step waits for the last)."""
+        return self.rollout_s + self.idle_s
 
     @classmethod
     def of(cls, rows: list[dict]) -> WayTimes:
@@ -138,7 +144,7 @@ class WayTimes:
         return cls(step_s=mean([m["timing/step"] for m in later]),
                    **{f"{part}_s": mean([m[f"timing/{part}"] for m in later]) for part in PARTS},
                    accept_len=mean(accepts) if accepts else None,
-                   r_gen=mean([m["timing/rollout"] / m["timing/step"] for m in later]),
+                   r_gen=mean([(m["timing/rollout"] + m["timing/idle"]) / m["timing/step"] for m in later]),
                    idle_share=mean([m["timing/idle"] / m["timing/step"] for m in later]))
 
 
@@ -151,8 +157,8 @@ def ceiling(r_gen: float, alpha: float) -> float:
 
 
 def against(base: WayTimes, way: WayTimes, identical: bool) -> dict:
-    """A way beside all-off: step and rollout ratios (all-off / way), its accept length, identical."""
-    return {"step_ratio": round(base.step_s / way.step_s, 3), "rollout_ratio": round(base.rollout_s / way.rollout_s, 3),
+    """A way beside all-off: step and generation-phase ratios (all-off / way), its accept length, identical."""
+    return {"step_ratio": round(base.step_s / way.step_s, 3), "rollout_ratio": round(base.gen_s / way.gen_s, 3),
             "accept_len": None if way.accept_len is None else round(way.accept_len, 3), "identical": identical}
 
 

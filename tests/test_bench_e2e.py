@@ -47,7 +47,8 @@ def test_a_way_is_summarised_over_steps_two_to_n_with_per_step_shares():
     rows = [row(100.0, 90.0, accept=9.0), row(2.0, 1.0, idle=0.5, accept=2.0), row(4.0, 3.0, idle=0.0)]
     w = WayTimes.of(rows)
     assert w.step_s == pytest.approx(3.0) and w.rollout_s == pytest.approx(2.0) and w.idle_s == pytest.approx(0.25)
-    assert w.r_gen == pytest.approx((1 / 2 + 3 / 4) / 2)  # the mean of each step's share, not a ratio of means
+    assert w.r_gen == pytest.approx((1.5 / 2 + 3 / 4) / 2)  # rollout + idle: each step's share, not a ratio of means
+    assert w.gen_s == pytest.approx(2.25)
     assert w.idle_share == pytest.approx((0.25 + 0.0) / 2)
     assert w.accept_len == pytest.approx(2.0)  # step 1's 9.0 excluded; step 3 speculated nowhere
     assert WayTimes.of([row(1.0, 0.5), row(1.0, 0.5)]).accept_len is None
