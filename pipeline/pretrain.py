@@ -7,14 +7,14 @@ responses: the loss counts response tokens (and `<eos>`), not the prompt, whose 
 random. Batches hold up to `batch_tokens` padded tokens; problems are drawn in pools, sorted by
 length and cut into batches of similar lengths, so the long tail costs little padding.
 
-    python -m pipeline.pretrain --out checkpoints/tiny [--steps N --seed S --careless-share P ...]
+    python -m pipeline.pretrain --out checkpoints/tiny [--task T --steps N --seed S --careless-share P ...]
 
-`make pretrain-tiny` mixes in a careless teacher (`--careless-share 0.6`: 60% of the responses
-never write the last column's carry, `arith.careless_solution`), as SFT data from imperfect
-demonstrators would: on the 1-digit held-out problems the policy is right greedily on 50% but
-in at least one of 8 samples on 76%, a gap the exact-answer reward can close in a few RL steps.
-With clean data alone (share 0) the tiny model's sampled pass@8 is one point above its greedy
-accuracy (54% against 53%): nothing for a reward to select within the RL run's budget.
+`--careless-share P` replaces a share P of the responses by the task's careless teacher's
+(`Task.careless`: arith never writes the last column's carry, mult drops the carry of its last
+addition), as SFT data from imperfect demonstrators would: the policy then makes the slip greedily but
+avoids it in part of its samples, a gap an exact-answer reward can close in a few RL steps. With
+clean data alone the tiny arith model's sampled pass@8 is one point above its greedy accuracy:
+nothing for a reward to select within the RL run's budget.
 
 Every field of `PretrainConfig` is a flag (`hidden_size` -> `--hidden-size`). On a machine whose
 cores are busy, set OMP_WAIT_POLICY=PASSIVE in the environment: spinning OpenMP threads that
@@ -32,7 +32,7 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +43,6 @@ from engine.checkpoint import save_checkpoint
 from engine.model import Transformer
 from engine.model_config import ModelConfig
 from pipeline.tasks import TASKS, Problem, get_task
-from pipeline.tasks.arith import careless_solution, operands
 from common.optim import make_adamw, set_lr, train_step, warmup_cosine
 from pipeline.tasks.eval import EVAL_SEED, evaluate
 from pipeline.tasks.tokenizer import build_tokenizer
@@ -71,11 +70,12 @@ class PretrainConfig:
     max_position_embeddings: int = 512
     init_std: float = 0.02
     threads: int = 2
-    # Share of the training examples demonstrated by a careless teacher (arith only) who never
-    # writes the last column's carry (`arith.careless_solution`). Like SFT data from imperfect
-    # demonstrators, it leaves a policy whose flaw a verifiable reward can remove.
+    # Share of the training examples demonstrated by the task's careless teacher (`Task.careless`).
+    # Like SFT data from imperfect demonstrators, it leaves a policy whose flaw a verifiable
+    # reward can remove.
     careless_share: float = 0.0
     eval_problems: int = 200  # held-out test problems for the final greedy accuracy
+    eval_max_new_tokens: int = 384  # the greedy decoder's budget per held-out response
     log_every: int = 50
 
     def validate(self) -> None:
@@ -84,14 +84,15 @@ class PretrainConfig:
         positive = (
             "steps", "batch_tokens", "pool_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "threads", "log_every",
+            "eval_max_new_tokens",
         )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.careless_share <= 1:
             raise ValueError(f"careless_share must be in [0, 1], got {self.careless_share}")
-        if self.careless_share and self.task != "arith":
-            raise ValueError(f"careless_share applies to the arith task only (task is {self.task!r}); set it to 0")
+        if self.careless_share and TASKS[self.task].careless is None:
+            raise ValueError(f"careless_share: task {self.task!r} has no careless teacher; set it to 0")
         for name in ("warmup_steps", "weight_decay", "grad_clip", "eval_problems"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -168,12 +169,15 @@ def length_bucketed(examples: list[tuple[list[int], int]], batch_tokens: int) ->
     return batches
 
 
-def demonstrated(problems: list[Problem], share: float, rng: random.Random) -> list[Problem]:
-    """The problems with a `share` of their responses replaced by the careless teacher's (seeded)."""
+def demonstrated(problems: list[Problem], share: float, rng: random.Random, careless: Callable[[Problem], str] | None
+                 ) -> list[Problem]:
+    """The problems with a `share` of their responses replaced by `careless(problem)` (seeded)."""
+    if share and careless is None:
+        raise ValueError("a careless share needs a careless teacher")
     out = []
     for p in problems:
         if share and rng.random() < share:
-            p = dataclasses.replace(p, response=careless_solution(*operands(p.prompt)))
+            p = dataclasses.replace(p, response=careless(p))
         out.append(p)
     return out
 
@@ -185,9 +189,12 @@ def train_batches(cfg: PretrainConfig, tokenizer) -> Iterator[tuple[torch.Tensor
     while True:
         problems = task.make_problems("train", cfg.pool_size, cfg.seed, start=start)
         start += cfg.pool_size
-        problems = demonstrated(problems, cfg.careless_share, careless_rng)
+        problems = demonstrated(problems, cfg.careless_share, careless_rng, task.careless)
         examples = [encode_example(tokenizer, p) for p in problems]
-        assert all(len(ids) <= cfg.max_position_embeddings for ids, _ in examples)
+        longest = max(len(ids) for ids, _ in examples)
+        if longest > cfg.max_position_embeddings:
+            raise ValueError(f"a {cfg.task} example has {longest} tokens, more than max_position_embeddings "
+                             f"({cfg.max_position_embeddings}); raise it")
         batches = length_bucketed(examples, cfg.batch_tokens)
         rng.shuffle(batches)
         for batch in batches:
@@ -247,7 +254,7 @@ def pretrain(cfg: PretrainConfig, out: str | Path) -> dict:
     accuracy = None
     if cfg.eval_problems:
         problems = get_task(cfg.task).make_problems("test", cfg.eval_problems, EVAL_SEED)
-        accuracy = evaluate(model, tokenizer, problems)
+        accuracy = evaluate(model, tokenizer, problems, cfg.eval_max_new_tokens)
         print(f"held-out greedy accuracy: {accuracy:.3f} on {len(problems)} {cfg.task}/test problems", file=sys.stderr)
 
     tail = losses[-min(len(losses), cfg.log_every) :]

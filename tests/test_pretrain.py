@@ -9,6 +9,7 @@ import torch
 
 from engine.checkpoint import load_checkpoint
 from pipeline.pretrain import PretrainConfig, build_model, collate, encode_example, parse_args, pretrain
+from pipeline.tasks import get_task
 from pipeline.tasks.arith import make_problems
 from pipeline.tasks.eval import EVAL_SEED, evaluate
 from pipeline.tasks.tokenizer import build_tokenizer
@@ -125,14 +126,41 @@ def test_the_careless_share_replaces_that_share_of_responses_with_the_careless_t
     from pipeline.pretrain import demonstrated
     from pipeline.tasks.arith import careless_solution, operands
 
+    careless = get_task("arith").careless
     problems = make_problems("train", 2000, 0)
-    assert demonstrated(problems, 0.0, random.Random(0)) == problems  # share 0: the data is unchanged
-    careless = {p.id: careless_solution(*operands(p.prompt)) for p in problems}
-    carrying = [p for p in problems if careless[p.id] != p.response]  # the last column carries
-    mixed = demonstrated(problems, 0.6, random.Random(0))
+    assert demonstrated(problems, 0.0, random.Random(0), careless) == problems  # share 0: the data is unchanged
+    expected = {p.id: careless_solution(*operands(p.prompt)) for p in problems}
+    carrying = [p for p in problems if expected[p.id] != p.response]  # the last column carries
+    mixed = demonstrated(problems, 0.6, random.Random(0), careless)
     replaced = [m for p, m in zip(problems, mixed) if m.response != p.response]
-    assert all(m.response == careless[m.id] for m in replaced)
+    assert all(m.response == expected[m.id] for m in replaced)
     assert [m.answer for m in mixed] == [p.answer for p in problems]  # the reward still checks the true sum
     assert 0.5 < len(replaced) / len(carrying) < 0.7
-    with pytest.raises(ValueError, match="careless_share applies to the arith task only"):
+    with pytest.raises(ValueError, match="task 'math' has no careless teacher"):
         PretrainConfig(task="math", careless_share=0.5).validate()
+
+
+def test_the_mult_task_pretrains_with_its_careless_teacher_and_a_longer_context(tmp_path, one_thread):
+    from pipeline.pretrain import train_batches
+    from pipeline.tasks.mult import careless_solution, operands, worked_solution
+
+    cfg = PretrainConfig(task="mult", careless_share=0.5, max_position_embeddings=1024, steps=10, eval_problems=4,
+                         eval_max_new_tokens=64, **TINY | dict(batch_tokens=2048))
+    tok = build_tokenizer()
+    prompts, responses = [], []
+    for _, (inputs, targets) in zip(range(10), train_batches(cfg, tok)):  # [B, T] each
+        responses += [tok.decode([t for t in row.tolist() if t >= 0], skip_special_tokens=True) for row in targets]
+        prompts += [tok.decode(row.tolist(), skip_special_tokens=True).partition("\n")[0] + "\n" for row in inputs]
+    careful = [worked_solution(*operands(p)) for p in prompts]
+    assert all(r in (careless_solution(p), c) for p, c, r in zip(prompts, careful, responses))
+    assert any(r != c for c, r in zip(careful, responses))  # the careless teacher's, where its slip shows
+    summary = pretrain(cfg, tmp_path / "mult")
+    assert summary["config"]["task"] == "mult" and summary["heldout_problems"] == 4
+
+
+def test_a_context_too_short_for_the_tasks_examples_is_a_value_error_naming_the_key():
+    from pipeline.pretrain import train_batches
+
+    cfg = PretrainConfig(task="mult", max_position_embeddings=512, **TINY)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        next(train_batches(cfg, build_tokenizer()))

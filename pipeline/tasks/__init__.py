@@ -1,7 +1,8 @@
 """Tasks: problems with verifiable answers and their rewards.
 
-A `Task` bundles a problem generator and an exact-answer reward. `Problem` records flow from
-here to the rollout stage; the reward is a pure function of a response text and the answer.
+A `Task` bundles a problem generator and an exact-answer reward, and for the synthetic tasks a
+careless teacher whose demonstrations pretraining may mix in. `Problem` records flow from here to
+the rollout stage; the reward is a pure function of a response text and the answer.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipeline.tasks import arith, make_math, math
+from pipeline.tasks import arith, make_math, math, mult
 from pipeline.tasks.arith import Problem
 
 
@@ -18,10 +19,21 @@ class Task:
     name: str
     make_problems: Callable[..., list[Problem]]  # (split, num, seed, *, start=0) -> problems
     reward: Callable[[str, str], float]  # (response text, answer) -> reward
+    # problem -> a careless teacher's worked response, wrong on some problems; None: no such teacher
+    careless: Callable[[Problem], str] | None = None
 
 
-TASKS = {"arith": Task(name="arith", make_problems=arith.make_problems, reward=arith.reward),
-         "math": Task(name="math", make_problems=make_math.make_problems, reward=math.reward)}
+def _arith_careless(problem: Problem) -> str:
+    return arith.careless_solution(*arith.operands(problem.prompt))
+
+
+def _mult_careless(problem: Problem) -> str:
+    return mult.careless_solution(problem.prompt)
+
+
+TASKS = {"arith": Task(name="arith", make_problems=arith.make_problems, reward=arith.reward, careless=_arith_careless),
+         "math": Task(name="math", make_problems=make_math.make_problems, reward=math.reward),
+         "mult": Task(name="mult", make_problems=mult.make_problems, reward=mult.reward, careless=_mult_careless)}
 
 
 def get_task(name: str) -> Task:
