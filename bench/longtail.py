@@ -15,7 +15,8 @@ seed, timed end to end for each policy on the same requests:
 
 Every run must produce the same tokens (the bench fails otherwise). Prompts: for a model with a
 chat template, test-split prompts of pipeline.tasks.prompts (varied answer lengths); otherwise the
-arith task's test problems drawn with a heavy tail of operand digits (`--max-digits`, `--tail`).
+test problems of a tiny model's task (`--task`: mult, the RL run's, with its long-tailed counts;
+or arith, with a heavy tail of operand digits, `--max-digits`, `--tail`).
 Prints each run's wall time and the ratios adaptive / autoregressive and adaptive / the best
 fixed arm in hindsight, and each arm's seconds and accept length per active-batch bucket (where
 speculation can pay: the share of the time spent in the tail bounds the gain); `--plot` writes a per-step trace of the adaptive runs (active batch size,
@@ -49,15 +50,19 @@ from engine.spec.tuner import TunerPolicy, parse_arm
 from engine.types import Request, RolloutBatch, StepRecord
 
 
-def longtail_prompts(tokenizer, num: int, seed: int, max_digits: int, tail: float) -> list[list[int]]:
-    """Chat models: test-split instruction prompts; otherwise arith test problems with long-tailed operands."""
+def longtail_prompts(tokenizer, num: int, seed: int, task: str, max_digits: int, tail: float) -> list[list[int]]:
+    """Chat models: test-split instruction prompts; otherwise the task's test problems (arith: with
+    long-tailed operands, `max_digits` / `tail`; mult: its own long-tailed counts, as the RL run draws them)."""
     if getattr(tokenizer, "chat_template", None):
         from pipeline.tasks.prompts import make_prompts
 
         return [encode(tokenizer, row["prompt"], True) for row in make_prompts(num, seed, "test")]
-    from pipeline.tasks import arith
+    from pipeline.tasks import arith, get_task
 
-    problems = arith.make_problems("test", num, seed, max_digits=max_digits, tail=tail)
+    if task == "arith":
+        problems = arith.make_problems("test", num, seed, max_digits=max_digits, tail=tail)
+    else:
+        problems = get_task(task).make_problems("test", num, seed)
     return [tokenizer(p.prompt)["input_ids"] for p in problems]
 
 
@@ -153,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the tuner explores only arms whose median reward is >= this x the bucket's best (0: all; "
                         "engine.spec.tuner_explore_within)")
     p.add_argument("--tail-batch", type=int, default=32, help="TLT baseline: speculate once at most this many rows are active")
-    p.add_argument("--new-tokens", type=int, default=384)
+    p.add_argument("--task", default="mult", choices=("mult", "arith"), help="the prompts of a tiny model's task")
+    p.add_argument("--new-tokens", type=int, default=896)
     p.add_argument("--max-digits", type=int, default=18, help="arith prompts: the longest operand")
     p.add_argument("--tail", type=float, default=0.5, help="arith prompts: P(digits d) ~ d^-tail")
     p.add_argument("--seed", type=int, default=0, help="prompts and sampling noise")
@@ -173,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--requests and --n must be >= 1")
         target = load_checkpoint(args.model, device=args.device)
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        prompts = longtail_prompts(tokenizer, args.requests, args.seed, args.max_digits, args.tail)
+        prompts = longtail_prompts(tokenizer, args.requests, args.seed, args.task, args.max_digits, args.tail)
         rows = args.requests * args.n
         # Caches sized for the longest prompt and its response, no more (SmolLM2's 2048 positions x 256
         # rows would be ~24 GB per engine).
