@@ -69,7 +69,7 @@ def test_the_headline_divides_all_off_by_each_way_and_is_identical_only_if_every
 
 
 def test_each_lever_is_added_alone_to_all_off_and_those_that_cannot_run_say_why():
-    cfg = load_config(TrainConfig, TINY, ["engine.spec.drafter=pregenerated+eagle"])
+    cfg = load_config(TrainConfig, TINY, ["engine.spec.drafter=pregenerated+eagle", "engine.spec.tuner_arms=[]"])
     by_name = {lever.name: lever for lever in levers(cfg, world=2)}
     assert list(by_name) == ["spec", "tuner", "spot", "bubble"] and not any(lever.skip for lever in by_name.values())
     assert "engine.spec.drafter=eagle" in by_name["spec"].overrides and "engine.spec.tuner_arms=[]" in by_name["spec"].overrides
@@ -120,7 +120,7 @@ def small(char_model_dir, drafter_dir, task: str) -> list[str]:
             "task.train_problems=64", "task.eval_problems=2", "rollout.n=4", "rollout.max_new_tokens=24", "engine.max_batch=16",
             "engine.max_len=96", "trainer.prompts_per_step=4", "trainer.mini_batches=2", "actor.lr=1e-3",
             "actor.micro_batch_tokens=256", "engine.spec.depth=4", "engine.spec.verify_tokens=4",
-            "engine.spec.max_active_batch=null"]
+            "engine.spec.max_active_batch=null", "engine.spec.tuner_arms=[]"]
 
 
 @pytest.mark.slow

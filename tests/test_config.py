@@ -304,4 +304,4 @@ def test_spot_training_without_speculation_is_refused_naming_both_keys() -> None
     from launch.run_config import TrainConfig
 
     with pytest.raises(ValueError, match=r"spot.enabled.*engine.spec.enabled is false"):
-        load_config(TrainConfig, Path(__file__).parents[1] / "configs" / "tiny.yaml", ["engine.spec.enabled=false"])
+        load_config(TrainConfig, Path(__file__).parents[1] / "configs" / "tiny.yaml", ["spot.enabled=true", "engine.spec.enabled=false"])

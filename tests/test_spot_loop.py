@@ -156,7 +156,8 @@ def two_rank_run(char_model_dir, out, *overrides: str, module: str = "launch.tra
 @pytest.mark.slow
 def test_a_two_rank_run_with_spot_training_trains_its_drafter_online(char_model_dir, tmp_path):
     # Rank 1 rolls out 0.3 s longer every step: rank 0 has a window to train in (tests.mp.slow_rank_train).
-    run_dir = two_rank_run(char_model_dir, tmp_path, "spot.rows_per_step=4", "spot.window=64", module="tests.mp.slow_rank_train")
+    run_dir = two_rank_run(char_model_dir, tmp_path, "spot.enabled=true", "spot.rows_per_step=4", "spot.window=64",
+                           module="tests.mp.slow_rank_train")
     drafter = tmp_path / "drafter"
     rows = step_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -207,4 +208,4 @@ def test_pool_mode_without_a_pool_folder_is_refused():
     from launch.run_config import TrainConfig
 
     with pytest.raises(ValueError, match="spot.pool_dir"):
-        load_config(TrainConfig, REPO / "configs" / "tiny.yaml", ["spot.mode=pool"])
+        load_config(TrainConfig, REPO / "configs" / "tiny.yaml", ["spot.enabled=true", "spot.mode=pool"])

@@ -50,6 +50,7 @@ def config(char_model_dir, out, *overrides) -> TrainConfig:
         "trainer.steps=3", "trainer.prompts_per_step=4", "trainer.mini_batches=2", "trainer.eval_every=0",
         "actor.lr=1e-3", "actor.micro_batch_tokens=256", "metrics.wandb=false", "metrics.console=false",
         "metrics.dashboard=false", "engine.spec.depth=4", "engine.spec.verify_tokens=4", "spot.enabled=false",
+        "engine.spec.tuner_arms=[]",
     ]
     return load_config(TrainConfig, REPO / "configs" / "tiny.yaml", [*base, *overrides])
 
