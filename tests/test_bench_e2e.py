@@ -11,13 +11,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
 from bench import e2e
 from bench.e2e import WayTimes, ceiling, headline, levers
 from launch.config import load_config
 from launch.run_config import TrainConfig
 from pipeline.tasks import TASKS, Task, arith
+from tests.conftest import digit_share
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -98,25 +98,8 @@ def test_bad_input_is_refused_naming_what_is_wrong(argv, message, tmp_path, caps
     assert not any(tmp_path.iterdir())  # refused before any run
 
 
-def digit_share(text: str, answer: str) -> float:
-    """A dense reward a random model already earns some of: the runs have gradients to compare."""
-    return sum(c.isdigit() for c in text) / max(len(text), 1)
-
-
-@pytest.fixture(scope="module")
-def drafter_dir(char_model_dir, tmp_path_factory) -> Path:
-    from engine.checkpoint import load_checkpoint
-    from engine.spec.eagle import EagleConfig, EagleModel
-
-    target = load_checkpoint(char_model_dir)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("drafter")
-    EagleModel(EagleConfig.for_target(target.config), target).save(path)
-    return path
-
-
-def small(char_model_dir, drafter_dir, task: str) -> list[str]:
-    return [f"model.path={char_model_dir}", f"engine.spec.drafter_path={drafter_dir}", f"task.name={task}",
+def small(char_model_dir, char_drafter_dir, task: str) -> list[str]:
+    return [f"model.path={char_model_dir}", f"engine.spec.drafter_path={char_drafter_dir}", f"task.name={task}",
             "task.train_problems=64", "task.eval_problems=2", "rollout.n=4", "rollout.max_new_tokens=24", "engine.max_batch=16",
             "engine.max_len=96", "trainer.prompts_per_step=4", "trainer.mini_batches=2", "actor.lr=1e-3",
             "actor.micro_batch_tokens=256", "engine.spec.depth=4", "engine.spec.verify_tokens=4",
@@ -124,12 +107,12 @@ def small(char_model_dir, drafter_dir, task: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_every_lever_alone_and_as_shipped_is_the_all_off_run_and_the_json_says_so(char_model_dir, drafter_dir, tmp_path,
+def test_every_lever_alone_and_as_shipped_is_the_all_off_run_and_the_json_says_so(char_model_dir, char_drafter_dir, tmp_path,
                                                                                    capsys, monkeypatch):
     monkeypatch.setitem(TASKS, "digits", Task(name="digits", make_problems=arith.make_problems, reward=digit_share))
     png = tmp_path / "split.png"
     rc = e2e.main(["--config", TINY, "--steps", "2", "--levers", "spec,tuner,spot", "--out", str(tmp_path / "runs"),
-                   "--plot", str(png), "--json", *small(char_model_dir, drafter_dir, "digits")])
+                   "--plot", str(png), "--json", *small(char_model_dir, char_drafter_dir, "digits")])
     captured = capsys.readouterr()
     out = json.loads(captured.out.strip().splitlines()[-1])
     assert rc == 0, captured.err[-3000:]
@@ -146,24 +129,24 @@ def test_every_lever_alone_and_as_shipped_is_the_all_off_run_and_the_json_says_s
 
 
 @pytest.mark.slow
-def test_a_way_that_learns_another_run_is_caught_and_exits_2(char_model_dir, drafter_dir, tmp_path, capsys, monkeypatch):
+def test_a_way_that_learns_another_run_is_caught_and_exits_2(char_model_dir, char_drafter_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(TASKS, "digits", Task(name="digits", make_problems=arith.make_problems, reward=digit_share))
     real = e2e.levers
     monkeypatch.setattr(e2e, "levers", lambda cfg, world: [replace(lever, overrides=(*lever.overrides, "actor.lr=3e-3"))
                                                            for lever in real(cfg, world)])
     rc = e2e.main(["--config", TINY, "--steps", "2", "--levers", "spec", "--out", str(tmp_path), "--json",
-                   *small(char_model_dir, drafter_dir, "digits")])
+                   *small(char_model_dir, char_drafter_dir, "digits")])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 2 and out["identical"] is False
     assert out["identical_ways"] == {"as-shipped": True, "spec": False} and out["levers"]["spec"]["identical"] is False
 
 
 @pytest.mark.slow
-def test_under_torchrun_spot_training_and_bubble_drafts_alone_are_the_all_off_run(char_model_dir, drafter_dir, tmp_path):
+def test_under_torchrun_spot_training_and_bubble_drafts_alone_are_the_all_off_run(char_model_dir, char_drafter_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "bench.e2e",
            "--config", TINY, "--steps", "2", "--levers", "spot,bubble", "--out", str(tmp_path), "--json",
-           *small(char_model_dir, drafter_dir, "arith")]
+           *small(char_model_dir, char_drafter_dir, "arith")]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -5,27 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from bench import longtail
 
 
-@pytest.fixture(scope="module")
-def drafter_dir(char_model_dir, tmp_path_factory):
-    from engine.checkpoint import load_checkpoint
-    from engine.spec.eagle import EagleConfig, EagleModel
-
-    target = load_checkpoint(char_model_dir)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("drafter")
-    EagleModel(EagleConfig.for_target(target.config), target).save(path)
-    return path
-
-
 @pytest.mark.slow
-def test_every_policy_gives_the_autoregressive_tokens_and_the_json_has_the_ratios(char_model_dir, drafter_dir, tmp_path, capsys):
+def test_every_policy_gives_the_autoregressive_tokens_and_the_json_has_the_ratios(char_model_dir, char_drafter_dir, tmp_path, capsys):
     plot = tmp_path / "trace.png"
-    rc = longtail.main(["--model", str(char_model_dir), "--drafter", str(drafter_dir), "--requests", "3", "--n", "2",
+    rc = longtail.main(["--model", str(char_model_dir), "--drafter", str(char_drafter_dir), "--requests", "3", "--n", "2",
                         "--arms", "off,d2k1v2,d3k2v4", "--new-tokens", "12", "--tail-batch", "2", "--threads", "1",
                         "--plot", str(plot), "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -39,7 +26,7 @@ def test_every_policy_gives_the_autoregressive_tokens_and_the_json_has_the_ratio
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_an_arm_set_without_a_draft_shape_is_refused(char_model_dir, drafter_dir, capsys):
-    rc = longtail.main(["--model", str(char_model_dir), "--drafter", str(drafter_dir), "--arms", "off"])
+def test_an_arm_set_without_a_draft_shape_is_refused(char_model_dir, char_drafter_dir, capsys):
+    rc = longtail.main(["--model", str(char_model_dir), "--drafter", str(char_drafter_dir), "--arms", "off"])
     assert rc == 1
     assert "at least one draft shape" in capsys.readouterr().err

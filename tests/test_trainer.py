@@ -17,30 +17,14 @@ from launch.run_config import TrainConfig
 from launch.run import run
 from pipeline.dist import Ranks
 from pipeline.tasks import TASKS, Task, arith
+from tests.conftest import digit_share
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def digit_share(text: str, answer: str) -> float:
-    """A dense reward a random model already earns some of: the share of digits in the response."""
-    return sum(c.isdigit() for c in text) / max(len(text), 1)
 
 
 @pytest.fixture
 def digits_task(monkeypatch):
     monkeypatch.setitem(TASKS, "digits", Task(name="digits", make_problems=arith.make_problems, reward=digit_share))
-
-
-@pytest.fixture(scope="module")
-def drafter_dir(char_model_dir, tmp_path_factory) -> Path:
-    from engine.checkpoint import load_checkpoint
-    from engine.spec.eagle import EagleConfig, EagleModel
-
-    target = load_checkpoint(char_model_dir)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("drafter")
-    EagleModel(EagleConfig.for_target(target.config), target).save(path)
-    return path
 
 
 def config(char_model_dir, out, *overrides) -> TrainConfig:
@@ -72,10 +56,10 @@ LEARNED = ("reward/mean", "reward/std", "train/pg_loss", "train/grad_norm", "rol
 
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["eagle", "ngram"])
-def test_speculation_on_and_off_learn_exactly_the_same_run(char_model_dir, drafter_dir, digits_task, tmp_path, drafter):
+def test_speculation_on_and_off_learn_exactly_the_same_run(char_model_dir, char_drafter_dir, digits_task, tmp_path, drafter):
     off = run(config(char_model_dir, tmp_path / "off", "engine.spec.enabled=false"), Ranks())
     on = run(config(char_model_dir, tmp_path / "on", "engine.spec.enabled=true", f"engine.spec.drafter={drafter}",
-                    f"engine.spec.drafter_path={drafter_dir}", "engine.spec.max_active_batch=null"), Ranks())
+                    f"engine.spec.drafter_path={char_drafter_dir}", "engine.spec.max_active_batch=null"), Ranks())
     rows_off, rows_on = step_rows(off["run_dir"]), step_rows(on["run_dir"])
     assert len(rows_on) == len(rows_off) == 3
     assert all(r["spec/accept_len"] >= 1 for r in rows_on) and not any("spec/accept_len" in r for r in rows_off)
