@@ -1,9 +1,9 @@
 """One generate() call: admission, decode steps and retirement over the engine's slots.
 
-Requests are admitted in order into free slots: a prompt is prefilled once and its cache shared
-by its samples, and each sample's first token is drawn. A request with more samples than the
-batch holds (GRPO groups of 64-128) is admitted in chunks: its prefill (KV rows, last logits,
-features) is kept aside and copied into the slots of each later chunk, never recomputed.
+Requests are admitted in order into free slots (engine.admission): a prompt is prefilled once
+and its cache shared by its samples, and each sample's first token is drawn. A request with more
+samples than the batch holds is admitted in chunks: its prefill (KV rows, last logits, features)
+is kept aside and copied into the slots of each later chunk, never recomputed.
 
 Each decode step asks the speculation policy for a shape (or off), runs the target on every
 active row's *root* (its last sampled token) followed by the row's draft tree, samples the
@@ -21,40 +21,20 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import torch
+
+from engine.admission import Pending, Prefill, admission_record, right_pad, take_chunks
 
 from engine.features import CommittedFeatures, target_features
 from engine.model import ModelOutput, causal_mask
 from engine.sampling import SamplingParams, gumbel, mask_logits, prompt_key, row_keys, sample
 from engine.slots import SlotState
-from engine.spec.drafter import Admission, DraftContext, DraftShape
+from engine.spec.drafter import DraftContext, DraftShape
 from engine.spec.pregenerated import sibling_corpus
 from engine.spec.tree import DraftTree, PaddedTree, tree_mask, tree_positions
 from engine.spec.verify import Verdict, coupled_chain_verdict, coupled_verify
 from engine.types import FinishReason, Request, Rollout, RolloutBatch, StepRecord
-
-
-@dataclass
-class _Pending:
-    """Samples first..first+count-1 of request `index`, not yet admitted."""
-
-    index: int
-    request: Request
-    first: int
-    count: int
-
-
-@dataclass
-class _Prefill:
-    """A prompt's prefill kept for its later chunks."""
-
-    k: torch.Tensor  # [L, Hkv, P, D]
-    v: torch.Tensor
-    logits: torch.Tensor  # [V] at the last prompt position
-    features: torch.Tensor | None  # [P, F] the drafter's
-    ids: torch.Tensor  # [P]
 
 
 def _sync(device: torch.device) -> None:
@@ -74,13 +54,13 @@ class GenerateRun:
         self.state = SlotState(engine.cfg.max_batch, params.max_new_tokens, self.device)
         self.rollouts: list[Rollout | None] = []
         self.meta: list[tuple[int, int, float]] = []  # per rollout: (request index, sample, admitted at)
-        self.pending = deque(_Pending(i, r, 0, r.n) for i, r in enumerate(requests))
-        self.kept: dict[int, _Prefill] = {}
+        self.pending = deque(Pending(i, r, 0, r.n) for i, r in enumerate(requests))
+        self.kept: dict[int, Prefill] = {}
         self.stop_ids = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=self.device)
         drafter, sink = engine.drafter, engine.sink
         self.drafter_layers = tuple(drafter.feature_layers) if drafter is not None else ()
-        self.drafter_wants = drafter is not None and bool(drafter.feature_layers or getattr(drafter, "wants_features", False))
-        self.drafter_noise = getattr(drafter, "wants_noise", False)  # a chain's noise drawn once a step (_noise_ahead)
+        self.drafter_wants = drafter is not None and bool(drafter.feature_layers or drafter.wants_features)
+        self.drafter_noise = drafter is not None and drafter.wants_noise  # a chain's noise drawn once a step (_noise_ahead)
         self.sink_layers = tuple(sink.feature_layers) if sink is not None else ()
         self._rows = torch.arange(engine.cfg.max_batch, device=self.device)  # [max_batch] a plain step's entry rows, sliced
         self._entries = torch.arange(engine.limits.verify_tokens + engine.limits.depth + 2, device=self.device)  # [root, nodes] indices, sliced
@@ -108,26 +88,9 @@ class GenerateRun:
                             wall_s=time.perf_counter() - self.t0, policy_version=self.e.version)
 
     # -- admission -------------------------------------------------------------------------
-    def _take(self) -> list[_Pending]:
-        """The chunks admitted now: whole requests in order while they fit; a request larger
-        than the batch is split into chunks of whatever is free."""
-        free = self.e.cfg.max_batch - self.state.active
-        chunks = []
-        while self.pending and free > 0:
-            head = self.pending[0]
-            if head.count <= free:
-                chunks.append(self.pending.popleft())
-                free -= head.count
-            elif head.request.n > self.e.cfg.max_batch:
-                chunks.append(_Pending(head.index, head.request, head.first, free))
-                head.first, head.count, free = head.first + free, head.count - free, 0
-            else:
-                break
-        return chunks
-
     def admit(self) -> None:
         """Admits what fits: prefills new prompts, copies kept prefills, draws first tokens."""
-        chunks = self._take()
+        chunks = take_chunks(self.pending, self.e.cfg.max_batch - self.state.active, self.e.cfg.max_batch)
         if not chunks:
             return
         ts = time.perf_counter()
@@ -154,24 +117,19 @@ class GenerateRun:
         rows = torch.arange(base, acc, device=self.device)
         tok, lp = sample(torch.cat(logits), state.keys[rows], state.generated[rows], self.params)  # first tokens
         if e.drafter is not None:
-            e.drafter.admit(self._admission(chunks, slots_of, ids_list, feats, tok))
+            e.drafter.admit(admission_record([c.count for c in chunks], slots_of, ids_list, feats if self.drafter_wants else None,
+                                             tok, self.device))
         self._emit(rows, tok.unsqueeze(1), lp.unsqueeze(1), torch.ones_like(tok))
         self.prefill_s += time.perf_counter() - ts
 
-    def _prefill(self, chunks: list[_Pending]) -> dict[int, _Prefill]:
+    def _prefill(self, chunks: list[Pending]) -> dict[int, Prefill]:
         """One target pass over the new prompts (right-padded); their KV rows land in scratch
-        slots at the end of the free range and are kept as `_Prefill` records."""
+        slots at the end of the free range and are kept as `Prefill` records."""
         if not chunks:
             return {}
         e = self.e
-        P = len(chunks)
-        prompts = [c.request.prompt for c in chunks]
-        T = max(len(p) for p in prompts)
-        ids = torch.zeros(P, T, dtype=torch.long)
-        for j, p in enumerate(prompts):
-            ids[j, : len(p)] = torch.tensor(p)
-        ids = ids.to(self.device)
-        lens = torch.tensor([len(p) for p in prompts], device=self.device)
+        ids, lens = right_pad([torch.tensor(c.request.prompt, dtype=torch.long) for c in chunks], self.device)
+        P, T = ids.shape
         pos = torch.arange(T, device=self.device).expand(P, T)
         start = self.state.active  # scratch rows: free now, filled by _fill_slots next
         view = e.cache.rows(start, start + P)
@@ -182,7 +140,7 @@ class GenerateRun:
         kept = {}
         for j, c in enumerate(chunks):
             n = len(c.request.prompt)
-            kept[c.index] = _Prefill(
+            kept[c.index] = Prefill(
                 k=view.k[:, j, :, :n].clone(), v=view.v[:, j, :, :n].clone(), logits=logits[j],
                 features=dfeat[j, :n] if dfeat is not None else None, ids=ids[j, :n],
             )
@@ -190,7 +148,7 @@ class GenerateRun:
                 e.sink.prompt(c.request.prompt_id, ids[j, :n], sfeat[j, :n], e.version)
         return kept
 
-    def _fill_slots(self, c: _Pending, slots: torch.Tensor, pre: _Prefill, now: float) -> None:
+    def _fill_slots(self, c: Pending, slots: torch.Tensor, pre: Prefill, now: float) -> None:
         state, e, r = self.state, self.e, c.request
         n = pre.ids.shape[0]
         e.cache.k[:, slots, :, :n] = pre.k.unsqueeze(1)
@@ -212,22 +170,6 @@ class GenerateRun:
             state.prompt_ids[slot], state.prompts[slot] = r.prompt_id, pre.ids
             state.drafts[slot] = drafts.get(k)
             state.siblings[slot] = sibling_corpus([d for j, d in drafts.items() if j != k])
-
-    def _admission(self, chunks, slots_of, ids_list, feats, first_tokens) -> Admission:
-        P = len(chunks)
-        T = max(i.shape[0] for i in ids_list)
-        ids = torch.zeros(P, T, dtype=torch.long, device=self.device)
-        lens = torch.tensor([i.shape[0] for i in ids_list], device=self.device)
-        for j, i in enumerate(ids_list):
-            ids[j, : i.shape[0]] = i
-        features = None
-        if self.drafter_wants:
-            features = torch.zeros(P, T, feats[0].shape[-1], dtype=feats[0].dtype, device=self.device)
-            for j, f in enumerate(feats):
-                features[j, : f.shape[0]] = f
-        owner = torch.repeat_interleave(torch.arange(P, device=self.device), torch.tensor([c.count for c in chunks], device=self.device))
-        return Admission(slots=torch.cat(slots_of), owner=owner, tokens=ids, lengths=lens, features=features,
-                         first_tokens=first_tokens)
 
     # -- decoding --------------------------------------------------------------------------
     def step(self) -> None:

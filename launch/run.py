@@ -168,15 +168,32 @@ def _build(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: E
         if engine.policy is not None and "spec_policy" in state.components:
             engine.policy.load_state_dict(state.components["spec_policy"])
         log(f"resumed from {resume} at step {state.step}")
-    store = job_store(r)
+    idle_work, bubbles, spot = _build_idle(cfg, r, run_dir, log, resources, engine, tokenizer, loader, sampling, resume)
+    if idle_work is not None and "idle_work" in state.components:
+        idle_work.load_state_dict(state.components["idle_work"])
 
+    trainer = Trainer(cfg, r, engine, actor, tokenizer, task, loader, held_out, run_dir, idle_work=idle_work,
+                      start_step=state.step, reference=reference, bubbles=bubbles,
+                      actor_features=spot.actor_features if spot is not None else None, sampling=sampling)
+    trainer.sync(version=state.step)  # the engine serves exactly the actor's weights (a resumed run's too)
+    logger = MetricsLogger.from_config(run_dir, cfg.metrics, rank=r.rank, run_name=run_dir.name,
+                                       resolved_config=to_dict(cfg),
+                                       resume_after_step=state.step if resume is not None else -1)  # -1: a fresh start drops an earlier attempt's lines
+    return Run(cfg=cfg, ranks=r, run_dir=run_dir, log=log, task=task, held_out=held_out, loader=loader, engine=engine,
+               actor=actor, idle_work=idle_work, trainer=trainer, logger=logger, start_step=state.step, resources=resources)
+
+
+def _build_idle(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: ExitStack, engine: RolloutBackend,
+                tokenizer, loader: PromptLoader, sampling: StepSampling, resume: Path | None):
+    """The idle window's work: bubble pre-generation and / or spot training under one schedule
+    (None when neither is on); -> (the work, the bubble store or None, the spot run or None)."""
+    store = job_store(r)
     spot = None
     if cfg.spot.enabled:
         from spot.colocated import build_spot_work
 
         spot = build_spot_work(cfg.spot, engine, run_name=run_dir.name, rank=r.rank, local_rank=r.local_rank, world=r.world,
-                               seed=cfg.run.seed, max_new_tokens=cfg.rollout.max_new_tokens, store=store, resume=resume,
-                               resume_state=state.components.get("idle_work", {}).get("spot"))
+                               seed=cfg.run.seed, max_new_tokens=cfg.rollout.max_new_tokens, store=store, resume=resume)
         resources.callback(spot.close)
         log(f"spot training on: node buffer {spot.buffer.name} ({cfg.spot.buffer_mb} MiB), drafter trained in idle windows")
 
@@ -193,20 +210,10 @@ def _build(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: E
         control = ControlPlane(store, r.rank, r.world) if store is not None else None
         bubble = BubbleWork(engine, requests_for, sampling, bubbles, cfg.bubble, control)
 
-    idle_work = None
-    if spot is not None or bubble is not None:
-        schedule = IdleSchedule(pregenerate=bubble is not None, train=spot is not None, share=cfg.bubble.share)
-        idle_work = ScheduledIdle(schedule, bubble, spot.work if spot is not None else None)
-
-    trainer = Trainer(cfg, r, engine, actor, tokenizer, task, loader, held_out, run_dir, idle_work=idle_work,
-                      start_step=state.step, reference=reference, bubbles=bubbles,
-                      actor_features=spot.actor_features if spot is not None else None, sampling=sampling)
-    trainer.sync(version=state.step)  # the engine serves exactly the actor's weights (a resumed run's too)
-    logger = MetricsLogger.from_config(run_dir, cfg.metrics, rank=r.rank, run_name=run_dir.name,
-                                       resolved_config=to_dict(cfg),
-                                       resume_after_step=state.step if resume is not None else -1)  # -1: a fresh start drops an earlier attempt's lines
-    return Run(cfg=cfg, ranks=r, run_dir=run_dir, log=log, task=task, held_out=held_out, loader=loader, engine=engine,
-               actor=actor, idle_work=idle_work, trainer=trainer, logger=logger, start_step=state.step, resources=resources)
+    if spot is None and bubble is None:
+        return None, None, None
+    schedule = IdleSchedule(pregenerate=bubble is not None, train=spot is not None, share=cfg.bubble.share)
+    return ScheduledIdle(schedule, bubble, spot.work if spot is not None else None), bubbles, spot
 
 
 def resolve_resume(cfg: TrainConfig, r: Ranks) -> None:

@@ -63,10 +63,9 @@ def drafter_copy(net: EagleModel) -> EagleModel:
 
 
 def build_spot_work(cfg: SpotConfig, engine: RolloutBackend, *, run_name: str, rank: int, local_rank: int, world: int,
-                    seed: int, max_new_tokens: int, store=None, resume: Path | None = None,
-                    resume_state: dict | None = None) -> SpotRun:
+                    seed: int, max_new_tokens: int, store=None, resume: Path | None = None) -> SpotRun:
     """`store`: the job's store (the control plane; None alone); `resume`: a checkpoint folder
-    whose `spot/` the trainer continues from, and `resume_state` the work's state saved with it."""
+    whose `spot/` the trainer continues from (the work's own state is loaded by the caller)."""
     from_actor = not engine.caps.returns_features  # no hidden states from the engine: from the actor's forward
     nets = [served_drafter(engine)] if from_actor else engine.drafter_nets()
     if len(nets) != 1 or not isinstance(nets[0], EagleModel):
@@ -106,9 +105,6 @@ def build_spot_work(cfg: SpotConfig, engine: RolloutBackend, *, run_name: str, r
                             max_micro_steps=cfg.max_micro_steps, seed=seed)
     group = dist.new_group() if world > 1 else None  # the window end's average runs beside the actor's collectives
     work = SpotWork(engine, trainer, buffer, sink, control, settings, group)
-    if resume_state is not None:  # the engine serves the checkpoint's drafter, as the stopped run did
-        work.load_state_dict(resume_state)
-        engine.load_drafter_weights(trainer.named_weights(), version=work.drafter_version)
     return SpotRun(work=work, engine=engine, buffer=buffer, owner=owner, actor_features=features, group=group)
 
 

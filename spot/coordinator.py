@@ -126,7 +126,10 @@ class SpotWork(IdleWork):
         return {"drafter_version": self.drafter_version}
 
     def load_state_dict(self, state: dict) -> None:
+        """A resumed run's: the engine serves the checkpoint's drafter (the trainer's copy, loaded
+        from the checkpoint's spot/ folder) as the version the stopped run served."""
         self.drafter_version = int(state["drafter_version"])
+        self.engine.load_drafter_weights(self.trainer.named_weights(), version=self.drafter_version)
 
     def _state(self, step: int, state: RankState) -> None:
         if self.control is not None:

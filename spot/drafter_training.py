@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
@@ -36,12 +36,13 @@ class DrafterOptim:
     def from_config(cls, section, where: str = "") -> DrafterOptim:
         """The knobs a config section declares under these names (a knob it lacks keeps the default
         above); ValueError naming the key (`where` + name, e.g. spot.lr) for a bad value."""
-        optim = cls(**{f.name: getattr(section, f.name) for f in fields(cls) if hasattr(section, f.name)})
+        knobs = {f.name for f in fields(cls)}
+        optim = cls(**{k: v for k, v in asdict(section).items() if k in knobs})
         if not optim.lr > 0:
             raise ValueError(f"{where}lr must be > 0, got {optim.lr}")
-        for key in ("warmup_steps", "weight_decay", "grad_clip", "ce_weight"):
-            if getattr(optim, key) < 0:
-                raise ValueError(f"{where}{key} must be >= 0, got {getattr(optim, key)}")
+        for key, value in asdict(optim).items():
+            if key in ("warmup_steps", "weight_decay", "grad_clip", "ce_weight") and value < 0:
+                raise ValueError(f"{where}{key} must be >= 0, got {value}")
         if not 0 <= optim.min_lr_ratio <= 1:
             raise ValueError(f"{where}min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio}")
         return optim

@@ -47,21 +47,6 @@ def test_the_reward_accepts_the_right_answer_and_rejects_wrong_or_malformed_ones
     assert reward(f"#### {p.answer}\n0;1+2=3", p.answer) == 1.0  # the last answer line counts, wherever it is
 
 
-def test_generator_is_deterministic_and_prefixes_match():
-    assert make_problems("train", 50, seed=3) == make_problems("train", 50, seed=3)
-    assert make_problems("train", 50, seed=3) != make_problems("train", 50, seed=4)
-    assert make_problems("test", 100, seed=0)[:40] == make_problems("test", 40, seed=0)
-    assert make_problems("test", 10, seed=0, start=30) == make_problems("test", 40, seed=0)[30:]
-
-
-def test_train_and_test_splits_share_no_prompt_and_no_id():
-    train = make_problems("train", 3000, seed=0)
-    test = make_problems("test", 300, seed=0)
-    assert not {p.prompt for p in train} & {p.prompt for p in test}
-    assert not {p.id for p in train} & {p.id for p in test}
-    assert test[123].id == "mult-test-000123"
-
-
 def token_lengths(problems) -> list[int]:
     tok = build_tokenizer()
     return [len(tok(p.response, add_special_tokens=False).input_ids) + 1 for p in problems]  # + eos

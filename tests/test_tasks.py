@@ -1,4 +1,5 @@
-"""The synthetic arithmetic task, its reward, the character tokenizer and the task CLI."""
+"""The synthetic arithmetic task, its reward, the character tokenizer and the task CLI; what every
+synthetic task's generator keeps (deterministic streams, disjoint splits), for arith and mult."""
 
 from __future__ import annotations
 
@@ -19,22 +20,31 @@ from pipeline.tasks.tokenizer import ALPHABET, build_tokenizer
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_generator_is_deterministic_by_seed():
+SYNTHETIC = ("arith", "mult")
+
+
+@pytest.mark.parametrize("task", SYNTHETIC)
+def test_generator_is_deterministic_by_seed(task):
+    make_problems = get_task(task).make_problems
     assert make_problems("train", 50, seed=3) == make_problems("train", 50, seed=3)
     assert make_problems("train", 50, seed=3) != make_problems("train", 50, seed=4)
 
 
-def test_a_prefix_of_a_longer_draw_equals_a_shorter_draw():
+@pytest.mark.parametrize("task", SYNTHETIC)
+def test_a_prefix_of_a_longer_draw_equals_a_shorter_draw(task):
+    make_problems = get_task(task).make_problems
     assert make_problems("test", 100, seed=0)[:40] == make_problems("test", 40, seed=0)
     assert make_problems("test", 10, seed=0, start=30) == make_problems("test", 40, seed=0)[30:]
 
 
-def test_train_and_test_splits_share_no_prompt_and_no_id():
+@pytest.mark.parametrize("task", SYNTHETIC)
+def test_train_and_test_splits_share_no_prompt_and_no_id(task):
+    make_problems = get_task(task).make_problems
     train = make_problems("train", 3000, seed=0)
     test = make_problems("test", 300, seed=0)
     assert not {p.prompt for p in train} & {p.prompt for p in test}
     assert not {p.id for p in train} & {p.id for p in test}
-    assert test[123].id == "arith-test-000123"
+    assert test[123].id == f"{task}-test-000123"
 
 
 def test_reference_response_ends_with_the_correct_answer():

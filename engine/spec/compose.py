@@ -25,8 +25,8 @@ class FallbackDrafter(DrafterBase):
         self.feature_layers = next((tuple(d.feature_layers) for d in drafters if d.feature_layers), ())
         if any(d.feature_layers and tuple(d.feature_layers) != self.feature_layers for d in drafters):
             raise ValueError("drafters in one composition must read the same target layers")
-        self.wants_features = any(getattr(d, "wants_features", False) or d.feature_layers for d in drafters)
-        self.wants_noise = any(getattr(d, "wants_noise", False) for d in drafters)
+        self.wants_features = any(d.wants_features or d.feature_layers for d in drafters)
+        self.wants_noise = any(d.wants_noise for d in drafters)
 
     def reset(self, max_batch: int, max_len: int, params: SamplingParams, limits: DraftShape) -> None:
         for d in self.drafters:

@@ -97,6 +97,8 @@ class DraftContext:
 class Drafter(Protocol):
     name: str
     feature_layers: tuple[int, ...]  # target layers whose outputs the drafter needs; () = none
+    wants_features: bool  # the target's features at admission and every pass (DrafterBase says when)
+    wants_noise: bool  # drafts with the target's own noise: the step draws a chain's noise once
 
     def reset(self, max_batch: int, max_len: int, params: SamplingParams, limits: DraftShape) -> None: ...
 

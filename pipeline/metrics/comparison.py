@@ -49,9 +49,9 @@ class Comparison:
                              f"{len(self.reference_step_s)} reference_step_s")
         if not all(isinstance(s, int) for s in self.steps) or self.steps != sorted(set(self.steps)):
             raise ValueError(f"comparison steps must be ascending distinct integers, got {self.steps}")
-        for name in ("step_s", "reference_step_s"):
-            if not all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0 for t in getattr(self, name)):
-                raise ValueError(f"comparison {name} must be positive finite seconds, got {getattr(self, name)}")
+        for name, times in (("step_s", self.step_s), ("reference_step_s", self.reference_step_s)):
+            if not all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0 for t in times):
+                raise ValueError(f"comparison {name} must be positive finite seconds, got {times}")
         if self.identical is not None and not isinstance(self.identical, bool):
             raise ValueError(f"comparison identical must be true, false or null, got {self.identical!r}")
 
