@@ -111,6 +111,34 @@ class TrainerSection:
 
 
 @dataclass(kw_only=True)
+class PipelineSection:
+    """Where the run's work goes (docs/PLACEMENT.md). colocated: every rank rolls out, then trains
+    (TLT's layout). separated: the first `actor_ranks` ranks train and push weights to the others,
+    which hold the engines and roll out; a separated run equals the colocated run on
+    `actor_ranks` ranks, bit for bit on CPU."""
+
+    placement: Literal["colocated", "separated"] = "colocated"
+    actor_ranks: int = 0  # separated only: ranks 0..K-1 train, ranks K..world-1 roll out
+
+    def validate(self) -> None:
+        if self.placement == "colocated" and self.actor_ranks:
+            raise ValueError(f"pipeline.actor_ranks={self.actor_ranks} is for pipeline.placement=separated; drop it or "
+                             "set pipeline.placement=separated")
+        if self.placement == "separated" and self.actor_ranks < 1:
+            raise ValueError("pipeline.placement=separated needs pipeline.actor_ranks >= 1 (the ranks that train; the "
+                             "others roll out)")
+
+    def roles(self, world: int) -> tuple[int, int]:
+        """(actor ranks, rollout ranks) in a job of `world` processes; colocated: every rank is both."""
+        if self.placement == "colocated":
+            return world, world
+        if self.actor_ranks >= world:
+            raise ValueError(f"pipeline.actor_ranks={self.actor_ranks} leaves no rollout rank in a job of {world} "
+                             f"processes: use at most {world - 1}, or start more processes (torchrun --nproc-per-node)")
+        return self.actor_ranks, world - self.actor_ranks
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -124,6 +152,7 @@ class TrainConfig:
     spot: SpotConfig = field(default_factory=SpotConfig)
     bubble: BubbleConfig = field(default_factory=BubbleConfig)
     cluster: ClusterSection = field(default_factory=ClusterSection)  # Slurm jobs only (launch.slurm)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
 
     def validate(self) -> None:
         if self.engine.backend == "vllm":
