@@ -1,0 +1,42 @@
+"""Which rank trains which of a step's prompt groups: a pure function of the step's whole batch.
+
+A step's prompt groups (a prompt's n samples stay together: advantages are per group) are
+numbered in global order: the loader's global step (pipeline.data), rank 0's shard first. Where a
+group was *generated* (a rank's own shard, a stolen unit, a separate rollout rank) never enters
+these functions, so the data-parallel update sees the same rows on the same ranks in the same
+order whichever way the rollout was placed, and the run stays bit for bit the same.
+
+- `shard_shares`: rank r trains its loader shard, the groups it would have generated alone
+  (the colocated layout's assignment, and a separated run's: actor rank k trains what colocated
+  rank k would).
+- `token_shares`: groups dealt longest first to the rank with the fewest tokens so far (ties: the
+  lower rank), each rank's groups then in global order: ranks finish their updates together when
+  lengths are long-tailed. A different assignment from `shard_shares` sums gradients in another
+  order, so it is a different (equally valid) run, not the same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def shard_shares(groups: int, world: int) -> list[list[int]]:
+    """Contiguous equal shards in rank order: [[0..g/w-1], [g/w..2g/w-1], ...]."""
+    if world < 1 or groups % world:
+        raise ValueError(f"{groups} prompt groups do not split evenly over {world} ranks (trainer.prompts_per_step "
+                         "must be divisible by the number of training ranks)")
+    size = groups // world
+    return [list(range(r * size, (r + 1) * size)) for r in range(world)]
+
+
+def token_shares(group_tokens: Sequence[int], world: int) -> list[list[int]]:
+    """Longest-first greedy balance of the groups' token counts over `world` ranks."""
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    load = [0] * world
+    shares: list[list[int]] = [[] for _ in range(world)]
+    for g in sorted(range(len(group_tokens)), key=lambda g: (-group_tokens[g], g)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        shares[r].append(g)
+        load[r] += group_tokens[g]
+    return [sorted(s) for s in shares]
