@@ -15,7 +15,8 @@ fastest share of each. The rollout devices' idle share counts their wait at the 
 and, separated, the transfer and the actor phase they wait through (what the spot pool can use).
 
 `python -m sim.placement --scenario FILE [--png PATH] [key=value ...]` prints the tables as
-Markdown and with --png draws the figure.
+Markdown; --png draws the figure at PATH and, beside it (PATH's stem + `_timeline`), one
+separated step of spec+spot at the scenario's actor share and largest device count.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 from launch.config import override_args
 from sim.config import Scenario, load_scenario
 from sim.latency import build_latency
-from sim.plots import plot_placement
+from sim.plots import plot_placement, plot_timeline
 from sim.project import simulate_steps
 from sim.separated import split_devices
 from sim.step import Techniques
@@ -139,6 +140,10 @@ def placement_report(scn: Scenario, png: Path | None = None) -> str:
     if png is not None:
         plot_placement(best(rows), [r for r in rows if r.devices == ref], png,
                        f"{scn.name}: colocated against separated placement")
+        separated = layout_scenario(scn, "separated")
+        step = simulate_steps(separated, ref, TECHNIQUES["spec+spot"])[0]
+        plot_timeline(step, png.with_name(f"{png.stem}_timeline.png"),
+                      f"{scn.name}, {ref} devices, separated ({step.actor_devices} actor devices), spec + spot: one step")
     return text
 
 

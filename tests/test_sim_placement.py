@@ -143,3 +143,4 @@ def test_comparison_speedups_are_over_the_colocated_baseline_and_best_keeps_the_
         assert r.speedup == pytest.approx(colocated["baseline"].step_s / r.step_s)
     text = placement_report(scn, tmp_path / "placement.png")
     assert "separated+async" in text and (tmp_path / "placement.png").stat().st_size > 1000
+    assert (tmp_path / "placement_timeline.png").stat().st_size > 1000
