@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides, rest = override_args(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="python -m sim.sensitivity", description=__doc__.splitlines()[0])
     ap.add_argument("--scenario", required=True)
-    ap.add_argument("--vary", action="append", default=[], help="--vary=key=value: a dotted override to try alone (repeatable)")
+    ap.add_argument("--vary", action="append", default=[],
+                    help="--vary=key=value: a dotted override to try alone (repeatable)")
     ap.add_argument("--devices", type=int, nargs="+", help="device counts (default: the scenario's)")
     args = ap.parse_args(rest)
     devices = args.devices or load_scenario(args.scenario, overrides).cluster.devices

@@ -107,7 +107,8 @@ def test_actor_share_splits_whole_devices_and_whole_rollout_groups(devices, shar
 
 
 def test_a_split_without_a_rollout_group_names_the_key():
-    scn = scenario(placement=PlacementSpec(kind="separated", actor_share=0.75), cluster=ClusterSpec(devices=[4], tensor_parallel=2))
+    scn = scenario(placement=PlacementSpec(kind="separated", actor_share=0.75),
+                   cluster=ClusterSpec(devices=[4], tensor_parallel=2))
     with pytest.raises(ValueError, match="placement.actor_share"):
         split_devices(scn, 4)
     with pytest.raises(ValueError, match="placement.actor_share"):
@@ -144,3 +145,30 @@ def test_comparison_speedups_are_over_the_colocated_baseline_and_best_keeps_the_
     text = placement_report(scn, tmp_path / "placement.png")
     assert "separated+async" in text and (tmp_path / "placement.png").stat().st_size > 1000
     assert (tmp_path / "placement_timeline.png").stat().st_size > 1000
+
+
+def test_a_separated_scenario_runs_its_report_checks_and_timeline(tmp_path, capsys):
+    from launch.config import save_config
+    from sim import run as run_cli
+
+    scn = replace(scenario(), sweep=SweepSpec(accept_lens=[2.0], depths=[1, 3], tail_sigmas=[1.0]))
+    path = tmp_path / "sep.yaml"
+    save_config(scn, path)
+    assert run_cli.main(["--scenario", str(path), "--out", str(tmp_path / "out"), "--checks"]) == 0
+    assert "| 8 | spec+spot |" in capsys.readouterr().out
+    assert (tmp_path / "out" / "small_timeline.png").stat().st_size > 1000
+
+
+def test_sensitivity_varies_one_key_and_can_grow_the_batch_with_the_devices(tmp_path):
+    from launch.config import save_config
+    from sim.sensitivity import speedups, variation_rows
+
+    scn = scenario("colocated", cluster=ClusterSpec(devices=[2, 4], max_batch=64))
+    path = tmp_path / "s.yaml"
+    save_config(scn, path)
+    table = variation_rows(str(path), [], ["spec.threshold=1", "rollout.prompts=scale:32"], [2, 4]).splitlines()
+    assert [line.split(" | ")[0] for line in table[2:]] == ["| as in the scenario", "| spec.threshold=1",
+                                                            "| rollout.prompts=scale:32"]
+    fixed, grown = speedups(scn, [2, 4]), speedups(scn, [2, 4], rows_per_device=32)
+    assert fixed[(2, "spec")] == pytest.approx(grown[(2, "spec")])  # 32 rows a device at 2 devices: the scenario's 64
+    assert fixed[(4, "spec")] != pytest.approx(grown[(4, "spec")])
