@@ -12,7 +12,8 @@ is the *bubble* (idle window) of its devices. Techniques, each switchable:
 - bubble: idle groups pre-generate the next step's responses at their own decode rate; those
   responses (up to `bubble.coverage` of them) are verified as drafts in the next step;
 - one_step_async: rollout on a share of the devices overlaps training on the rest (steady state:
-  step = max(rollout, log-prob + update) + sync).
+  step = max(rollout, log-prob + update) + sync); colocated, the share is
+  `one_step_async.rollout_share`, separated it is the placement's split.
 
 Spot training and pre-generation fill the bubble of step t for step t + 1; the model takes the
 steady state by iterating the step twice with the previous pass's fill. A group's idle window is

@@ -79,7 +79,8 @@ def depth_sweep(scn: Scenario, depths: list[int], batches: list[int], p: float) 
     out: dict[int, list[SweepPoint]] = {}
     tp = scn.cluster.tensor_parallel
     for b in batches:
-        one = replace(scn, placement=PlacementSpec(), cluster=ClusterSpec(devices=[tp], tensor_parallel=tp, max_batch=b),
+        one = replace(scn, placement=PlacementSpec(),
+                      cluster=ClusterSpec(devices=[tp], tensor_parallel=tp, max_batch=b),
                       rollout=replace(scn.rollout, prompts=b, samples_per_prompt=1))
         points = []
         for k in depths:
