@@ -33,7 +33,7 @@ from sim.config import Scenario, load_scenario
 from sim.latency import build_latency
 from sim.plots import plot_placement, plot_timeline
 from sim.project import simulate_steps
-from sim.separated import split_devices
+from sim.separated import device_split
 from sim.step import Techniques
 
 TECHNIQUES = {"baseline": Techniques(), "spec+spot": Techniques(spec=True, spot=True)}
@@ -66,14 +66,8 @@ def layout_techniques(layout: str, combo: str) -> Techniques:
 
 def valid_shares(scn: Scenario, devices: int) -> list[float]:
     """The shares of `sweep.actor_shares` that leave at least one rollout group on `devices`."""
-    out = []
-    for share in scn.sweep.actor_shares:
-        try:
-            split_devices(layout_scenario(scn, "separated", share), devices)
-        except ValueError:
-            continue
-        out.append(share)
-    return out
+    return [share for share in scn.sweep.actor_shares
+            if device_split(layout_scenario(scn, "separated", share), devices) is not None]
 
 
 def compare(scn: Scenario, devices: list[int] | None = None) -> list[PlacementRow]:

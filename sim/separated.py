@@ -30,17 +30,25 @@ from sim.lengths import deal
 from sim.step import StepResult, Techniques, fill_rollout, shard_bytes, train_times
 
 
-def split_devices(scn: Scenario, devices: int) -> tuple[int, int]:
+def device_split(scn: Scenario, devices: int) -> tuple[int, int] | None:
     """(actor devices, rollout devices): `placement.actor_share` of the devices rounded to whole
-    devices (at least one), the rest rounded down to whole rollout groups (the remainder trains)."""
+    devices (at least one), the rest rounded down to whole rollout groups (the remainder trains);
+    None when no rollout group is left."""
     tp = scn.cluster.tensor_parallel
     actors = max(1, int(round(devices * scn.placement.actor_share)))
     rollout = (devices - actors) // tp * tp
-    if rollout < tp:
-        raise ValueError(f"placement.actor_share={scn.placement.actor_share}: {devices} devices leave "
-                         f"{devices - actors} to roll out, fewer than one group of cluster.tensor_parallel={tp}; "
-                         "lower placement.actor_share or project more devices (cluster.devices)")
-    return devices - rollout, rollout
+    return (devices - rollout, rollout) if rollout >= tp else None
+
+
+def split_devices(scn: Scenario, devices: int) -> tuple[int, int]:
+    """`device_split`, raising when it leaves no rollout group."""
+    split = device_split(scn, devices)
+    if split is None:
+        tp = scn.cluster.tensor_parallel
+        raise ValueError(f"placement.actor_share={scn.placement.actor_share}: {devices} devices leave fewer than "
+                         f"one rollout group of cluster.tensor_parallel={tp}; lower placement.actor_share or "
+                         "project more devices (cluster.devices)")
+    return split
 
 
 def push_sync_s(scn: Scenario) -> float:
