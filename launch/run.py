@@ -92,7 +92,7 @@ class Run:
             for _ in range(self.start_step, tc.steps):
                 result = trainer.step()
                 step = trainer.step_index
-                log_step(self.run_dir, step, r.rank, result.rollouts)
+                log_step(self.run_dir, step, r.rank, result.decode_steps, result.rollouts)
                 metrics = result.metrics
                 if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
                     acc = trainer.evaluate()
