@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(TrainConfig, args.config, overrides)
         require_keys(cfg, args.config)
-        r = init_ranks(cfg.actor.device)
+        r = init_ranks(cfg.actor.device, cfg.pipeline.timeout_s)
         try:
             run(cfg, r)
         finally:

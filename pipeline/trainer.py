@@ -30,6 +30,7 @@ import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,21 @@ class StepResult:
     lengths: list[int]  # this step's response lengths (all ranks; empty on a rollout rank of a separated run)
     rollouts: ScoredRollouts | None  # the rollouts this rank trained on (None on a rollout rank of a separated run)
     decode_steps: list[StepRecord]  # this rank's engine decode steps (none on an actor rank of a separated run)
+
+
+class StepDriver(Protocol):
+    """What launch.run's loop drives on every rank: this Trainer (colocated), or a separated
+    placement's actor or rollout side (pipeline.separated_actor, pipeline.separated_rollout)."""
+
+    step_index: int  # RL steps completed
+
+    def step(self) -> StepResult: ...
+
+    def evaluate(self) -> float | None:
+        """Held-out greedy accuracy on rank 0 (None elsewhere); collective."""
+
+    def save(self) -> None:
+        """A run checkpoint of step_index; collective."""
 
 
 class Trainer:
