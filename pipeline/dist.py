@@ -9,9 +9,11 @@ and the actor's weight sync into the engine.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -89,3 +91,20 @@ def all_sum(r: Ranks, value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, group=r.group)
     return float(t)
+
+
+class PeerLost(RuntimeError):
+    """A transfer with another rank failed: that rank died, or did not answer within the job's
+    collective timeout (pipeline.timeout_s)."""
+
+
+@contextlib.contextmanager
+def transfer(what: str) -> Iterator[None]:
+    """Turns a torch.distributed failure inside (gloo raises RuntimeError) into PeerLost naming `what`."""
+    try:
+        yield
+    except PeerLost:
+        raise
+    except RuntimeError as e:
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PeerLost(f"{what}: {detail}") from e

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from pipeline.data import PromptLoader
-from pipeline.dist import gather_floats
+from pipeline.dist import gather_floats, transfer
 from pipeline.learner import Learner
 from pipeline.placement import Placement
 from pipeline.rollouts import ScoredRollouts
@@ -56,11 +56,13 @@ class SeparatedActor:
         replicas are the same weights)."""
         if not self.r.main:
             return {}
-        return push_weights(self.actor.named_weights(), version, src=self.p.push_source, group=self.p.push_group)
+        with transfer(f"pushing policy version {version} to the rollout ranks"):
+            return push_weights(self.actor.named_weights(), version, src=self.p.push_source, group=self.p.push_group)
 
     def _receive(self, step: int) -> Received:
         t = time.perf_counter()
-        shipments = receive_shipments(self.p.rollout_ranks)
+        with transfer(f"receiving step {step + 1}'s rollouts from the rollout ranks"):
+            shipments = receive_shipments(self.p.rollout_ranks)
         scored = unpack(shipments, self.share, step)
         mine = self.loader.next_step()  # this rank's shard of the step: the loader stays where the run is
         if [p.id for p in mine] != [p.id for p in scored.problems]:
@@ -70,12 +72,7 @@ class SeparatedActor:
 
     def _update_waits(self) -> dict[int, list[float]]:
         """Actor rank 0: each rollout rank's [seconds waiting for the push, seconds loading it]."""
-        waits = {}
-        for src in self.p.rollout_ranks:
-            box = [None]
-            dist.recv_object_list(box, src=src)
-            waits[src] = box[0]
-        return waits
+        return {src: _receive_object(src, "receiving the rollout ranks' wait for the push") for src in self.p.rollout_ranks}
 
     def step(self) -> StepResult:
         t_step = time.perf_counter()
@@ -111,18 +108,21 @@ class SeparatedActor:
         """Held-out accuracy, evaluated by the first rollout rank (actor rank 0 receives it)."""
         if not self.r.main:
             return None
-        box = [None]
-        dist.recv_object_list(box, src=self.p.first_rollout)
-        return box[0]
+        return _receive_object(self.p.first_rollout, "receiving the held-out accuracy")
 
     def save(self) -> None:
         """A run checkpoint (collective over the actor group), with the first rollout rank's
         speculation policy state; the engine serves the version of the step saved."""
         components = {}
         if self.r.main:
-            box = [None]
-            dist.recv_object_list(box, src=self.p.first_rollout)
-            components = box[0]
+            components = _receive_object(self.p.first_rollout, "receiving the rollout engine's state for a checkpoint")
         state = RunState(step=self.step_index, loader=self.loader.state_dict(), engine_version=self.step_index,
                          components=components)
         save_run(checkpoint_dir(self.run_dir, self.step_index), state, self.actor, None, main=self.r.main)
+
+
+def _receive_object(src: int, what: str):
+    box = [None]
+    with transfer(f"{what} (from rank {src})"):
+        dist.recv_object_list(box, src=src)
+    return box[0]

@@ -32,7 +32,7 @@ from common.idle import IdleWindows
 from engine.backend import RolloutBackend
 from engine.types import StepRecord
 from pipeline.data import PromptLoader
-from pipeline.dist import job_store
+from pipeline.dist import job_store, transfer
 from pipeline.placement import Placement
 from pipeline.rollouts import StepSampling, held_out_accuracy, roll_out
 from pipeline.shares import generation_shares, shard_shares
@@ -75,8 +75,9 @@ class SeparatedRollout:
 
     def receive_policy(self, version: int) -> dict[str, float]:
         """Waits for the push of `version` and serves it (refusing any other version)."""
-        return receive_weights(lambda stream, v: self.engine.load_weights(stream, version=v), version,
-                               src=self.p.push_source, group=self.p.push_group)
+        with transfer(f"receiving policy version {version} from actor rank 0"):
+            return receive_weights(lambda stream, v: self.engine.load_weights(stream, version=v), version,
+                                   src=self.p.push_source, group=self.p.push_group)
 
     def _generate_and_send(self, step: int) -> None:
         want = self.expected_version(step)
@@ -88,10 +89,12 @@ class SeparatedRollout:
         scored = roll_out(self.engine, self.tok, self.task, [problems[g] for g in self.groups], self.sampling(step),
                           self.cfg.rollout.n, self.cfg.task.chat, self.reward)
         rollout_s = time.perf_counter() - t
-        idle_s, _ = self.windows.run(step, None)
+        with transfer("waiting for the other rollout ranks"):
+            idle_s, _ = self.windows.run(step, None)
         report = RolloutReport.of(scored, rollout_s, idle_s)
-        send_shipments(pack_shipments(scored, self.groups, self.actor_shares, step, self.p.job.rank, report),
-                       self.p.actor_ranks)
+        with transfer(f"sending step {step + 1}'s rollouts to the actor ranks"):
+            send_shipments(pack_shipments(scored, self.groups, self.actor_shares, step, self.p.job.rank, report),
+                           self.p.actor_ranks)
         self.decode_steps[step] = scored.batch.steps
 
     def step(self) -> StepResult:
@@ -101,7 +104,7 @@ class SeparatedRollout:
         if self.cfg.trainer.async_steps:
             self._generate_and_send(step + 1)  # with the policy before this step's update, while the actors train
         m = self.receive_policy(step + 1)
-        dist.send_object_list([[m["sync/wait_s"], m["timing/sync"]]], dst=self.p.push_source)
+        self._send([m["sync/wait_s"], m["timing/sync"]], "sending the wait for the push")
         self.step_index = step + 1
         return StepResult(metrics={}, lengths=[], rollouts=None, decode_steps=self.decode_steps.pop(step))
 
@@ -109,10 +112,14 @@ class SeparatedRollout:
         """The first rollout rank sends actor rank 0 the held-out greedy accuracy of the served policy."""
         if self.first:
             acc = held_out_accuracy(self.engine, self.tok, self.task, self.eval_problems, self.cfg, self.stops)
-            dist.send_object_list([acc], dst=self.p.push_source)
+            self._send(acc, "sending the held-out accuracy")
 
     def save(self) -> None:
         """The first rollout rank sends actor rank 0 its speculation policy's state (a learning tuner's)."""
         if self.first:
             state = {"spec_policy": self.engine.policy.state_dict()} if self.engine.policy is not None else {}
-            dist.send_object_list([state], dst=self.p.push_source)
+            self._send(state, "sending the engine's state for a checkpoint")
+
+    def _send(self, obj, what: str) -> None:
+        with transfer(f"{what} to actor rank 0"):
+            dist.send_object_list([obj], dst=self.p.push_source)
