@@ -8,7 +8,11 @@ One step on rollout rank j (of R), step t counted from 0:
     -> idle window (common.idle: the wait for the slowest rollout rank)
     -> a shipment to every actor rank (pipeline.shipment) with this rank's RolloutReport
     -> the weight push of version t+1 (pipeline.weight_sync), then its wait and load times to actor
-       rank 0. The wait is this rank's idle time through the actor's update.
+       rank 0.
+
+A rollout rank is idle twice a step: in the tail (`windows`: common.idle's window, which runs an
+IdleWork when one is given, as colocated ranks' windows do) and through the actor's update (the
+wait before the push arrives, `sync/wait_s`), where nothing runs on it in this module.
 
 `trainer.async_steps=1`: step t+1 is rolled out (with the policy before step t's update) and
 sent before the push of version t+1, so generation overlaps the actor's update. Before every
