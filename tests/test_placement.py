@@ -139,3 +139,15 @@ def test_a_rollout_rank_rolls_out_only_with_the_steps_expected_policy_version(mo
     assert [side.expected_version(s) for s in (3, 4, 5)] == expected
     with pytest.raises(ValueError, match="policy version 3, the engine serves version 2; refusing a stale policy"):
         side._generate_and_send(3)
+
+
+def test_a_failed_transfer_names_what_was_moving_and_keeps_the_cause():
+    from pipeline.dist import PeerLost, transfer
+
+    with pytest.raises(PeerLost, match="sending step 3's rollouts: .*Connection reset by peer") as caught:
+        with transfer("sending step 3's rollouts"):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer.\nmore")
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    with pytest.raises(ValueError):  # not a transport failure: left as it is
+        with transfer("anything"):
+            raise ValueError("a bad config")
