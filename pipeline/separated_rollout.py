@@ -8,7 +8,12 @@ One step on rollout rank j (of R), step t counted from 0:
     -> idle window (common.idle: the wait for the slowest rollout rank)
     -> a shipment to every actor rank (pipeline.shipment) with this rank's RolloutReport
     -> the weight push of version t+1 (pipeline.weight_sync), then its wait and load times to actor
-       rank 0. The wait is this rank's idle time through the actor's update.
+       rank 0 (with the idle work's metrics of the step). The wait is this rank's idle time through
+       the actor's update.
+
+With idle work (spot training, spot.separated) the rank runs it in both idle times: in the idle
+window, and through the actor's update (`IdleWork.through_update`, ended by actor rank 0's
+announcement of the push: common.idle.update); `settle()` after the push, before the next rollouts.
 
 `trainer.async_steps=1`: step t+1 is rolled out (with the policy before step t's update) and
 sent before the push of version t+1, so generation overlaps the actor's update. Before every
@@ -28,7 +33,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from common.idle import IdleWindows
+from common.idle import IdleWindows, IdleWork, PushFlag
 from engine.backend import RolloutBackend
 from engine.types import StepRecord
 from pipeline.data import PromptLoader
@@ -48,8 +53,11 @@ _RUNS = itertools.count()  # runs made in this process: part of their idle windo
 class SeparatedRollout:
     def __init__(self, cfg, placement: Placement, engine: RolloutBackend, tokenizer, task: Task, loader: PromptLoader,
                  eval_problems: list[Problem], sampling: StepSampling, stops: tuple[int, ...], run_dir: Path,
-                 start_step: int) -> None:
+                 start_step: int, idle_work: IdleWork | None = None, push_flag: PushFlag | None = None) -> None:
         assert placement.role == "rollout" and placement.rollouts is not None and loader.world_size == 1
+        assert (idle_work is None) == (push_flag is None), "idle work needs the push announcements that end its windows"
+        self.idle_work, self.push_flag = idle_work, push_flag
+        self.idle_metrics: dict[str, float] = {}  # the idle work's, of the step's idle windows
         self.cfg, self.p, self.r, self.engine, self.tok, self.task = cfg, placement, placement.rollouts, engine, tokenizer, task
         self.loader, self.eval_problems, self.sampling, self.stops = loader, eval_problems, sampling, stops
         self.start_step = self.step_index = start_step
@@ -85,12 +93,17 @@ class SeparatedRollout:
             raise ValueError(f"rollout rank {self.p.job.rank}: step {step + 1} must be rolled out with policy version "
                              f"{want}, the engine serves version {self.engine.version}; refusing a stale policy")
         problems = self.loader.next_step()  # the global step (this loader is not sharded)
+        if self.idle_work is not None:
+            self.idle_work.begin(step)
         t = time.perf_counter()
         scored = roll_out(self.engine, self.tok, self.task, [problems[g] for g in self.groups], self.sampling(step),
                           self.cfg.rollout.n, self.cfg.task.chat, self.reward)
         rollout_s = time.perf_counter() - t
+        if self.idle_work is not None:
+            self.idle_work.rollouts_done(step, scored.batch)
         with transfer("waiting for the other rollout ranks"):
-            idle_s, _ = self.windows.run(step, None)
+            idle_s, metrics = self.windows.run(step, self.idle_work)
+        self.idle_metrics.update(metrics)
         report = RolloutReport.of(scored, rollout_s, idle_s)
         with transfer(f"sending step {step + 1}'s rollouts to the actor ranks"):
             send_shipments(pack_shipments(scored, self.groups, self.actor_shares, step, self.p.job.rank, report),
@@ -103,8 +116,15 @@ class SeparatedRollout:
             self._generate_and_send(step)
         if self.cfg.trainer.async_steps:
             self._generate_and_send(step + 1)  # with the policy before this step's update, while the actors train
+        t = time.perf_counter()
+        if self.idle_work is not None:  # through the actor's update, until actor rank 0 announces the push
+            self.idle_work.through_update(self.push_flag.window(step + self.cfg.trainer.async_steps, step + 1))
+        worked_s = time.perf_counter() - t  # idle time too: the push had not begun (with what the work had in flight then)
         m = self.receive_policy(step + 1)
-        self._send([m["sync/wait_s"], m["timing/sync"]], "sending the wait for the push")
+        if self.idle_work is not None:
+            self.idle_metrics.update(self.idle_work.settle())
+        self._send([worked_s + m["sync/wait_s"], m["timing/sync"], self.idle_metrics], "sending the wait for the push")
+        self.idle_metrics = {}
         self.step_index = step + 1
         return StepResult(metrics={}, lengths=[], rollouts=None, decode_steps=self.decode_steps.pop(step))
 
