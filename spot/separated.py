@@ -158,9 +158,6 @@ def build_separated_spot(cfg: SpotConfig, engine: RolloutBackend, *, run_name: s
     """This rollout rank's spot training (collective over `group`: the rollout ranks' own process
     group, which also carries the averages). The node's buffer is created by the node's first
     rollout rank (found by host name over the group) and attached by the others."""
-    if not engine.caps.returns_features:
-        raise ValueError("spot.enabled with pipeline.placement=separated trains from the rollout engine's features: "
-                         "use engine.backend=native, or set spot.enabled=false")
     nets = engine.drafter_nets()
     if len(nets) != 1 or not isinstance(nets[0], EagleModel):
         raise ValueError("spot.enabled needs a speculative engine with one EAGLE drafter (engine.spec.enabled: true, "

@@ -152,3 +152,30 @@ def test_a_separated_run_with_spot_training_rolls_out_the_same_tokens_and_trains
             assert r["timing/update_idle/rank1"] + r["timing/update_idle/rank2"] >= 0.9 * r["spot/update_idle_s"]
         assert sum(r["spot/train_s"] for r in rows) / sum(r["spot/idle_s"] for r in rows) >= 0.8
     assert not [p for p in os.listdir("/dev/shm") if p.startswith("tailspec-on-")]  # the node's segment is gone
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_pool_member_killed_while_training_through_the_update_ends_the_job_and_a_resume_is_exact(
+        char_model_dir, char_drafter_dir, tmp_path):
+    from tests.test_separated import assert_same_run
+
+    extra = [f"model.path={char_model_dir}", "trainer.steps=4", "trainer.save_every=1", *separated(2),
+             *spot(char_drafter_dir)]
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    # rank 2: the first rollout rank, which owns the node's DataBuffer segment
+    killed = torchrun(4, tmp_path / "run", *extra, module="tests.mp.killed_spot_member_train", check=False,
+                      env={"TAILSPEC_TEST_PIDS": str(pids), "TAILSPEC_TEST_KILL_RANK": "2", "TAILSPEC_TEST_KILL_STEP": "3"})
+    assert killed.returncode != 0
+    assert "rank      : 2" in killed.stderr and "SIGKILL" in killed.stderr, killed.stderr[-3000:]
+    assert len(list(pids.iterdir())) == 4
+    for pid in (int(f.read_text()) for f in pids.iterdir()):  # no rank left waiting on a peer
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-1", "step-2"]
+
+    torchrun(4, tmp_path / "run", *extra, "trainer.resume=auto")
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith("tailspec-run-")]  # the dead owner's segment too
+    torchrun(4, tmp_path / "uninterrupted", *extra)
+    assert_same_run(tmp_path / "uninterrupted", tmp_path / "run", steps=4)  # the drafter restarted; the tokens did not change
