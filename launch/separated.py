@@ -95,8 +95,10 @@ def build_separated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
             from spot.separated import build_separated_spot
 
             spot = build_separated_spot(cfg.spot, engine, run_name=run_dir.name, group=spot_group, store=job_store(r),
-                                        seed=cfg.run.seed, max_new_tokens=cfg.rollout.max_new_tokens)
+                                        seed=cfg.run.seed, max_new_tokens=cfg.rollout.max_new_tokens, resume=resume)
             resources.callback(spot.close)
+            if "idle_work" in state.components:
+                spot.work.load_state_dict(state.components["idle_work"])
             idle_work = spot.work
             log(f"spot training on the rollout ranks' idle time: node buffer {spot.buffer.name} ({cfg.spot.buffer_mb} MiB)")
         driver = SeparatedRollout(cfg, placement, engine, tokenizer, task, loader, held_out, sampling, stops, run_dir,

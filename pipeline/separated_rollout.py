@@ -40,6 +40,7 @@ from pipeline.data import PromptLoader
 from pipeline.dist import job_store, transfer
 from pipeline.placement import Placement
 from pipeline.rollouts import StepSampling, held_out_accuracy, roll_out
+from pipeline.run_state import checkpoint_dir
 from pipeline.shares import generation_shares, shard_shares
 from pipeline.shipment import pack_shipments, send_shipments
 from pipeline.step_metrics import RolloutReport
@@ -60,6 +61,7 @@ class SeparatedRollout:
         self.idle_metrics: dict[str, float] = {}  # the idle work's, of the step's idle windows
         self.cfg, self.p, self.r, self.engine, self.tok, self.task = cfg, placement, placement.rollouts, engine, tokenizer, task
         self.loader, self.eval_problems, self.sampling, self.stops = loader, eval_problems, sampling, stops
+        self.run_dir = Path(run_dir)
         self.start_step = self.step_index = start_step
         P = cfg.trainer.prompts_per_step
         self.groups = generation_shares(P, self.r.world)[self.r.rank]
@@ -135,9 +137,15 @@ class SeparatedRollout:
             self._send(acc, "sending the held-out accuracy")
 
     def save(self) -> None:
-        """The first rollout rank sends actor rank 0 its speculation policy's state (a learning tuner's)."""
+        """The first rollout rank sends actor rank 0 its speculation policy's state (a learning tuner's)
+        and its idle work's; it writes the idle work's files into the checkpoint first, so they are
+        there when actor rank 0 completes it."""
         if self.first:
             state = {"spec_policy": self.engine.policy.state_dict()} if self.engine.policy is not None else {}
+            if self.idle_work is not None:
+                for name, write in self.idle_work.checkpoint_files().items():
+                    write(checkpoint_dir(self.run_dir, self.step_index) / name)
+                state["idle_work"] = self.idle_work.state_dict()
             self._send(state, "sending the engine's state for a checkpoint")
 
     def _send(self, obj, what: str) -> None:

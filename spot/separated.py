@@ -34,6 +34,7 @@ This module knows the loop only through common.idle: pipeline imports none of it
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -68,6 +69,19 @@ class SeparatedSpotWork(IdleWork):
         self.pending: PendingAverage | None = None  # the step's average, posted, not yet settled
         self.drafter_version = 0
         self.generator = torch.Generator().manual_seed(settings.seed * 1000 + (control.rank if control else 0))
+
+    # -- checkpoints: the first rollout rank writes them into the run's, every rollout rank resumes from it
+    def checkpoint_files(self):
+        return {"spot": self.trainer.save}
+
+    def state_dict(self) -> dict:
+        return {"drafter_version": self.drafter_version}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A resumed run's: the engine serves the checkpoint's drafter (the trainer's copy, loaded
+        from the checkpoint's spot/ folder) as the version the stopped run served."""
+        self.drafter_version = int(state["drafter_version"])
+        self.engine.load_drafter_weights(self.trainer.named_weights(), version=self.drafter_version)
 
     def _state(self, step: int, state: RankState) -> None:
         if self.control is not None:
@@ -154,10 +168,12 @@ class SeparatedSpotWork(IdleWork):
 
 
 def build_separated_spot(cfg: SpotConfig, engine: RolloutBackend, *, run_name: str, group, store, seed: int,
-                         max_new_tokens: int) -> SpotRun:
+                         max_new_tokens: int, resume: Path | None = None) -> SpotRun:
     """This rollout rank's spot training (collective over `group`: the rollout ranks' own process
     group, which also carries the averages). The node's buffer is created by the node's first
-    rollout rank (found by host name over the group) and attached by the others."""
+    rollout rank (found by host name over the group) and attached by the others. `resume`: a
+    checkpoint folder whose `spot/` the trainer continues from (the work's own state is loaded by
+    the caller)."""
     nets = engine.drafter_nets()
     if len(nets) != 1 or not isinstance(nets[0], EagleModel):
         raise ValueError("spot.enabled needs a speculative engine with one EAGLE drafter (engine.spec.enabled: true, "
@@ -170,7 +186,7 @@ def build_separated_spot(cfg: SpotConfig, engine: RolloutBackend, *, run_name: s
     buffer = node_buffer(cfg, net, segment_name(run_name), owner, lambda: dist.barrier(group=group))
     sink = DataBufferSink(buffer, max_new_tokens=max_new_tokens, feature_layers=net.config.aux_layers)
     engine.sink = sink
-    trainer = spot_trainer(cfg, drafter_copy(net), seed * 1000 + rank, resume=None)
+    trainer = spot_trainer(cfg, drafter_copy(net), seed * 1000 + rank, resume)
     settings = SpotSettings(rows_per_step=cfg.rows_per_step, offset_ratio=cfg.offset_ratio,
                             max_micro_steps=cfg.max_micro_steps, seed=seed)
     work = SeparatedSpotWork(engine, trainer, buffer, sink, ControlPlane(store, rank, world), settings, group)

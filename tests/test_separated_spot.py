@@ -175,7 +175,12 @@ def test_a_pool_member_killed_while_training_through_the_update_ends_the_job_and
             os.kill(pid, 0)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-1", "step-2"]
 
+    assert (tmp_path / "run" / "checkpoints" / "step-2" / "spot").is_dir()  # the drafter's trainer, written with it
+
     torchrun(4, tmp_path / "run", *extra, "trainer.resume=auto")
     assert not [p for p in os.listdir("/dev/shm") if p.startswith("tailspec-run-")]  # the dead owner's segment too
     torchrun(4, tmp_path / "uninterrupted", *extra)
-    assert_same_run(tmp_path / "uninterrupted", tmp_path / "run", steps=4)  # the drafter restarted; the tokens did not change
+    assert_same_run(tmp_path / "uninterrupted", tmp_path / "run", steps=4)
+    # the resumed pool continued from step 2's drafter: it serves the uninterrupted run's versions
+    resumed, whole = step_rows(tmp_path / "run"), step_rows(tmp_path / "uninterrupted")
+    assert [r["spot/drafter_version"] for r in resumed] == [r["spot/drafter_version"] for r in whole] == [1, 2, 3, 4]
