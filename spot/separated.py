@@ -62,13 +62,13 @@ class SeparatedSpotWork(IdleWork):
     name = "spot"
 
     def __init__(self, engine: RolloutBackend, trainer: SpotTrainer, buffer: DataBuffer, sink: DataBufferSink,
-                 control: ControlPlane | None, settings: SpotSettings, group=None) -> None:
+                 control: ControlPlane, settings: SpotSettings, group=None) -> None:
         self.engine, self.trainer, self.buffer, self.sink = engine, trainer, buffer, sink
         self.control, self.settings, self.group = control, settings, group
         self.mine = [0.0] * len(STATS)  # this rank's statistics of the step so far
         self.pending: PendingAverage | None = None  # the step's average, posted, not yet settled
         self.drafter_version = 0
-        self.generator = torch.Generator().manual_seed(settings.seed * 1000 + (control.rank if control else 0))
+        self.generator = torch.Generator().manual_seed(settings.seed * 1000 + control.rank)
 
     # -- checkpoints: the first rollout rank writes them into the run's, every rollout rank resumes from it
     def checkpoint_files(self):
@@ -84,8 +84,7 @@ class SeparatedSpotWork(IdleWork):
         self.engine.load_drafter_weights(self.trainer.named_weights(), version=self.drafter_version)
 
     def _state(self, step: int, state: RankState) -> None:
-        if self.control is not None:
-            self.control.set(step, state)
+        self.control.set(step, state)
 
     def begin(self, step: int) -> None:
         self._state(step, RankState.GENERATING)
