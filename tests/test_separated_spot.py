@@ -62,67 +62,103 @@ def buffer_name():
             os.unlink(p)
 
 
-def test_the_last_rollout_rank_trains_through_the_update_until_the_push_and_serves_the_average(hf_folders, buffer_name):
-    from engine.checkpoint import load_checkpoint
-    from engine.config import EngineConfig
-    from engine.engine import RolloutEngine
-    from engine.sampling import SamplingParams
-    from engine.spec.config import SpecConfig
-    from engine.spec.eagle import EagleConfig, EagleModel
-    from engine.spec.eagle_drafter import EagleDrafter
-    from engine.types import Request
-    from spot.buffer import DataBuffer
-    from spot.colocated import drafter_copy
-    from spot.coordinator import SpotSettings
-    from spot.drafter_training import DrafterOptim
-    from spot.separated import SeparatedSpotWork
-    from spot.sink import DataBufferSink
-    from spot.trainer import SpotTrainer
+class OneRank:
+    """One rollout rank's spot work in one process: a random llama and drafter, the real buffer and
+    trainer, a store in memory, a clock that ticks on every read. `rolled_out()` generates two
+    rollouts of step 1 and stashes them: cut at max_new_tokens, they are the long responses that
+    step 2's windows sample."""
 
-    target = load_checkpoint(hf_folders["llama"])
-    torch.manual_seed(0)
-    net = EagleModel(EagleConfig.for_target(target.config), target)
-    engine = RolloutEngine(target, EngineConfig(max_batch=4, max_len=64, spec=SpecConfig(depth=2, verify_tokens=2)),
-                           EagleDrafter(net))
-    start = net.fc.weight.detach().clone()
-    clock = TickClock()
-    control = ControlPlane(dist.HashStore(), 0, 1)
-    with DataBuffer.create(buffer_name, capacity_bytes=2**21, feature_size=net.config.feature_size) as buffer:
-        sink = DataBufferSink(buffer, max_new_tokens=8)
-        engine.sink = sink
-        trainer = SpotTrainer(drafter_copy(net), DrafterOptim(lr=3e-3, warmup_steps=0), window=64, rows_per_step=4)
-        work = SeparatedSpotWork(engine, trainer, buffer, sink, control,
-                                 SpotSettings(rows_per_step=4, offset_ratio=0.0, max_micro_steps=50))
-        work.begin(1)
-        batch = engine.generate([Request(prompt_id="p", prompt=[5, 9, 17], n=2)],
-                                SamplingParams(max_new_tokens=8, temperature=1.0, seed=0))
-        work.rollouts_done(1, batch)
-        # Step 2's windows (step 1's rollouts, cut at max_new_tokens, are the long responses the
-        # sampler mixes in). The last rollout rank to finish: its tail window is over as it opens,
-        # and it holds its features.
-        tail = IdleWindow.make_dummy(clock=clock, ends_at=clock.now, wait=clock.advance_to, step=2, opened_last=True)
-        work.work(tail)
-        assert buffer.stats()["buffer/entries"] == 0 and trainer.micro_steps == 0
+    def __init__(self, model_dir, buffer_name: str, max_micro_steps: int = 50) -> None:
+        from engine.checkpoint import load_checkpoint
+        from engine.config import EngineConfig
+        from engine.engine import RolloutEngine
+        from engine.spec.config import SpecConfig
+        from engine.spec.eagle import EagleConfig, EagleModel
+        from engine.spec.eagle_drafter import EagleDrafter
+        from spot.buffer import DataBuffer
+        from spot.colocated import drafter_copy
+        from spot.coordinator import SpotSettings
+        from spot.drafter_training import DrafterOptim
+        from spot.separated import SeparatedSpotWork
+        from spot.sink import DataBufferSink
+        from spot.trainer import SpotTrainer
+
+        target = load_checkpoint(model_dir)
+        torch.manual_seed(0)
+        net = EagleModel(EagleConfig.for_target(target.config), target)
+        self.engine = RolloutEngine(target, EngineConfig(max_batch=4, max_len=64, spec=SpecConfig(depth=2, verify_tokens=2)),
+                                    EagleDrafter(net))
+        self.start = net.fc.weight.detach().clone()
+        self.clock, self.control = TickClock(), ControlPlane(dist.HashStore(), 0, 1)
+        self.buffer = buffer = DataBuffer.create(buffer_name, capacity_bytes=2**21, feature_size=net.config.feature_size)
+        self.engine.sink = sink = DataBufferSink(buffer, max_new_tokens=8)
+        self.trainer = SpotTrainer(drafter_copy(net), DrafterOptim(lr=3e-3, warmup_steps=0), window=64, rows_per_step=4)
+        self.work = SeparatedSpotWork(self.engine, self.trainer, buffer, sink, self.control,
+                                      SpotSettings(rows_per_step=4, offset_ratio=0.0, max_micro_steps=max_micro_steps))
+
+    def rolled_out(self) -> None:
+        from engine.sampling import SamplingParams
+        from engine.types import Request
+
+        self.work.begin(1)
+        batch = self.engine.generate([Request(prompt_id="p", prompt=[5, 9, 17], n=2)],
+                                     SamplingParams(max_new_tokens=8, temperature=1.0, seed=0))
+        self.work.rollouts_done(1, batch)
+
+    def tail(self, ticks: float, last: bool) -> IdleWindow:
+        return IdleWindow.make_dummy(clock=self.clock, ends_at=self.clock.now + ticks, wait=self.clock.advance_to, step=2,
+                                     opened_last=last)
+
+    def update(self, ticks: float) -> UpdateWindow:
+        return UpdateWindow.make_dummy(clock=self.clock, pushed_at=self.clock.now + ticks, wait=self.clock.advance_to,
+                                       step=2, version=2)
+
+
+def test_the_last_rollout_rank_trains_through_the_update_until_the_push_and_serves_the_average(hf_folders, buffer_name):
+    one = OneRank(hf_folders["llama"], buffer_name)
+    with one.buffer as buffer:
+        one.rolled_out()
+        # The last rollout rank to finish: its tail window is over as it opens, and it holds its features.
+        one.work.work(one.tail(0, last=True))
+        assert buffer.stats()["buffer/entries"] == 0 and one.trainer.micro_steps == 0
         # The update window: the features go in as it opens, then micro-steps until the push is announced.
-        end = clock.now + 60
-        update = UpdateWindow.make_dummy(clock=clock, pushed_at=end, wait=clock.advance_to, step=2, version=2)
-        work.through_update(update)
+        end = one.clock.now + 60
+        update = one.update(60)
+        one.work.through_update(update)
         assert buffer.stats()["buffer/entries"] == 2
-        assert control.states() == [(2, RankState.BARRIER)]
-        n = trainer.micro_steps
+        assert one.control.states() == [(2, RankState.BARRIER)]
+        n = one.trainer.micro_steps
         assert 0 < n < 50  # stopped by the announcement, not by the budget
-        assert engine.drafter.version == 0  # nothing served before the push: the average is pending
-        m = work.settle()
+        assert one.engine.drafter.version == 0  # nothing served before the push: the average is pending
+        m = one.work.settle()
     assert m["spot/micro_steps"] == m["spot/update_micro_steps"] == n
     assert m["spot/update_idle_s"] == m["spot/idle_s"] == pytest.approx(end - update.started)
     # each window stops at its first check past its end: the clock reads after it (a tick each) are all the overrun
     assert m["spot/overrun_s"] <= 3
     assert 0.8 < m["spot/utilisation"] <= 1 and m["spot/drafter_version"] == 1 and "spot/drafter_loss" in m
     # The engine serves the average (a single rank: its own replica) as drafter version 1.
-    served = dict(engine.drafter_nets()[0].named_parameters())
-    assert engine.drafter.version == 1
-    assert all(torch.equal(served[k], p) for k, p in trainer.model.named_parameters())
-    assert not torch.equal(served["fc.weight"], start)
+    served = dict(one.engine.drafter_nets()[0].named_parameters())
+    assert one.engine.drafter.version == 1
+    assert all(torch.equal(served[k], p) for k, p in one.trainer.model.named_parameters())
+    assert not torch.equal(served["fc.weight"], one.start)
+
+
+def test_an_early_rollout_rank_trains_in_both_windows_and_averages_once_per_step_within_its_budget(hf_folders,
+                                                                                                   buffer_name):
+    one = OneRank(hf_folders["llama"], buffer_name, max_micro_steps=4)
+    with one.buffer as buffer:
+        one.rolled_out()
+        one.work.work(one.tail(10_000, last=False))  # a long tail: the step's budget of 4 micro-steps runs out in it
+        in_tail = one.trainer.micro_steps
+        assert in_tail == 4 and buffer.stats()["buffer/entries"] == 2  # an early rank puts its features at once
+        assert one.work.pending is None and one.engine.drafter.version == 0  # no average yet: the step is not over
+        one.work.through_update(one.update(50))
+        assert one.trainer.micro_steps == in_tail  # the budget is the step's, across both windows
+        m = one.work.settle()
+    assert m["spot/micro_steps"] == 4 and m["spot/update_micro_steps"] == 0
+    assert m["spot/idle_s"] > m["spot/update_idle_s"] > 0  # both windows' idle time, counted once each
+    assert m["spot/utilisation"] < 0.5  # the budget left most of the idle time unused, and it says so
+    assert one.engine.drafter.version == 1
 
 
 def spot(drafter: str) -> list[str]:
