@@ -8,12 +8,14 @@ One step on rollout rank j (of R), step t counted from 0:
     -> idle window (common.idle: the wait for the slowest rollout rank)
     -> a shipment to every actor rank (pipeline.shipment) with this rank's RolloutReport
     -> the weight push of version t+1 (pipeline.weight_sync), then its wait and load times to actor
-       rank 0 (with the idle work's metrics of the step). The wait is this rank's idle time through
-       the actor's update.
+       rank 0, with the idle work's metrics of the step.
 
-With idle work (spot training, spot.separated) the rank runs it in both idle times: in the idle
-window, and through the actor's update (`IdleWork.through_update`, ended by actor rank 0's
-announcement of the push: common.idle.update); `settle()` after the push, before the next rollouts.
+A rollout rank is idle twice a step: in the tail (`windows`: common.idle's window, which runs an
+IdleWork when one is given, as colocated ranks' windows do) and through the actor's update, until
+the push begins. With idle work (spot training, spot.separated) it runs in both: through the
+update by `IdleWork.through_update`, which ends at actor rank 0's announcement of the push
+(common.idle.update); `settle()` after the push, before the next rollouts. The time until the
+push begins, worked or waited, is the rank's idle time through the update.
 
 `trainer.async_steps=1`: step t+1 is rolled out (with the policy before step t's update) and
 sent before the push of version t+1, so generation overlaps the actor's update. Before every

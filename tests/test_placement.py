@@ -117,3 +117,39 @@ def test_three_ranks_ship_every_field_and_push_weights_bit_identical_refusing_a_
     assert actor["broadcasts"] == 2 * buckets  # two pushes, one flat broadcast per bucket
     # rank 2 expected version 2 and refused version 1, after draining the stream (nobody hung)
     assert r1["stale_error"] == "" and "expects policy version 2" in r2["stale_error"] and "version 1" in r2["stale_error"]
+
+
+@pytest.mark.parametrize("mode, expected", [("sync", [3, 4, 5]), ("async", [3, 3, 4])])
+def test_a_rollout_rank_rolls_out_only_with_the_steps_expected_policy_version(mode, expected, tmp_path):
+    from types import SimpleNamespace
+
+    from pipeline.data import PromptLoader
+    from pipeline.dist import Ranks
+    from pipeline.placement import Placement
+    from pipeline.separated_rollout import SeparatedRollout
+    from pipeline.tasks import TASKS
+
+    cfg = load_config(TrainConfig, REPO / "configs" / "tiny.yaml",
+                      ["pipeline.placement=separated", "pipeline.actor_ranks=1", "trainer.prompts_per_step=4",
+                       f"trainer.async_steps={int(mode == 'async')}"])
+    # in one process: no job store, nothing sent (the check comes before any transfer)
+    placement = Placement(kind="separated", job=Ranks(), actor_ranks=(1,), rollout_ranks=(0,), actors=None, rollouts=Ranks())
+    engine = SimpleNamespace(version=2)  # a resumed run at step 3 serves version 3: this one is stale
+    task = TASKS["mult"]
+    side = SeparatedRollout(cfg, placement, engine, None, task, PromptLoader(task.make_problems("train", 8, 0), 4, 0),
+                            [], None, (), tmp_path, start_step=3)
+    assert [side.expected_version(s) for s in (3, 4, 5)] == expected
+    with pytest.raises(ValueError, match="policy version 3, the engine serves version 2; refusing a stale policy"):
+        side._generate_and_send(3)
+
+
+def test_a_failed_transfer_names_what_was_moving_and_keeps_the_cause():
+    from pipeline.dist import PeerLost, transfer
+
+    with pytest.raises(PeerLost, match="sending step 3's rollouts: .*Connection reset by peer") as caught:
+        with transfer("sending step 3's rollouts"):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer.\nmore")
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    with pytest.raises(ValueError):  # not a transport failure: left as it is
+        with transfer("anything"):
+            raise ValueError("a bad config")
