@@ -7,8 +7,11 @@ One step on actor rank k (of K), step t counted from 0:
     -> the update (pipeline.learner, DDP over the actor group: the colocated run's update, bit for
        bit, when K equals the colocated run's world size)
     -> [trainer.async_steps=1: step t+1's rollouts, made meanwhile with the policy before this update]
-    -> the weight push of version t+1 from actor rank 0 (pipeline.weight_sync; timing/sync)
-    -> each rollout rank's wait for it (its idle time through the update) back to actor rank 0.
+    -> the weight push of version t+1 from actor rank 0 (pipeline.weight_sync; timing/sync),
+       announced in the job's store just before it starts when the rollout ranks have idle work
+       that runs until then (common.idle.update)
+    -> each rollout rank's wait for it (its idle time through the update) back to actor rank 0,
+       with the first rollout rank's idle-work metrics of the step (spot/*, buffer/*).
 
 The rollout ranks run the mirror image (pipeline.separated_rollout); the two keep the same order
 of transfers, so no send waits on a receive that comes later. Metrics are actor rank 0's, with the
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from common.idle import PushFlag
 from pipeline.data import PromptLoader
 from pipeline.dist import gather_floats, transfer
 from pipeline.learner import Learner
@@ -44,18 +48,21 @@ Received = tuple[ScoredRollouts, dict[int, RolloutReport], float]  # rollouts, r
 
 class SeparatedActor:
     def __init__(self, cfg, placement: Placement, learner: Learner, actor, loader: PromptLoader, run_dir: Path,
-                 start_step: int) -> None:
+                 start_step: int, push_flag: PushFlag | None = None) -> None:
         assert placement.role == "actor" and placement.actors is not None
         self.cfg, self.p, self.r, self.learner, self.actor = cfg, placement, placement.actors, learner, actor
         self.loader, self.run_dir, self.step_index = loader, Path(run_dir), start_step
         self.share = shard_shares(cfg.trainer.prompts_per_step, self.r.world)[self.r.rank]
         self.pending: Received | None = None  # async mode: the next step's rollouts, received before this push
+        self.push_flag = push_flag if self.r.main else None  # announces each push (rollout ranks' idle work)
 
     def push(self, version: int) -> dict[str, float]:
         """The actor's weights to every rollout rank as `version` (actor rank 0 sends; the others' DDP
         replicas are the same weights)."""
         if not self.r.main:
             return {}
+        if self.push_flag is not None:
+            self.push_flag.announce(version)
         with transfer(f"pushing policy version {version} to the rollout ranks"):
             return push_weights(self.actor.named_weights(), version, src=self.p.push_source, group=self.p.push_group)
 
@@ -70,8 +77,9 @@ class SeparatedActor:
                              f"actor rank's loader has {[p.id for p in mine]} (did they resume from the same checkpoint?)")
         return scored, {s.source: s.report for s in shipments}, time.perf_counter() - t
 
-    def _update_waits(self) -> dict[int, list[float]]:
-        """Actor rank 0: each rollout rank's [seconds waiting for the push, seconds loading it]."""
+    def _update_waits(self) -> dict[int, list]:
+        """Actor rank 0: each rollout rank's [seconds waiting for the push, seconds loading it, its
+        idle work's metrics of the step]."""
         return {src: _receive_object(src, "receiving the rollout ranks' wait for the push") for src in self.p.rollout_ranks}
 
     def step(self) -> StepResult:
@@ -98,6 +106,7 @@ class SeparatedActor:
         if waits:
             reports = {g: dataclasses.replace(r, idle_s=r.idle_s + waits[g][0]) for g, r in reports.items()}
             m.update({f"timing/update_idle/rank{g}": w[0] for g, w in waits.items()})
+            m.update(waits[self.p.first_rollout][2])
         m.update(rollout_metrics(reports))
         m["reward/std"] = float(scored.rewards.std()) if scored.rewards.numel() > 1 else 0.0
         m["rollout/policy_version"] = float(scored.batch.policy_version)
