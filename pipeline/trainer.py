@@ -46,6 +46,7 @@ from pipeline.dist import Ranks, all_sum, gather_floats, job_store
 from pipeline.records import TrainBatch
 from pipeline.rollouts import ScoredRollouts, StepSampling, roll_out
 from pipeline.run_state import RunState, checkpoint_dir, save_run
+from pipeline.schedule import RolloutSchedule
 from pipeline.tasks import Problem, Task
 from pipeline.train_batch import pack_rollouts
 
@@ -67,10 +68,11 @@ class Trainer:
                  windows: IdleWindows | None = None) -> None:
         self.cfg, self.r, self.engine, self.actor, self.tok, self.task = cfg, ranks, engine, actor, tokenizer, task
         self.loader, self.eval_problems, self.run_dir, self.idle_work = loader, eval_problems, run_dir, idle_work
-        # Store keys of this run's idle windows: the same on every rank (they make their runs in the
-        # same order), distinct from an earlier run of this job (common.idle.window).
-        self.windows = windows or IdleWindows(job_store(ranks), ranks.rank, ranks.world,
-                                              f"tailspec/{Path(run_dir).name}/{next(_RUNS)}", barrier=self._barrier)
+        # Store keys of this run's idle windows and work queues: the same on every rank (they make their
+        # runs in the same order), distinct from an earlier run of this job (common.idle.window).
+        scope = f"tailspec/{Path(run_dir).name}/{next(_RUNS)}"
+        self.windows = windows or IdleWindows(job_store(ranks), ranks.rank, ranks.world, scope, barrier=self._barrier)
+        self.schedule = RolloutSchedule(cfg.rollout, cfg.trainer.train_shares, ranks, job_store(ranks), scope)
         self.reference = reference  # a ReferencePolicy when algorithm.kl_coef > 0
         self.bubbles = bubbles  # a pipeline.bubble.BubbleStore: drafts pre-generated for the coming steps
         self.bubble_metrics: dict[str, float] = {}
@@ -101,8 +103,8 @@ class Trainer:
     # -- one RL step -----------------------------------------------------------------------
     def _roll_out(self, step: int) -> ScoredRollouts:
         drafts = self.bubbles.take(step) if self.bubbles is not None else None
-        scored = roll_out(self.engine, self.tok, self.task, self.loader.next_step(), self.sampling(step), self.cfg.rollout.n,
-                          self.cfg.task.chat, self.reward, drafts=drafts)
+        scored = self.schedule.generate(step, self.engine, self.tok, self.task, self.loader, self.sampling(step),
+                                        self.cfg.task.chat, self.reward, drafts)
         if drafts is not None:
             from pipeline.bubble import coverage_metrics, draft_metrics
 
@@ -123,6 +125,9 @@ class Trainer:
             scored = self._fill(step)
         rollout_s = time.perf_counter() - t
         idle_s, idle_metrics = self.windows.run(step, self.idle_work)
+        t = time.perf_counter()
+        scored, schedule_metrics = self.schedule.share(scored)  # the rows this rank trains on (an exchange, if any)
+        exchange_s = time.perf_counter() - t
         if self.cfg.trainer.async_steps:
             self.pending = self._fill(step + 1)  # with this policy, before this step's update
         batch, metrics = self._train_batch(scored)
@@ -150,6 +155,8 @@ class Trainer:
         self.step_index = step + 1
         metrics.update(self._step_metrics(scored, rollout_s, idle_s, logprob_s, update_s, sync_s, time.perf_counter() - t_step))
         metrics.update(idle_metrics)
+        metrics.update(schedule_metrics)
+        metrics["timing/exchange"] = exchange_s
         # The version the step's rollouts were made with, and the one the engine serves after the sync.
         metrics["rollout/policy_version"] = float(scored.batch.policy_version)
         metrics["engine/version"] = float(self.engine.version)
@@ -276,6 +283,10 @@ class Trainer:
         m["timing/rollout"] = sum(row[0] for row in per_rank) / len(per_rank)
         m["timing/rollout_max"] = rollout_max
         m["timing/idle"] = sum(row[1] for row in per_rank) / len(per_rank)
+        # Each rank's rollout against the slowest's: the share of the generation phase it was busy.
+        for rank, row in enumerate(per_rank):
+            m[f"rollout/busy_share/rank{rank}"] = row[0] / rollout_max if rollout_max > 0 else 1.0
+        m["rollout/busy_share"] = m["timing/rollout"] / rollout_max if rollout_max > 0 else 1.0
         m["reward/mean"] = sum(row[3] for row in per_rank) / max(sum(row[4] for row in per_rank), 1)
         m["reward/std"] = float(scored.rewards.std()) if scored.rewards.numel() > 1 else 0.0
         m["rollout/tokens_per_s"] = tokens / rollout_max if rollout_max > 0 else 0.0
@@ -307,6 +318,8 @@ class Trainer:
         components = {}
         if self.engine.policy is not None:  # a learning policy (the tuner) resumes where it was
             components["spec_policy"] = self.engine.policy.state_dict()
+        if self.schedule.lengths is not None:  # long-first's predictions resume from the lengths seen
+            components["length_predictor"] = self.schedule.state_dict()
         extras = {}
         if self.idle_work is not None:  # spot training: its trainer's folder and state
             components["idle_work"] = self.idle_work.state_dict()
