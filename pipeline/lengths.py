@@ -62,7 +62,7 @@ def correlation(xs: Sequence[float], ys: Sequence[float]) -> float | None:
     if len(xs) != len(ys):
         raise ValueError(f"correlation needs as many xs as ys, got {len(xs)} and {len(ys)}")
     n = len(xs)
-    if n < 2:
+    if n < 2 or len(set(xs)) == 1 or len(set(ys)) == 1:
         return None
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)

@@ -3,8 +3,10 @@
 One step on every rank (colocated: each rank rolls out, then trains):
 
     prompts (pipeline.data: this rank's shard of the step)
-    -> rollouts (pipeline.rollouts: the engine, noise keyed by run seed, RL step, prompt, sample)
+    -> rollouts (pipeline.schedule: the engine on this rank's shard or on units taken from a shared
+       queue, pipeline.rollouts: noise keyed by run seed, RL step, prompt, sample)
     -> idle window (common.idle: wait for the slowest rank, or pre-generate / train the drafter)
+    -> the rows this rank trains (pipeline.schedule.share: its shard, exchanged if made elsewhere)
     -> rewards -> advantages (pipeline.algorithms; DAPO's dynamic sampling refills the batch)
     -> old (and reference) log-probs (the actor)
     -> PPO epochs over mini-batches (the actor's update with the algorithm's loss)

@@ -1,0 +1,134 @@
+"""`torchrun --nproc-per-node=2 -m bench.steal --config configs/tiny.yaml --steps 3 --repeats 2 [overrides]`:
+the rollout alone, static shards against work stealing, on the same steps' prompts.
+
+For each of the first N steps of the run's data (the loader's global steps; the policy is the
+config's model, not trained), the ranks generate the step's rollouts three ways, interleaved in
+turn (ABC, then BCA, ...) so a drifting machine speed falls on every way alike:
+
+- `static`: each rank its loader shard, all admitted at once (the loop's default);
+- `steal`: units (a prompt's n samples) from one queue in the store, in global order (what
+  long-first has in a run's first epoch: no prompt seen yet, every prediction the prior);
+- `steal+history`: the same, the queue ordered long-first by each prompt's lengths from an
+  earlier pass (the static way's first repeat: a prompt seen in an earlier epoch).
+
+A way's time is its generation phase: from the barrier before it until the last rank is done.
+It prints per way the mean generation phase, its ratio to static, the idle share of rank-seconds
+over the phase, and for the stealing ways the idle share until the step's last unit was taken
+(pipeline.schedule.idle_to_last_start); every way's tokens must equal static's (exit 2 if not).
+`--json` ends with one line of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch.distributed as dist
+
+from bench.common import cpu_model, finish
+from common.text import load_tokenizer, stop_tokens
+from engine.backends.factory import build_rollout_engine
+from launch.config import load_config
+from launch.run import problems_for
+from launch.run_config import TrainConfig
+from pipeline.data import PromptLoader
+from pipeline.dist import init_ranks, shutdown
+from pipeline.lengths import LengthPredictor, long_first
+from pipeline.rollouts import StepSampling, requests_for
+from pipeline.schedule import idle_to_last_start
+from pipeline.stealing import StealingSource, UnitQueue
+
+WAYS = ("static", "steal", "steal+history")
+
+
+def run_way(way, r, store, key, engine, requests, shard, params, inflight, lengths):
+    """One way on this rank: (started, last unit taken or None, ended, {(prompt, sample): tokens})."""
+    dist.barrier()
+    started = time.time()
+    if way == "static":
+        batch = engine.generate([requests[i] for i in shard], params)
+        last = None
+    else:
+        order = (long_first([lengths.predict(q.prompt_id) for q in requests]) if way == "steal+history"
+                 else list(range(len(requests))))
+        source = StealingSource(UnitQueue(store, key, order), requests, inflight)
+        batch = engine.generate([], params, source=source)
+        last = source.last_at
+    ended = time.time()
+    return started, last, ended, {(ro.prompt_id, ro.sample): tuple(ro.tokens) for ro in batch.rollouts}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.steal", description=__doc__.splitlines()[1])
+    p.add_argument("--config", default="configs/tiny.yaml")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("overrides", nargs="*", help="section.key=value")
+    args = p.parse_args(argv)
+    cfg = load_config(TrainConfig, args.config, args.overrides)
+    r = init_ranks(cfg.actor.device)
+    if r.world < 2:
+        print("error: bench.steal compares ways of sharing a step between ranks: run it under torchrun "
+              "--nproc-per-node=2", file=sys.stderr)
+        return 1
+    store = dist.distributed_c10d._get_default_store()
+    tokenizer = load_tokenizer(cfg.model.path)
+    _, problems, _ = problems_for(cfg)
+    loader = PromptLoader(problems, cfg.trainer.prompts_per_step, cfg.run.seed, world_size=r.world, rank=r.rank)
+    engine = build_rollout_engine(cfg.model.path, cfg.engine, seed=cfg.run.seed)
+    sampling = StepSampling.of(cfg.rollout, cfg.run.seed, stop_tokens(engine.model_config, tokenizer))
+    n, G = cfg.rollout.n, cfg.trainer.prompts_per_step
+    shard = list(range(r.rank * G // r.world, (r.rank + 1) * G // r.world))
+    inflight = cfg.rollout.steal_inflight or max(n, G * n // r.world // 2)
+    lengths = LengthPredictor()
+    walls = {w: [] for w in WAYS}
+    idle = {w: [] for w in WAYS}
+    before_last = {w: [] for w in WAYS}
+    same = True
+    for step in range(args.steps):
+        requests = requests_for(tokenizer, loader.global_step(), n, cfg.task.chat)
+        loader.next_step()
+        params = sampling(step)
+        reference = None
+        for rep in range(args.repeats):
+            for k in range(len(WAYS)):
+                way = WAYS[(k + rep) % len(WAYS)]  # the first pass is static's: the history's and the tokens' reference
+                got = run_way(way, r, store, f"bench.steal/{step}/{rep}/{k}", engine, requests, shard, params,
+                              inflight, lengths)
+                every = [None] * r.world
+                dist.all_gather_object(every, got)
+                tokens = {key: t for *_, toks in every for key, t in toks.items()}
+                if reference is None:
+                    reference = tokens
+                    for q in requests:
+                        lengths.observe(q.prompt_id, [len(reference[(q.prompt_id, s)]) for s in range(n)])
+                same = same and tokens == reference
+                start, end = min(e[0] for e in every), max(e[2] for e in every)
+                walls[way].append(end - start)
+                idle[way].append(1 - sum(e[2] - e[0] for e in every) / (r.world * (end - start)))
+                if way != "static":
+                    before_last[way].append(idle_to_last_start([(e[0], e[1], e[2]) for e in every]))
+    shutdown()
+    if not r.main:
+        return 0
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    result = {"cpu": cpu_model(), "world_size": r.world, "steps": args.steps, "repeats": args.repeats,
+              "inflight": inflight, "identical": same, "config": args.config, "overrides": args.overrides,
+              "ways": {w: {"wall_s": mean(walls[w]), "ratio": mean(walls[w]) / mean(walls["static"]),
+                           "idle_share": mean(idle[w]), "idle_to_last_start": mean(before_last[w]), "runs": len(walls[w])}
+                       for w in WAYS}}
+    print(f"cpu: {result['cpu']}; {r.world} ranks; {args.steps} steps x {args.repeats} repeats; in flight {inflight} rows",
+          file=sys.stderr)
+    for w, v in result["ways"].items():
+        extra = "" if v["idle_to_last_start"] is None else f", idle until the last unit started {v['idle_to_last_start']:.3f}"
+        print(f"{w:<14} generation {v['wall_s']:.2f} s ({v['ratio']:.3f}x static), idle share {v['idle_share']:.3f}{extra}",
+              file=sys.stderr)
+    print(f"identical tokens: {same}", file=sys.stderr)
+    finish(result, args.json)
+    return 0 if same else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
