@@ -9,7 +9,10 @@ turn (ABC, then BCA, ...) so a drifting machine speed falls on every way alike:
 - `steal`: units (a prompt's n samples) from one queue in the store, in global order (what
   long-first has in a run's first epoch: no prompt seen yet, every prediction the prior);
 - `steal+history`: the same, the queue ordered long-first by each prompt's lengths from an
-  earlier pass (the static way's first repeat: a prompt seen in an earlier epoch).
+  earlier pass (the static way's first repeat: a prompt seen in an earlier epoch);
+- `bound`: rank 0 generates the step's longest group alone (by the first pass's lengths), the
+  other ranks nothing: no placement of the step's work can end sooner, each response being
+  sequential (a lower bound, not a way to run a step).
 
 A way's time is its generation phase: from the barrier before it until the last rank is done.
 It prints per way the mean generation phase, its ratio to static, the idle share of rank-seconds
@@ -39,15 +42,16 @@ from pipeline.rollouts import StepSampling, requests_for
 from pipeline.schedule import idle_to_last_start
 from pipeline.stealing import StealingSource, UnitQueue
 
-WAYS = ("static", "steal", "steal+history")
+WAYS = ("static", "steal", "steal+history", "bound")
 
 
-def run_way(way, r, store, key, engine, requests, shard, params, inflight, lengths):
+def run_way(way, r, store, key, engine, requests, shard, params, inflight, lengths, longest):
     """One way on this rank: (started, last unit taken or None, ended, {(prompt, sample): tokens})."""
     dist.barrier()
     started = time.time()
-    if way == "static":
-        batch = engine.generate([requests[i] for i in shard], params)
+    if way in ("static", "bound"):
+        mine = shard if way == "static" else longest if r.rank == 0 else []
+        batch = engine.generate([requests[i] for i in mine], params) if mine else None
         last = None
     else:
         order = (long_first([lengths.predict(q.prompt_id) for q in requests]) if way == "steal+history"
@@ -56,7 +60,7 @@ def run_way(way, r, store, key, engine, requests, shard, params, inflight, lengt
         batch = engine.generate([], params, source=source)
         last = source.last_at
     ended = time.time()
-    return started, last, ended, {(ro.prompt_id, ro.sample): tuple(ro.tokens) for ro in batch.rollouts}
+    return started, last, ended, {(ro.prompt_id, ro.sample): tuple(ro.tokens) for ro in (batch.rollouts if batch else [])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.repeats):
             for k in range(len(WAYS)):
                 way = WAYS[(k + rep) % len(WAYS)]  # the first pass is static's: the history's and the tokens' reference
+                longest = [max(range(G), key=lambda g: lengths.predict(requests[g].prompt_id))]
                 got = run_way(way, r, store, f"bench.steal/{step}/{rep}/{k}", engine, requests, shard, params,
-                              inflight, lengths)
+                              inflight, lengths, longest)
                 every = [None] * r.world
                 dist.all_gather_object(every, got)
                 tokens = {key: t for *_, toks in every for key, t in toks.items()}
@@ -104,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
                     reference = tokens
                     for q in requests:
                         lengths.observe(q.prompt_id, [len(reference[(q.prompt_id, s)]) for s in range(n)])
-                same = same and tokens == reference
+                same = same and all(reference[key] == t for key, t in tokens.items())
                 start, end = min(e[0] for e in every), max(e[2] for e in every)
                 walls[way].append(end - start)
                 idle[way].append(1 - sum(e[2] - e[0] for e in every) / (r.world * (end - start)))
-                if way != "static":
+                if way.startswith("steal"):
                     before_last[way].append(idle_to_last_start([(e[0], e[1], e[2]) for e in every]))
     shutdown()
     if not r.main:
