@@ -6,10 +6,11 @@ config's model, not trained), the ranks generate the step's rollouts three ways,
 turn (ABC, then BCA, ...) so a drifting machine speed falls on every way alike:
 
 - `static`: each rank its loader shard, all admitted at once (the loop's default);
-- `steal`: units (a prompt's n samples) from one queue in the store, in global order (what
-  long-first has in a run's first epoch: no prompt seen yet, every prediction the prior);
-- `steal+history`: the same, the queue ordered long-first by each prompt's lengths from an
-  earlier pass (the static way's first repeat: a prompt seen in an earlier epoch);
+- `steal`: units (a prompt's n samples) taken as rows free up, each rank's loader shard first,
+  then the others' not yet taken (pipeline.stealing; what long-first has in a run's first epoch:
+  no prompt seen yet, every prediction the prior);
+- `steal+history`: the same over a plan from each prompt's lengths in an earlier pass (the
+  static way's first repeat: a prompt seen in an earlier epoch): a token-balanced deal, longest first;
 - `bound`: rank 0 generates the step's longest group alone (by the first pass's lengths), the
   other ranks nothing: no placement of the step's work can end sooner, each response being
   sequential (a lower bound, not a way to run a step).
@@ -37,10 +38,10 @@ from launch.run import problems_for
 from launch.run_config import TrainConfig
 from pipeline.data import PromptLoader
 from pipeline.dist import init_ranks, shutdown
-from pipeline.lengths import LengthPredictor, long_first
+from pipeline.lengths import LengthPredictor
 from pipeline.rollouts import StepSampling, requests_for
 from pipeline.schedule import idle_to_last_start
-from pipeline.stealing import StealingSource, UnitQueue
+from pipeline.stealing import StealingSource, UnitQueue, plan_units
 
 WAYS = ("static", "steal", "steal+history", "bound")
 
@@ -54,9 +55,9 @@ def run_way(way, r, store, key, engine, requests, shard, params, inflight, lengt
         batch = engine.generate([requests[i] for i in mine], params) if mine else None
         last = None
     else:
-        order = (long_first([lengths.predict(q.prompt_id) for q in requests]) if way == "steal+history"
-                 else list(range(len(requests))))
-        source = StealingSource(UnitQueue(store, key, order), requests, inflight)
+        predicted = [lengths.predict(q.prompt_id) if way == "steal+history" else 1.0 for q in requests]
+        plans = plan_units(predicted, requests[0].n, r.world)
+        source = StealingSource(UnitQueue(store, key, plans, r.rank), requests, inflight)
         batch = engine.generate([], params, source=source)
         last = source.last_at
     ended = time.time()

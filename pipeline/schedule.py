@@ -4,9 +4,10 @@ Chosen once from the config (`rollout.work_stealing`, `rollout.long_first`,
 `trainer.train_shares`):
 
 - *generation*: each rank rolls out its loader shard (static), or ranks take the step's units
-  (a prompt's n samples) from one queue in the job's store as their rows free up
-  (pipeline.stealing); with `long_first` the units, or a rank's own requests, go in order of
-  predicted length, longest first (pipeline.lengths: a prompt's history, else the running mean).
+  (a prompt's n samples) as their rows free up, their own planned units first, then the others'
+  not yet taken (pipeline.stealing, through the job's store); with `long_first` a rank's own
+  requests, or the plan (a token-balanced deal, each list longest first), follow the predicted
+  lengths (pipeline.lengths: a prompt's history, else the running mean).
 - *training share*: which groups each rank trains (pipeline.shares: its loader shard, or a
   token-balanced share), a function of the whole step's batch only. Where rows were generated
   elsewhere than they are trained, `share` exchanges them (all_gather_object over the process
@@ -36,7 +37,7 @@ from pipeline.dist import Ranks
 from pipeline.lengths import LengthPredictor, correlation, long_first
 from pipeline.rollouts import ScoredRollouts, requests_for, score
 from pipeline.shares import shard_shares, token_shares
-from pipeline.stealing import StealingSource, UnitQueue
+from pipeline.stealing import StealingSource, UnitQueue, plan_units
 from pipeline.tasks import Problem
 
 
@@ -69,9 +70,9 @@ class RolloutSchedule:
         predicted = [self.lengths.predict(p.id) for p in problems] if self.lengths is not None else None
         self.plan = plan = _Plan(problems, predicted)
         if self.stealing:
-            order = long_first(predicted) if predicted is not None else list(range(len(problems)))
+            plans = plan_units(predicted or [1.0] * len(problems), self.n, self.r.world)
             requests = requests_for(tokenizer, problems, self.n, chat, drafts)
-            queue = UnitQueue(self.store, f"{self.scope}/steal/{step}", order)
+            queue = UnitQueue(self.store, f"{self.scope}/steal/{step}", plans, self.r.rank)
             plan.source = StealingSource(queue, requests, self._inflight(len(problems)))
             batch = engine.generate([], params, source=plan.source)
             taken = [problems[i] for i in plan.source.taken]

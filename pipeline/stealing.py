@@ -1,11 +1,13 @@
-"""Work stealing: a step's work units handed out by one atomic counter in the job's store.
+"""Work stealing: a step's work units claimed once each through the job's store.
 
 A *unit* is one prompt's n samples (a GRPO group: one prefill, and its samples' lengths agree,
 being set by the problem). The step's units are numbered in global order (the loader's global
-step, rank 0's shard first) and put in a queue *order* every rank computes alike (long-first by
-predicted length, or global order). `UnitQueue.take` is `store.add(key, 1)`: the counter's k-th
-increment, on whichever rank, gets the order's k-th unit, so each unit is handed out exactly once
-and no rank waits for another to take one.
+step, rank 0's shard first) and every rank computes the same *plan*: one list of units per rank
+(`plan_units`: the loader shards, or with predicted lengths a token-balanced deal, each list
+longest first). `UnitQueue.take` walks this rank's own list, then steals from the other ranks'
+lists from their ends (the work their owners would reach last); a unit is taken by whoever first
+claims it (`store.add(key/unit, 1) == 1`, atomic), so each is handed out exactly once and no
+rank waits for another to take one.
 
 `StealingSource` feeds a rank's engine (an engine.source.RequestSource): while units remain it
 keeps about `inflight` rows active, taking the next unit whenever finished rows leave room, so a
@@ -21,19 +23,51 @@ import time
 from collections.abc import Callable, Sequence
 
 from engine.types import Request
+from pipeline.shares import shard_shares, token_shares
+
+
+def plan_units(predicted: Sequence[float], n: int, world: int) -> list[list[int]]:
+    """Each rank's units: its loader shard while every prediction is the same (nothing is known of
+    the prompts), else the predicted tokens dealt longest first to the least loaded rank
+    (pipeline.shares.token_shares), each list longest first (ties in global order)."""
+    if len(set(predicted)) <= 1:
+        return shard_shares(len(predicted), world)
+    deal = token_shares([p * n for p in predicted], world)
+    return [sorted(units, key=lambda g: -predicted[g]) for units in deal]
 
 
 class UnitQueue:
-    """The units of one step, in `order`, each handed out once over every rank (`store`: the job's
-    c10d store, or any object with its `add`; `key`: unique to the run and step, the same on every rank)."""
+    """The units of one step as `plans` (every rank's list; the same on every rank), taken by
+    `rank` (`store`: the job's c10d store, or any object with its `add`; `key`: unique to the run
+    and step, the same on every rank)."""
 
-    def __init__(self, store, key: str, order: Sequence[int]) -> None:
-        self.store, self.key, self.order = store, key, list(order)
+    def __init__(self, store, key: str, plans: Sequence[Sequence[int]], rank: int) -> None:
+        self.store, self.key, self.rank = store, key, rank
+        self.plans = [list(p) for p in plans]
+        world = len(self.plans)
+        self.own = 0  # next place in this rank's list
+        self.victims = [(rank + k) % world for k in range(1, world)]  # the other ranks, in turn from the next one
+        self.back = {v: len(self.plans[v]) for v in self.victims}  # places from the end of each other list not yet tried
+        self.stolen = 0  # units taken from other ranks' lists
 
     def take(self) -> int | None:
-        """The next unit's global index, or None once every unit was taken."""
-        k = self.store.add(self.key, 1) - 1
-        return self.order[k] if k < len(self.order) else None
+        """The next unit this rank claims (its own list first), or None once every unit is taken."""
+        mine = self.plans[self.rank]
+        while self.own < len(mine):
+            unit, self.own = mine[self.own], self.own + 1
+            if self._claim(unit):
+                return unit
+        for v in self.victims:
+            while self.back[v] > 0:
+                self.back[v] -= 1
+                unit = self.plans[v][self.back[v]]
+                if self._claim(unit):
+                    self.stolen += 1
+                    return unit
+        return None
+
+    def _claim(self, unit: int) -> bool:
+        return self.store.add(f"{self.key}/{unit}", 1) == 1
 
 
 class StealingSource:
