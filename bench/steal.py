@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     inflight = cfg.rollout.steal_inflight or max(n, G * n // r.world // 2)
     lengths = LengthPredictor()
     walls = {w: [] for w in WAYS}
+    per_step = {w: [[] for _ in range(args.steps)] for w in WAYS}  # generation seconds of each repeat
     idle = {w: [] for w in WAYS}
     before_last = {w: [] for w in WAYS}
     same = True
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                 same = same and all(reference[key] == t for key, t in tokens.items())
                 start, end = min(e[0] for e in every), max(e[2] for e in every)
                 walls[way].append(end - start)
+                per_step[way][step].append(round(end - start, 3))
                 idle[way].append(1 - sum(e[2] - e[0] for e in every) / (r.world * (end - start)))
                 if way.startswith("steal"):
                     before_last[way].append(idle_to_last_start([(e[0], e[1], e[2]) for e in every]))
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"cpu": cpu_model(), "world_size": r.world, "steps": args.steps, "repeats": args.repeats,
               "inflight": inflight, "identical": same, "config": args.config, "overrides": args.overrides,
               "ways": {w: {"wall_s": mean(walls[w]), "ratio": mean(walls[w]) / mean(walls["static"]),
-                           "idle_share": mean(idle[w]), "idle_to_last_start": mean(before_last[w]), "runs": len(walls[w])}
+                           "idle_share": mean(idle[w]), "idle_to_last_start": mean(before_last[w]), "runs": len(walls[w]),
+                           "per_step_s": per_step[w]}
                        for w in WAYS}}
     print(f"cpu: {result['cpu']}; {r.world} ranks; {args.steps} steps x {args.repeats} repeats; in flight {inflight} rows",
           file=sys.stderr)
