@@ -77,7 +77,8 @@ class RolloutSection:
 
     def validate(self) -> None:
         if self.steal_inflight < 0:
-            raise ValueError(f"rollout.steal_inflight must be >= 0 (0: half a rank's share of the rows), got {self.steal_inflight}")
+            raise ValueError(f"rollout.steal_inflight must be >= 0 (0: half a rank's share of the rows), "
+                             f"got {self.steal_inflight}")
         if self.n < 1:
             raise ValueError(f"rollout.n must be >= 1, got {self.n}")
         if not 0 < self.top_p <= 1:
