@@ -53,11 +53,11 @@ class _Plan:
 
 
 class RolloutSchedule:
-    def __init__(self, rollout_cfg, train_shares: str, ranks: Ranks, store, scope: str) -> None:
+    def __init__(self, rollout_cfg, train_shares: str, ranks: Ranks, store, scope: str, mini_batches: int = 1) -> None:
         self.r, self.store, self.scope = ranks, store, scope
         self.stealing, self.n = rollout_cfg.work_stealing and ranks.world > 1, rollout_cfg.n
         self.inflight = rollout_cfg.steal_inflight
-        self.train_shares = train_shares
+        self.train_shares, self.mini_batches = train_shares, mini_batches
         self.exchanges = self.stealing or train_shares == "tokens"
         self.lengths = LengthPredictor() if rollout_cfg.long_first else None
         self.plan: _Plan | None = None
@@ -112,6 +112,10 @@ class RolloutSchedule:
         G, world = len(plan.problems), self.r.world
         if self.train_shares == "tokens":
             shares = token_shares([sum(len(ro.tokens) for ro in units[g][2]) for g in range(G)], world)
+            if min(len(share) for share in shares) * self.n < self.mini_batches:  # every rank takes every optimiser step
+                raise ValueError(f"trainer.train_shares=tokens left a rank {min(len(share) for share in shares) * self.n} "
+                                 f"rows, fewer than trainer.mini_batches={self.mini_batches}: lower trainer.mini_batches, "
+                                 "raise trainer.prompts_per_step, or use trainer.train_shares=shard")
         else:
             shares = shard_shares(G, world)
         chosen = shares[self.r.rank]

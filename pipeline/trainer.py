@@ -74,7 +74,8 @@ class Trainer:
         # runs in the same order), distinct from an earlier run of this job (common.idle.window).
         scope = f"tailspec/{Path(run_dir).name}/{next(_RUNS)}"
         self.windows = windows or IdleWindows(job_store(ranks), ranks.rank, ranks.world, scope, barrier=self._barrier)
-        self.schedule = RolloutSchedule(cfg.rollout, cfg.trainer.train_shares, ranks, job_store(ranks), scope)
+        self.schedule = RolloutSchedule(cfg.rollout, cfg.trainer.train_shares, ranks, job_store(ranks), scope,
+                                        mini_batches=cfg.trainer.mini_batches)
         self.reference = reference  # a ReferencePolicy when algorithm.kl_coef > 0
         self.bubbles = bubbles  # a pipeline.bubble.BubbleStore: drafts pre-generated for the coming steps
         self.bubble_metrics: dict[str, float] = {}
