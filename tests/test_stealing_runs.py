@@ -80,3 +80,18 @@ def test_a_rank_that_generates_the_other_ranks_shard_gives_the_same_tokens(char_
     rows = steps(run)
     assert [r["rollout/units_stolen"] for r in rows] == [2.0, 2.0]  # rank 1's 2 groups, each step, made on rank 0
     assert_same_run(static_run, run)
+
+
+@pytest.mark.slow
+def test_token_shares_train_every_row_once_with_the_ranks_tokens_balanced(char_model_dir, tmp_path):
+    run = two_ranks(char_model_dir, tmp_path, "launch.train", "rollout.work_stealing=true", "trainer.train_shares=tokens",
+                    "trainer.mini_batches=1")
+    rows = rollouts(run)
+    for step in (1, 2):
+        mine = [(key, v) for key, v in rows.items() if key[0] == step]
+        assert len(mine) == 16  # 4 prompts x 4 samples, each trained once
+        tokens = {rank: sum(length for _, (length, _, r) in mine if r == rank) for rank in (0, 1)}
+        groups = {}
+        for (_, prompt, _), (length, _, _) in mine:
+            groups[prompt] = groups.get(prompt, 0) + length
+        assert abs(tokens[0] - tokens[1]) <= max(groups.values())  # the longest-first greedy deal's bound
