@@ -95,3 +95,12 @@ def test_token_shares_train_every_row_once_with_the_ranks_tokens_balanced(char_m
         for (_, prompt, _), (length, _, _) in mine:
             groups[prompt] = groups.get(prompt, 0) + length
         assert abs(tokens[0] - tokens[1]) <= max(groups.values())  # the longest-first greedy deal's bound
+
+
+@pytest.mark.slow
+def test_stealing_with_bubble_drafts_and_speculation_is_the_same_run_as_static_shards(char_model_dir, static_run, tmp_path):
+    run = two_ranks(char_model_dir, tmp_path, "launch.train", "rollout.work_stealing=true", "engine.spec.enabled=true",
+                    "engine.spec.drafter=pregenerated+ngram", "engine.spec.tuner_arms=[]", "engine.spec.depth=4",
+                    "engine.spec.verify_tokens=4", "bubble.enabled=true")
+    assert_same_run(static_run, run)
+    assert all("bubble/coverage" in r for r in steps(run)[1:])  # step 2 had drafts pre-generated in step 1's windows
