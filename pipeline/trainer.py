@@ -74,6 +74,9 @@ class Trainer:
         # runs in the same order), distinct from an earlier run of this job (common.idle.window).
         scope = f"tailspec/{Path(run_dir).name}/{next(_RUNS)}"
         self.windows = windows or IdleWindows(job_store(ranks), ranks.rank, ranks.world, scope, barrier=self._barrier)
+        if cfg.rollout.work_stealing and not engine.caps.pulls_requests:
+            raise ValueError("rollout.work_stealing feeds the engine from a queue as its rows free up, which this rollout "
+                             "backend cannot take (caps.pulls_requests): set rollout.work_stealing=false")
         self.schedule = RolloutSchedule(cfg.rollout, cfg.trainer.train_shares, ranks, job_store(ranks), scope,
                                         mini_batches=cfg.trainer.mini_batches)
         self.reference = reference  # a ReferencePolicy when algorithm.kl_coef > 0
