@@ -10,9 +10,11 @@ another (bench.runs):
   drafter with its fixed shape (depth, top-k, verify tokens, max_active_batch; no tuner); `tuner`,
   the BEG-MAB tuner over the config's arms (a default arm set where the config has none, said
   with the table); `spot`, the config's speculation plus spot training; `bubble`, the config's
-  speculation behind bubble drafts (`pregenerated+<drafter>`). A lever the config does not turn
-  on is measured all the same, unless it cannot run here (spot needs a learned drafter; spot and
-  bubble need idle windows, so two or more ranks): then it is skipped and the reason printed.
+  speculation behind bubble drafts (`pregenerated+<drafter>`); `steal`, work stealing with
+  long-first order (rollout.work_stealing, rollout.long_first: ranks take prompt groups from one
+  queue, predicted-long first); `long_first`, static shards admitted predicted-long first. A lever the config does not turn
+  on is measured all the same, unless it cannot run here (spot needs a learned drafter; spot,
+  bubble and steal need two or more ranks): then it is skipped and the reason printed.
 
 No lever changes a token, so every way must be the same run as all-off: each step's reward,
 losses, grad norm and response length, and the final weights (bench.runs.same_steps,
@@ -54,7 +56,7 @@ from launch.config import load_config
 from launch.run_config import TrainConfig
 
 ALL_OFF = ("engine.spec.enabled=false", "spot.enabled=false", "bubble.enabled=false")
-LEVERS = ("spec", "tuner", "spot", "bubble")
+LEVERS = ("spec", "tuner", "spot", "bubble", "steal", "long_first")
 PARTS = ("rollout", "idle", "logprob", "update", "sync")  # a step's phases, in order (timing/<part>)
 
 
@@ -91,6 +93,7 @@ def levers(cfg: TrainConfig, world: int) -> list[Lever]:
         arms = default_arms(DraftShape(depth=spec.depth, topk=spec.topk, verify_tokens=spec.verify_tokens))
         note = f"the config has no tuner arms: the default set {','.join(arms)} (its shape, half and quarter)"
     idle = None if world > 1 else "needs idle windows, so two or more ranks: run under torchrun --nproc-per-node=2"
+    ranks = None if world > 1 else "steals work between ranks, so two or more ranks: run under torchrun --nproc-per-node=2"
     learned = (None if spec.drafter_spec.learned
                else f"spot training trains a learned drafter; engine.spec.drafter={drafter} has none")
     on = lambda d: ("engine.spec.enabled=true", f"engine.spec.drafter={d}")  # noqa: E731
@@ -100,6 +103,8 @@ def levers(cfg: TrainConfig, world: int) -> list[Lever]:
         Lever("tuner", (*on(drafter), f"engine.spec.tuner_arms={json.dumps(arms)}", "engine.spec.max_active_batch=null"), note),
         Lever("spot", (*on(drafter), "spot.enabled=true"), skip=learned or idle),
         Lever("bubble", (*on(f"pregenerated+{drafter}"), "bubble.enabled=true"), skip=idle),
+        Lever("steal", ("rollout.work_stealing=true", "rollout.long_first=true"), skip=ranks),
+        Lever("long_first", ("rollout.long_first=true",)),
     ]
 
 
@@ -129,11 +134,15 @@ class WayTimes:
     accept_len: float | None  # None: no speculative step
     r_gen: float  # the generation phase (rollout + idle: until every rank is done) / step, step by step
     idle_share: float  # idle / step, step by step
+    exchange_s: float = 0.0  # handing rows to the ranks that train them (rollout.work_stealing): part of the generation phase
+    busy_share: float | None = None  # the ranks' mean rollout / the slowest rank's
+    idle_to_last_start: float | None = None  # idle share of rank-seconds until the step's last unit was taken (stealing)
 
     @property
     def gen_s(self) -> float:
-        """The generation phase: until every rank's rollouts were done (a synchronous step waits for the last)."""
-        return self.rollout_s + self.idle_s
+        """The generation phase: until every rank's rollouts were done (a synchronous step waits for the
+        last) and, with work stealing, exchanged."""
+        return self.rollout_s + self.idle_s + self.exchange_s
 
     @classmethod
     def of(cls, rows: list[dict]) -> WayTimes:
@@ -141,7 +150,10 @@ class WayTimes:
         if not later:
             raise ValueError("a way's summary needs two or more steps (step 1 is excluded)")
         accepts = [m["spec/accept_len"] for m in later if "spec/accept_len" in m]
-        return cls(step_s=mean([m["timing/step"] for m in later]),
+        optional = lambda key: mean([m[key] for m in later]) if all(key in m for m in later) else None  # noqa: E731
+        return cls(exchange_s=optional("timing/exchange") or 0.0, busy_share=optional("rollout/busy_share"),
+                   idle_to_last_start=optional("rollout/idle_to_last_start"),
+                   step_s=mean([m["timing/step"] for m in later]),
                    **{f"{part}_s": mean([m[f"timing/{part}"] for m in later]) for part in PARTS},
                    accept_len=mean(accepts) if accepts else None,
                    r_gen=mean([(m["timing/rollout"] + m["timing/idle"]) / m["timing/step"] for m in later]),
@@ -218,11 +230,14 @@ def report(result: dict, chosen: list[Lever]) -> None:
     err = lambda s: print(s, file=sys.stderr)  # noqa: E731
     fmt = lambda v, spec=".2f": "-" if v is None else format(v, spec)  # noqa: E731
     err(f"cpu: {result['cpu']}; {result['world_size']} rank(s); means over steps 2..{result['steps']}")
-    err(f"{'way':<11} {'step s':>7} {'rollout s':>9} {'update s':>8} {'idle s':>7} {'accept':>6} {'vs all-off':>10} identical")
+    err(f"{'way':<11} {'step s':>7} {'rollout s':>9} {'update s':>8} {'idle s':>7} {'accept':>6} {'busy':>5} {'vs all-off':>10} "
+        "identical")
     off = result["ways"]["all-off"]["step_s"]
     for name, w in result["ways"].items():
         err(f"{name:<11} {w['step_s']:>7.2f} {w['rollout_s']:>9.2f} {w['update_s']:>8.2f} {w['idle_s']:>7.2f} "
-            f"{fmt(w['accept_len']):>6} {off / w['step_s']:>10.3f} {result['identical_ways'].get(name, '-')}")
+            f"{fmt(w['accept_len']):>6} {fmt(w['busy_share']):>5} {off / w['step_s']:>10.3f} {result['identical_ways'].get(name, '-')}")
+        if w["idle_to_last_start"] is not None:
+            err(f"{'':<11} idle share of rank-seconds until the last unit started: {w['idle_to_last_start']:.3f}")
     err(f"step ratio all-off / as-shipped {result['step_ratio']:.3f}x (rollout {result['rollout_ratio']:.3f}x); all-off: "
         f"R_gen {result['r_gen']:.2f}, idle share {result['idle_share']:.2f}; as-shipped accept length "
         f"{fmt(result['accept_len'], '.3f')}; ceiling {result['ceiling']:.2f}x ({result['of_ceiling']:.0%} of it)")

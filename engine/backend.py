@@ -24,6 +24,7 @@ import torch
 from engine.features import FeatureSink
 from engine.model_config import ModelConfig
 from engine.sampling import SamplingParams
+from engine.source import RequestSource
 from engine.spec.policy import SpecPolicy
 from engine.types import Request, RolloutBatch
 
@@ -38,6 +39,7 @@ class BackendCapabilities:
     preemptible: bool  # generate(should_stop=...) ends a call early, keeping each row's prefix
     takes_drafts: bool  # Request.drafts (pre-generated responses) serve as drafts
     sleeps: bool  # sleep() frees memory while a colocated actor trains
+    pulls_requests: bool = False  # generate(source=...) admits requests from a RequestSource as rows free up
 
 
 class RolloutBackend(Protocol):
@@ -52,7 +54,7 @@ class RolloutBackend(Protocol):
     model_config: ModelConfig  # the served model's config (end-of-sequence ids, sizes)
 
     def generate(self, requests: list[Request], params: SamplingParams, progress: Callable[[int], None] | None = None,
-                 should_stop: Callable[[], bool] | None = None) -> RolloutBatch: ...
+                 should_stop: Callable[[], bool] | None = None, source: RequestSource | None = None) -> RolloutBatch: ...
 
     def load_weights(self, named_tensors: NamedTensors, version: int) -> None: ...
 

@@ -1,7 +1,9 @@
 """One generate() call: admission, decode steps and retirement over the engine's slots.
 
 Requests are admitted in order into free slots (engine.admission): a prompt is prefilled once
-and its cache shared by its samples, and each sample's first token is drawn. A request with more
+and its cache shared by its samples, and each sample's first token is drawn. A `RequestSource`
+(engine.source), if given, is asked for more requests before every admission until it has none
+left; they join the queue after those already there. A request with more
 samples than the batch holds is admitted in chunks: its prefill (KV rows, last logits, features)
 is kept aside and copied into the slots of each later chunk, never recomputed.
 
@@ -30,6 +32,7 @@ from engine.features import CommittedFeatures, target_features
 from engine.model import ModelOutput, causal_mask
 from engine.sampling import SamplingParams, gumbel, mask_logits, prompt_key, row_keys, sample
 from engine.slots import SlotState
+from engine.source import RequestSource
 from engine.spec.drafter import DraftContext, DraftShape
 from engine.spec.pregenerated import sibling_corpus
 from engine.spec.tree import DraftTree, PaddedTree, tree_mask, tree_positions
@@ -44,8 +47,10 @@ def _sync(device: torch.device) -> None:
 
 
 class GenerateRun:
-    def __init__(self, engine, requests: list[Request], params: SamplingParams, progress, should_stop=None) -> None:
-        self.e, self.requests, self.params, self.progress = engine, requests, params, progress
+    def __init__(self, engine, requests: list[Request], params: SamplingParams, progress, should_stop=None,
+                 source: RequestSource | None = None) -> None:
+        self.e, self.requests, self.params, self.progress = engine, list(requests), params, progress
+        self.source = source  # None once it has nothing left
         self.should_stop = should_stop
         self.device = engine.device
         self.t0 = time.perf_counter()
@@ -72,7 +77,7 @@ class GenerateRun:
 
     def run(self) -> RolloutBatch:
         preempted = False
-        while self.pending or self.state.active:
+        while self.pending or self.state.active or self.source is not None:
             self.admit()
             self.retire()
             if self.state.active:
@@ -90,6 +95,8 @@ class GenerateRun:
     # -- admission -------------------------------------------------------------------------
     def admit(self) -> None:
         """Admits what fits: prefills new prompts, copies kept prefills, draws first tokens."""
+        if self.source is not None:
+            self._pull()
         chunks = take_chunks(self.pending, self.e.cfg.max_batch - self.state.active, self.e.cfg.max_batch)
         if not chunks:
             return
@@ -121,6 +128,21 @@ class GenerateRun:
                                              tok, self.device))
         self._emit(rows, tok.unsqueeze(1), lp.unsqueeze(1), torch.ones_like(tok))
         self.prefill_s += time.perf_counter() - ts
+
+    def _pull(self) -> None:
+        """The source's requests for the slots not promised to pending samples, queued after those."""
+        free = self.e.cfg.max_batch - self.state.active - sum(p.count for p in self.pending)
+        got = self.source.pull(self.state.active, max(free, 0))
+        if got is None:
+            self.source = None
+            return
+        if not got and not self.state.active and not self.pending:
+            raise RuntimeError("the request source handed nothing to an idle engine and is not done: it would never be "
+                               "asked again with rows finishing (RequestSource.pull must return requests or None)")
+        self.e.check(got)
+        for r in got:
+            self.pending.append(Pending(len(self.requests), r, 0, r.n))
+            self.requests.append(r)
 
     def _prefill(self, chunks: list[Pending]) -> dict[int, Prefill]:
         """One target pass over the new prompts (right-padded); their KV rows land in scratch

@@ -37,6 +37,7 @@ from engine.kv_cache import KVCache
 from engine.model import Transformer
 from engine.runtime import TargetRuntime
 from engine.sampling import SamplingParams
+from engine.source import RequestSource
 from engine.spec.drafter import Drafter, DraftShape
 from engine.spec.policy import FixedPolicy, SpecPolicy, TailPolicy
 from engine.types import Request, RolloutBatch
@@ -53,7 +54,8 @@ class RolloutEngine(RolloutBackend):
         self.runtime = TargetRuntime(self.model, bf16_weights=self.cfg.weights == "bfloat16")
         # Log-probs are the served policy's exactly unless the runtime rounds the weights (bf16 copies).
         self.caps = BackendCapabilities(exact_logprobs=self.cfg.weights == "float32", returns_features=True,
-                                        same_tokens=True, preemptible=True, takes_drafts=True, sleeps=False)
+                                        same_tokens=True, preemptible=True, takes_drafts=True, sleeps=False,
+                                        pulls_requests=True)
         spec = self.cfg.spec
         iid = spec.verify == "rejection"
         self.shape = DraftShape(depth=spec.depth, topk=spec.topk, verify_tokens=spec.verify_tokens, iid_children=iid,
@@ -199,7 +201,7 @@ class RolloutEngine(RolloutBackend):
 
     @torch.inference_mode()
     def generate(self, requests: list[Request], params: SamplingParams, progress=None,
-                 should_stop=None) -> RolloutBatch:
+                 should_stop=None, source: RequestSource | None = None) -> RolloutBatch:
         """Generates n samples per request: rollouts in request order, then sample order, with
         one step record per decode step. `progress`, if given, is called with the number of
         rollouts finished so far. `should_stop()`, if given, is checked after every decode step:
@@ -210,4 +212,4 @@ class RolloutEngine(RolloutBackend):
         self._check_fresh()
         if self.drafter is not None:
             self.drafter.reset(self.cfg.max_batch, self.max_len, params, self.limits)
-        return GenerateRun(self, requests, params, progress, should_stop).run()
+        return GenerateRun(self, requests, params, progress, should_stop, source).run()

@@ -175,6 +175,8 @@ def _build(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: E
     trainer = Trainer(cfg, r, engine, actor, tokenizer, task, loader, held_out, run_dir, idle_work=idle_work,
                       start_step=state.step, reference=reference, bubbles=bubbles,
                       actor_features=spot.actor_features if spot is not None else None, sampling=sampling)
+    if "length_predictor" in state.components:
+        trainer.schedule.load_state_dict(state.components["length_predictor"])
     trainer.sync(version=state.step)  # the engine serves exactly the actor's weights (a resumed run's too)
     logger = MetricsLogger.from_config(run_dir, cfg.metrics, rank=r.rank, run_name=run_dir.name,
                                        resolved_config=to_dict(cfg),

@@ -66,8 +66,19 @@ class RolloutSection:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # Ranks take the step's prompt groups from one queue in the job's store as their rows free up,
+    # instead of each rolling out its loader shard (pipeline.stealing); the tokens are the same.
+    work_stealing: bool = False
+    # Rows a rank keeps active while groups remain in the queue; 0: half its share of the step's rows.
+    steal_inflight: int = 0
+    # Groups start in order of predicted length, longest first (their responses the last time the
+    # prompt was seen, else the running mean: pipeline.lengths); the tokens are the same.
+    long_first: bool = False
 
     def validate(self) -> None:
+        if self.steal_inflight < 0:
+            raise ValueError(f"rollout.steal_inflight must be >= 0 (0: half a rank's share of the rows), "
+                             f"got {self.steal_inflight}")
         if self.n < 1:
             raise ValueError(f"rollout.n must be >= 1, got {self.n}")
         if not 0 < self.top_p <= 1:
@@ -93,6 +104,10 @@ class TrainerSection:
     old_logprobs: Literal["auto", "actor", "engine"] = "auto"
     async_steps: Literal[0, 1] = 0  # 1: step t+1's rollouts use the policy before step t's update
     is_cap: float = 2.0  # truncated importance weight cap of the asynchronous mode
+    # Which prompt groups each rank trains (pipeline.shares): shard, its loader shard (whatever rank
+    # generated them: with rollout.work_stealing too, the same run bit for bit); tokens, groups dealt
+    # longest first to balance the ranks' update tokens (another, equally valid, run).
+    train_shares: Literal["shard", "tokens"] = "shard"
 
     def validate(self) -> None:
         for key in ("steps", "prompts_per_step", "ppo_epochs", "mini_batches"):
@@ -165,6 +180,7 @@ class TrainConfig:
         if self.pipeline.placement == "separated":
             self._validate_separated()
         self._validate_weights()
+        self._validate_schedule()
         if self.trainer.resume == "auto" and not self.run.dir:
             raise ValueError("trainer.resume=auto resumes the latest checkpoint of a fixed run folder: set run.dir too")
         if self.spot.enabled and not self.engine.spec.enabled:
@@ -195,6 +211,25 @@ class TrainConfig:
         for bad, why in unsupported:
             if bad:
                 raise ValueError(f"pipeline.placement=separated: {why} (or use pipeline.placement=colocated)")
+
+    def _validate_schedule(self) -> None:
+        """What the rollout schedule (pipeline.schedule) supports: one generation round per step, synchronous."""
+        chosen = [k for k, on in (("rollout.work_stealing", self.rollout.work_stealing),
+                                  ("rollout.long_first", self.rollout.long_first),
+                                  ("trainer.train_shares=tokens", self.trainer.train_shares == "tokens")) if on]
+        if not chosen:
+            return
+        if self.algorithm.dynamic_sampling:
+            raise ValueError(f"{', '.join(chosen)} cannot be combined with algorithm.dynamic_sampling (DAPO's refill rounds "
+                             "are rolled out per rank): turn one of them off")
+        if self.trainer.async_steps:
+            raise ValueError(f"{', '.join(chosen)} needs trainer.async_steps=0 (the schedule exchanges a step's rollouts "
+                             "after its idle window, which the asynchronous mode does not have)")
+        if self.pipeline.placement != "colocated":
+            raise ValueError(f"{', '.join(chosen)} needs pipeline.placement=colocated")
+        if self.rollout.work_stealing and self.engine.backend != "native":
+            raise ValueError("rollout.work_stealing feeds the engine from a queue as its rows free up, which only "
+                             "engine.backend=native can do: set rollout.work_stealing=false with engine.backend=vllm")
 
     def _validate_weights(self) -> None:
         if self.engine.weights != "float32" and self.trainer.old_logprobs == "engine":

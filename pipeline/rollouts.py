@@ -69,16 +69,26 @@ def encode_problem(tokenizer, problem: Problem, chat: bool) -> list[int]:
     return list(tokenizer(problem.prompt)["input_ids"])
 
 
+def requests_for(tokenizer, problems: list[Problem], n: int, chat: bool,
+                 drafts: dict[str, dict[int, list[int]]] | None = None) -> list[Request]:
+    """One request of n samples per problem (its bubble drafts, if any: they change no token)."""
+    return [Request(prompt_id=p.id, prompt=encode_problem(tokenizer, p, chat), n=n, drafts=(drafts or {}).get(p.id))
+            for p in problems]
+
+
 def roll_out(engine: RolloutBackend, tokenizer, task: Task, problems: list[Problem], params: SamplingParams, n: int,
              chat: bool, reward=None, drafts: dict[str, dict[int, list[int]]] | None = None) -> ScoredRollouts:
     """`reward(text, answer) -> float`: the training reward (default: the task's own, correctness).
     `drafts`: pre-generated responses by prompt id and sample (bubble drafts), for the engine's
     `pregenerated` drafter; they change no token."""
+    requests = requests_for(tokenizer, problems, n, chat, drafts)
+    return score(task, tokenizer, problems, [r.prompt for r in requests], engine.generate(requests, params), n, reward)
+
+
+def score(task: Task, tokenizer, problems: list[Problem], prompts: list[list[int]], batch: RolloutBatch, n: int,
+          reward=None) -> ScoredRollouts:
+    """The rollouts of `problems` (n each, in order) with their rewards."""
     reward = reward or task.reward
-    prompts = [encode_problem(tokenizer, p, chat) for p in problems]
-    requests = [Request(prompt_id=p.id, prompt=ids, n=n, drafts=(drafts or {}).get(p.id))
-                for p, ids in zip(problems, prompts)]
-    batch = engine.generate(requests, params)
     rewards = []
     for i, ro in enumerate(batch):
         p = problems[i // n]

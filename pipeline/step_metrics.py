@@ -57,6 +57,10 @@ def rollout_metrics(reports: dict[int, RolloutReport]) -> dict[str, float]:
     m["timing/rollout"] = sum(r.rollout_s for r in rows) / len(rows)
     m["timing/rollout_max"] = rollout_max
     m["timing/idle"] = sum(r.idle_s for r in rows) / len(rows)
+    # Each rank's rollout against the slowest's: the share of the generation phase it was busy.
+    for rank, r in reports.items():
+        m[f"rollout/busy_share/rank{rank}"] = r.rollout_s / rollout_max if rollout_max > 0 else 1.0
+    m["rollout/busy_share"] = m["timing/rollout"] / rollout_max if rollout_max > 0 else 1.0
     m["reward/mean"] = sum(r.reward_sum for r in rows) / max(sum(r.rollouts for r in rows), 1)
     m["rollout/tokens_per_s"] = tokens / rollout_max if rollout_max > 0 else 0.0
     m["rollout/batch_size"] = sum(r.rollouts for r in rows)

@@ -4,8 +4,10 @@ One step on every rank of a colocated placement (each rank rolls out, then train
 placement runs the same stages on separate ranks: pipeline.separated_actor, pipeline.separated_rollout):
 
     prompts (pipeline.data: this rank's shard of the step)
-    -> rollouts (pipeline.rollouts: the engine, noise keyed by run seed, RL step, prompt, sample)
+    -> rollouts (pipeline.schedule: the engine on this rank's shard or on units taken from a shared
+       queue, pipeline.rollouts: noise keyed by run seed, RL step, prompt, sample)
     -> idle window (common.idle: wait for the slowest rank, or pre-generate / train the drafter)
+    -> the rows this rank trains (pipeline.schedule.share: its shard, exchanged if made elsewhere)
     -> rewards -> advantages -> old (and reference) log-probs -> PPO epochs (pipeline.learner);
        DAPO's dynamic sampling refills the batch first
     -> weight sync (engine.load_weights(actor.named_weights(), version=step))
@@ -45,6 +47,7 @@ from pipeline.dist import Ranks, all_sum, gather_floats, job_store
 from pipeline.learner import Learner, uses_engine_logprobs
 from pipeline.rollouts import ScoredRollouts, StepSampling, held_out_accuracy, roll_out
 from pipeline.run_state import RunState, checkpoint_dir, save_run
+from pipeline.schedule import RolloutSchedule
 from pipeline.step_metrics import RolloutReport, rollout_metrics
 from pipeline.tasks import Problem, Task
 
@@ -82,10 +85,15 @@ class Trainer:
                  windows: IdleWindows | None = None) -> None:
         self.cfg, self.r, self.engine, self.actor, self.tok, self.task = cfg, ranks, engine, actor, tokenizer, task
         self.loader, self.eval_problems, self.run_dir, self.idle_work = loader, eval_problems, run_dir, idle_work
-        # Store keys of this run's idle windows: the same on every rank (they make their runs in the
-        # same order), distinct from an earlier run of this job (common.idle.window).
-        self.windows = windows or IdleWindows(job_store(ranks), ranks.rank, ranks.world,
-                                              f"tailspec/{Path(run_dir).name}/{next(_RUNS)}", barrier=self._barrier)
+        # Store keys of this run's idle windows and work queues: the same on every rank (they make their
+        # runs in the same order), distinct from an earlier run of this job (common.idle.window).
+        scope = f"tailspec/{Path(run_dir).name}/{next(_RUNS)}"
+        self.windows = windows or IdleWindows(job_store(ranks), ranks.rank, ranks.world, scope, barrier=self._barrier)
+        if cfg.rollout.work_stealing and not engine.caps.pulls_requests:
+            raise ValueError("rollout.work_stealing feeds the engine from a queue as its rows free up, which this rollout "
+                             "backend cannot take (caps.pulls_requests): set rollout.work_stealing=false")
+        self.schedule = RolloutSchedule(cfg.rollout, cfg.trainer.train_shares, ranks, job_store(ranks), scope,
+                                        mini_batches=cfg.trainer.mini_batches)
         self.bubbles = bubbles  # a pipeline.bubble.BubbleStore: drafts pre-generated for the coming steps
         self.bubble_metrics: dict[str, float] = {}
         self.actor_features = actor_features  # a spot.actor_features.ActorFeatures: the buffer from the actor's forward
@@ -107,8 +115,8 @@ class Trainer:
     # -- one RL step -----------------------------------------------------------------------
     def _roll_out(self, step: int) -> ScoredRollouts:
         drafts = self.bubbles.take(step) if self.bubbles is not None else None
-        scored = roll_out(self.engine, self.tok, self.task, self.loader.next_step(), self.sampling(step), self.cfg.rollout.n,
-                          self.cfg.task.chat, self.reward, drafts=drafts)
+        scored = self.schedule.generate(step, self.engine, self.tok, self.task, self.loader, self.sampling(step),
+                                        self.cfg.task.chat, self.reward, drafts)
         if drafts is not None:
             from pipeline.bubble import coverage_metrics, draft_metrics
 
@@ -129,6 +137,9 @@ class Trainer:
             scored = self._fill(step)
         rollout_s = time.perf_counter() - t
         idle_s, idle_metrics = self.windows.run(step, self.idle_work)
+        t = time.perf_counter()
+        scored, schedule_metrics = self.schedule.share(scored)  # the rows this rank trains on (an exchange, if any)
+        exchange_s = time.perf_counter() - t
         if self.cfg.trainer.async_steps:
             self.pending = self._fill(step + 1)  # with this policy, before this step's update
         self.engine.sleep()
@@ -142,6 +153,8 @@ class Trainer:
         self.step_index = step + 1
         metrics.update(self._step_metrics(scored, rollout_s, idle_s, logprob_s, update_s, sync_s, time.perf_counter() - t_step))
         metrics.update(idle_metrics)
+        metrics.update(schedule_metrics)
+        metrics["timing/exchange"] = exchange_s
         # The version the step's rollouts were made with, and the one the engine serves after the sync.
         metrics["rollout/policy_version"] = float(scored.batch.policy_version)
         metrics["engine/version"] = float(self.engine.version)
@@ -215,6 +228,8 @@ class Trainer:
         components = {}
         if self.engine.policy is not None:  # a learning policy (the tuner) resumes where it was
             components["spec_policy"] = self.engine.policy.state_dict()
+        if self.schedule.lengths is not None:  # long-first's predictions resume from the lengths seen
+            components["length_predictor"] = self.schedule.state_dict()
         extras = {}
         if self.idle_work is not None:  # spot training: its trainer's folder and state
             components["idle_work"] = self.idle_work.state_dict()

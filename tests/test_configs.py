@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from launch.config import load_config, read_yaml
@@ -37,3 +39,15 @@ def test_config_file_loads_into_the_train_config_with_its_values(path):
     for key, value in _leaves({k: v for k, v in data.items() if k != "base"}):
         got = _get(cfg, key)
         assert (list(got) if isinstance(got, tuple) else got) == value, key
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.work_stealing=true", "algorithm.name=dapo"], "rollout.work_stealing cannot be combined with algorithm.dynamic_sampling"),
+    (["rollout.long_first=true", "trainer.async_steps=1", "bubble.enabled=false"], "rollout.long_first needs trainer.async_steps=0"),
+    (["trainer.train_shares=tokens", "pipeline.placement=separated", "pipeline.actor_ranks=1"], "needs pipeline.placement=colocated"),
+    (["rollout.work_stealing=true", "engine.backend=vllm", "engine.spec.enabled=false"], "only engine.backend=native"),
+    (["rollout.steal_inflight=-1"], "rollout.steal_inflight must be >= 0"),
+])
+def test_a_rollout_schedule_the_loop_cannot_run_is_refused_naming_the_key(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(TrainConfig, REPO / "configs" / "tiny.yaml", overrides)

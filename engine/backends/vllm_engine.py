@@ -146,13 +146,17 @@ class VllmEngine(RolloutBackend):
                 out[COUNTERS[m.name]] = int(m.value)
         return out
 
-    def generate(self, requests: list[Request], params: SamplingParams, progress=None, should_stop=None) -> RolloutBatch:
+    def generate(self, requests: list[Request], params: SamplingParams, progress=None, should_stop=None,
+                 source=None) -> RolloutBatch:
         from vllm import SamplingParams as VllmParams
         from vllm.inputs import TokensPrompt
 
         if should_stop is not None:
             raise NotImplementedError("engine.backend=vllm cannot preempt a generate call (should_stop): bubble "
                                       "pre-generation needs engine.backend=native")
+        if source is not None:
+            raise NotImplementedError("engine.backend=vllm takes its requests up front, not from a source: "
+                                      "rollout.work_stealing needs engine.backend=native")
         if any(r.drafts for r in requests):
             raise NotImplementedError("engine.backend=vllm does not take pre-generated drafts (Request.drafts)")
         order = [(r, k) for r in requests for k in range(r.n)]

@@ -12,19 +12,19 @@ import os
 import sys
 import time
 
-import pipeline.trainer as trainer
+from pipeline.schedule import RolloutSchedule
 
 DELAY = float(os.environ.get("TAILSPEC_TEST_DELAY", "0.3"))
 
 if os.environ.get("RANK") == "1":
-    _roll_out = trainer.roll_out
+    _generate = RolloutSchedule.generate
 
-    def _slow_roll_out(*args, **kwargs):
-        out = _roll_out(*args, **kwargs)
+    def _slow_generate(self, *args, **kwargs):
+        out = _generate(self, *args, **kwargs)
         time.sleep(DELAY)
         return out
 
-    trainer.roll_out = _slow_roll_out
+    RolloutSchedule.generate = _slow_generate
 
 if __name__ == "__main__":
     from launch.train import main

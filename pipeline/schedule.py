@@ -1,0 +1,182 @@
+"""RolloutSchedule: where and in what order a step's rollouts are generated, and which rank trains which.
+
+Chosen once from the config (`rollout.work_stealing`, `rollout.long_first`,
+`trainer.train_shares`):
+
+- *generation*: each rank rolls out its loader shard (static), or ranks take the step's units
+  (a prompt's n samples) as their rows free up, their own planned units first, then the others'
+  not yet taken (pipeline.stealing, through the job's store); with `long_first` a rank's own
+  requests, or the plan (a token-balanced deal, each list longest first), follow the predicted
+  lengths (pipeline.lengths: a prompt's history, else the running mean).
+- *training share*: which groups each rank trains (pipeline.shares: its loader shard, or a
+  token-balanced share), a function of the whole step's batch only. Where rows were generated
+  elsewhere than they are trained, `share` exchanges them (all_gather_object over the process
+  group) after the idle window: every rank then holds its share in global order, the same rows,
+  bits and order whichever rank generated them, so stealing on or off is the same run.
+
+`generate` returns this rank's generated rollouts (what the idle work's feature sink saw);
+`share`, called after the idle window (the exchange is a collective), the rollouts it trains on
+and the step's scheduling metrics: `rollout/units_stolen` (units generated off their loader
+shard's rank), `rollout/length_pred_corr` (Pearson's r of predicted and actual group lengths,
+where predictions differ), `rollout/idle_to_last_start` (idle share of the ranks' seconds from
+their rollout's start until the step's last unit was taken).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from engine.backend import RolloutBackend
+from engine.sampling import SamplingParams
+from engine.types import RolloutBatch
+from pipeline.dist import Ranks
+from pipeline.lengths import LengthPredictor, correlation, long_first
+from pipeline.rollouts import ScoredRollouts, requests_for, score
+from pipeline.shares import shard_shares, token_shares
+from pipeline.stealing import StealingSource, UnitQueue, plan_units
+from pipeline.tasks import Problem
+
+
+@dataclass
+class _Plan:
+    """One step's schedule: its global problems, their predicted lengths, this rank's source."""
+
+    problems: list[Problem]  # the global step, in global order
+    predicted: list[float] | None  # per problem (long_first)
+    source: StealingSource | None = None
+    started: float = field(default_factory=time.time)
+    ended: float = 0.0
+
+
+class RolloutSchedule:
+    def __init__(self, rollout_cfg, train_shares: str, ranks: Ranks, store, scope: str, mini_batches: int = 1) -> None:
+        self.r, self.store, self.scope = ranks, store, scope
+        self.stealing, self.n = rollout_cfg.work_stealing and ranks.world > 1, rollout_cfg.n
+        self.inflight = rollout_cfg.steal_inflight
+        self.train_shares, self.mini_batches = train_shares, mini_batches
+        self.exchanges = self.stealing or train_shares == "tokens"
+        self.lengths = LengthPredictor() if rollout_cfg.long_first else None
+        self.plan: _Plan | None = None
+
+    def generate(self, step: int, engine: RolloutBackend, tokenizer, task, loader, params: SamplingParams, chat: bool,
+                 reward, drafts=None) -> ScoredRollouts:
+        """This rank's rollouts of the step (its shard, or the units it took); advances the loader."""
+        problems = loader.global_step()
+        mine = loader.next_step()
+        predicted = [self.lengths.predict(p.id) for p in problems] if self.lengths is not None else None
+        self.plan = plan = _Plan(problems, predicted)
+        if self.stealing:
+            plans = plan_units(predicted or [1.0] * len(problems), self.n, self.r.world)
+            requests = requests_for(tokenizer, problems, self.n, chat, drafts)
+            queue = UnitQueue(self.store, f"{self.scope}/steal/{step}", plans, self.r.rank)
+            plan.source = StealingSource(queue, requests, self._inflight(len(problems)))
+            batch = engine.generate([], params, source=plan.source)
+            taken = [problems[i] for i in plan.source.taken]
+            local = score(task, tokenizer, taken, [requests[i].prompt for i in plan.source.taken],
+                          _grouped(batch, taken, self.n), self.n, reward)
+        else:
+            order = long_first([self.lengths.predict(p.id) for p in mine]) if self.lengths is not None else None
+            requests = requests_for(tokenizer, mine, self.n, chat, drafts)
+            if order is None:
+                batch = engine.generate(requests, params)
+            else:  # admitted longest first, returned in the loader's order
+                batch = _grouped(engine.generate([requests[i] for i in order], params), mine, self.n)
+            local = score(task, tokenizer, mine, [r.prompt for r in requests], batch, self.n, reward)
+        plan.ended = time.time()
+        return local
+
+    def _inflight(self, groups: int) -> int:
+        """Rows a rank keeps active while units remain: rollout.steal_inflight, or half its share of the step's rows."""
+        return self.inflight or max(self.n, groups * self.n // self.r.world // 2)
+
+    def share(self, local: ScoredRollouts) -> tuple[ScoredRollouts, dict[str, float]]:
+        """The rollouts this rank trains on, in global order, and the step's scheduling metrics."""
+        plan = self.plan
+        assert plan is not None, "share() follows generate()"
+        index = {p.id: i for i, p in enumerate(plan.problems)}
+        if not self.exchanges:
+            if self.lengths is None:
+                return local, {}
+            by_group: dict[int, list[int]] = {}
+            for part in self._all([(index[ro.prompt_id], len(ro.tokens)) for ro in local.batch.rollouts]):
+                for i, length in part:
+                    by_group.setdefault(i, []).append(length)
+            return local, self._observe(by_group)
+        mine = [(index[p.id], self.r.rank, *_unit(local, j)) for j, p in enumerate(local.problems)]
+        parts = self._all((mine, (plan.started, plan.source.last_at if plan.source else None, plan.ended)))
+        units = {i: (rank, prompt, rollouts, rewards) for rows, _ in parts for i, rank, prompt, rollouts, rewards in rows}
+        G, world = len(plan.problems), self.r.world
+        if self.train_shares == "tokens":
+            shares = token_shares([sum(len(ro.tokens) for ro in units[g][2]) for g in range(G)], world)
+            if min(len(share) for share in shares) * self.n < self.mini_batches:  # every rank takes every optimiser step
+                raise ValueError(f"trainer.train_shares=tokens left a rank {min(len(share) for share in shares) * self.n} "
+                                 f"rows, fewer than trainer.mini_batches={self.mini_batches}: lower trainer.mini_batches, "
+                                 "raise trainer.prompts_per_step, or use trainer.train_shares=shard")
+        else:
+            shares = shard_shares(G, world)
+        chosen = shares[self.r.rank]
+        batch = RolloutBatch(rollouts=[ro for g in chosen for ro in units[g][2]], steps=local.batch.steps,
+                             prefill_s=local.batch.prefill_s, wall_s=local.batch.wall_s,
+                             policy_version=local.batch.policy_version, counters=local.batch.counters)
+        scored = ScoredRollouts(problems=[plan.problems[g] for g in chosen], prompts=[units[g][1] for g in chosen],
+                                batch=batch, rewards=torch.tensor([x for g in chosen for x in units[g][3]]), n=self.n)
+        home = {g: k for k, s in enumerate(shard_shares(G, world)) for g in s}
+        metrics = {"rollout/units_stolen": float(sum(home[g] != units[g][0] for g in range(G)))}
+        if self.stealing:
+            metrics["rollout/idle_to_last_start"] = idle_to_last_start([t for _, t in parts])
+        return scored, metrics | self._observe({g: [len(ro.tokens) for ro in units[g][2]] for g in range(G)})
+
+    def _all(self, mine):
+        """Every rank's `mine`, by rank (all_gather_object; alone: [mine])."""
+        if self.r.world == 1:
+            return [mine]
+        every = [None] * self.r.world
+        dist.all_gather_object(every, mine)
+        return every
+
+    def _observe(self, lengths: dict[int, list[int]]) -> dict[str, float]:
+        """The step's lengths (by global group) into the predictor, the same on every rank; the
+        correlation of the step's predictions with them."""
+        plan = self.plan
+        if self.lengths is None:
+            return {}
+        actual = []
+        for g, p in enumerate(plan.problems):
+            self.lengths.observe(p.id, lengths[g])
+            actual.append(sum(lengths[g]) / len(lengths[g]))
+        r = correlation(plan.predicted, actual)
+        return {} if r is None else {"rollout/length_pred_corr": r}
+
+    def state_dict(self) -> dict:
+        return self.lengths.state_dict() if self.lengths is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.lengths is not None and state:
+            self.lengths.load_state_dict(state)
+
+
+def idle_to_last_start(times: list[tuple[float, float | None, float]]) -> float:
+    """The idle share of the ranks' seconds from each one's rollout start until the step's last unit
+    was taken (on any rank): a rank is busy until its rollout ended."""
+    last = max(t for _, t, _ in times if t is not None)
+    span = sum(max(0.0, last - start) for start, _, _ in times)
+    busy = sum(max(0.0, min(end, last) - start) for start, _, end in times)
+    return 1.0 - busy / span if span > 0 else 0.0
+
+
+def _unit(scored: ScoredRollouts, j: int) -> tuple:
+    """Group j of `scored`: (its prompt, its n rollouts, their rewards as floats)."""
+    n = scored.n
+    return scored.prompts[j], scored.batch.rollouts[j * n:(j + 1) * n], scored.rewards[j * n:(j + 1) * n].tolist()
+
+
+def _grouped(batch: RolloutBatch, problems: list[Problem], n: int) -> RolloutBatch:
+    """The batch with its rollouts in `problems`' order, then sample order (generate returns them in admission order)."""
+    by_key = {(ro.prompt_id, ro.sample): ro for ro in batch.rollouts}
+    rollouts = [by_key[(p.id, k)] for p in problems for k in range(n)]
+    return RolloutBatch(rollouts=rollouts, steps=batch.steps, prefill_s=batch.prefill_s, wall_s=batch.wall_s,
+                        policy_version=batch.policy_version, counters=batch.counters)
