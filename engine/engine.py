@@ -89,12 +89,13 @@ class RolloutEngine(RolloutBackend):
         return FixedPolicy(self.shape)
 
     @classmethod
-    def from_pretrained(cls, path, cfg: EngineConfig | None = None, **kw) -> RolloutEngine:
+    def from_pretrained(cls, path, cfg: EngineConfig | None = None, history=None, **kw) -> RolloutEngine:
+        """`history`: the run's engine.spec.history_index.HistoryStore for a `history` drafter part."""
         from engine.spec.factory import build_drafter
 
         cfg = cfg or EngineConfig()
         model = load_checkpoint(path, parse_dtype(cfg.dtype), cfg.device)
-        return cls(model, cfg, build_drafter(cfg.spec, model), **kw)
+        return cls(model, cfg, build_drafter(cfg.spec, model, history), **kw)
 
     @property
     def device(self) -> torch.device:

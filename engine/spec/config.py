@@ -17,7 +17,8 @@ class SpecConfig:
     # eagle3_vllm: EAGLE-3 in vLLM's network, mtp: a MiMo-style multi-token-prediction head, which
     # vLLM serves with its mtp method), ngram (model-free), or a
     # fallback composition "ngram+eagle": n-gram drafts where a match exists, eagle elsewhere;
-    # "pregenerated+...": a row's pre-generated response first (bubble drafts, pipeline.bubble).
+    # "pregenerated+...": a row's pre-generated response first (bubble drafts, pipeline.bubble);
+    # "history+...": the prompt's earlier responses and finished siblings (engine.spec.history).
     # Read it parsed: `drafter_spec` (engine.spec.drafter_spec).
     drafter: str = "eagle"
     drafter_path: str | None = None
@@ -40,6 +41,19 @@ class SpecConfig:
     tuner_window: int = 300
     # Explore (epsilon) only arms whose median reward in the bucket is >= this x the best's; 0: all.
     tuner_explore_within: float = 0.0
+    # The history drafter's store (engine.spec.history_index), kept across RL steps by the run:
+    # at most this many prompts (least recently used evicted first), corpus tokens in all, and
+    # responses per prompt (oldest dropped); a row's draft needs a match of history_min_match
+    # tokens, extended backwards up to history_max_match over history_max_candidates occurrences.
+    history_max_prompts: int = 4096
+    history_max_tokens: int = 2_000_000
+    history_max_responses: int = 16
+    history_min_match: int = 3
+    history_max_match: int = 32
+    history_max_candidates: int = 8
+    # Length-aware budget: an arm "d8k1v8L16" drafts 16 deep for *long* rows (at least this many
+    # tokens generated, or predicted from the prompt's earlier responses) and 8 for the others.
+    long_row_tokens: int = 256
     # The engine's maximum sizes (cache margin, RoPE reach, drafter buffers): a speculation
     # policy may pick any shape within them on any step. None: the fixed shape above.
     max_depth: int | None = None
@@ -68,6 +82,13 @@ class SpecConfig:
                 parse_arm(label)
             Bandit(len(self.tuner_arms), self.tuner_buckets, epsilon=self.tuner_epsilon, window=self.tuner_window,
                    explore_within=self.tuner_explore_within)
+        for key in ("history_max_prompts", "history_max_tokens", "history_max_responses", "history_min_match",
+                    "history_max_candidates", "long_row_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"engine.spec.{key} must be >= 1, got {getattr(self, key)}")
+        if self.history_max_match < self.history_min_match:
+            raise ValueError(f"engine.spec.history_max_match={self.history_max_match} is below engine.spec.history_min_match="
+                             f"{self.history_min_match}; raise it (32 is the default)")
         if self.max_active_batch is not None and self.max_active_batch < 1:
             raise ValueError(f"engine.spec.max_active_batch must be >= 1 (or null: every step), got {self.max_active_batch}")
         for key in ("depth", "topk", "verify_tokens"):
