@@ -25,6 +25,9 @@ class Request:
     n: int = 1  # samples (a GRPO group)
     # Pre-generated responses by sample index (bubble drafts): the drafter proposes from them.
     drafts: dict[int, list[int]] | None = None
+    # The response length expected from the prompt's earlier responses (pipeline.history), or None;
+    # the length-aware budget drafts deeper for rows predicted long. It changes no token.
+    predicted_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:

@@ -70,13 +70,15 @@ def encode_problem(tokenizer, problem: Problem, chat: bool) -> list[int]:
 
 
 def roll_out(engine: RolloutBackend, tokenizer, task: Task, problems: list[Problem], params: SamplingParams, n: int,
-             chat: bool, reward=None, drafts: dict[str, dict[int, list[int]]] | None = None) -> ScoredRollouts:
+             chat: bool, reward=None, drafts: dict[str, dict[int, list[int]]] | None = None,
+             predicted: dict[str, int] | None = None) -> ScoredRollouts:
     """`reward(text, answer) -> float`: the training reward (default: the task's own, correctness).
     `drafts`: pre-generated responses by prompt id and sample (bubble drafts), for the engine's
-    `pregenerated` drafter; they change no token."""
+    `pregenerated` drafter; `predicted`: response lengths by prompt id (the length-aware draft
+    budget). Neither changes a token."""
     reward = reward or task.reward
     prompts = [encode_problem(tokenizer, p, chat) for p in problems]
-    requests = [Request(prompt_id=p.id, prompt=ids, n=n, drafts=(drafts or {}).get(p.id))
+    requests = [Request(prompt_id=p.id, prompt=ids, n=n, drafts=(drafts or {}).get(p.id), predicted_len=(predicted or {}).get(p.id))
                 for p, ids in zip(problems, prompts)]
     batch = engine.generate(requests, params)
     rewards = []

@@ -64,7 +64,7 @@ class Trainer:
     def __init__(self, cfg, ranks: Ranks, engine: RolloutBackend, actor, tokenizer, task: Task, loader: PromptLoader,
                  eval_problems: list[Problem], run_dir, idle_work: IdleWork | None = None, start_step: int = 0,
                  reference=None, bubbles=None, actor_features=None, sampling: StepSampling | None = None,
-                 windows: IdleWindows | None = None) -> None:
+                 windows: IdleWindows | None = None, history=None) -> None:
         self.cfg, self.r, self.engine, self.actor, self.tok, self.task = cfg, ranks, engine, actor, tokenizer, task
         self.loader, self.eval_problems, self.run_dir, self.idle_work = loader, eval_problems, run_dir, idle_work
         # Store keys of this run's idle windows: the same on every rank (they make their runs in the
@@ -74,6 +74,7 @@ class Trainer:
         self.reference = reference  # a ReferencePolicy when algorithm.kl_coef > 0
         self.bubbles = bubbles  # a pipeline.bubble.BubbleStore: drafts pre-generated for the coming steps
         self.bubble_metrics: dict[str, float] = {}
+        self.history = history  # a pipeline.history.RunHistory: the history drafter's store, kept across steps
         self.actor_features = actor_features  # a spot.actor_features.ActorFeatures: the buffer from the actor's forward
         if cfg.algorithm.kl_coef > 0 and reference is None:
             raise ValueError("algorithm.kl_coef > 0 needs a reference policy (pipeline.reference.ReferencePolicy)")
@@ -101,8 +102,10 @@ class Trainer:
     # -- one RL step -----------------------------------------------------------------------
     def _roll_out(self, step: int) -> ScoredRollouts:
         drafts = self.bubbles.take(step) if self.bubbles is not None else None
-        scored = roll_out(self.engine, self.tok, self.task, self.loader.next_step(), self.sampling(step), self.cfg.rollout.n,
-                          self.cfg.task.chat, self.reward, drafts=drafts)
+        problems = self.loader.next_step()
+        predicted = self.history.predicted([p.id for p in problems]) if self.history is not None else None
+        scored = roll_out(self.engine, self.tok, self.task, problems, self.sampling(step), self.cfg.rollout.n,
+                          self.cfg.task.chat, self.reward, drafts=drafts, predicted=predicted)
         if drafts is not None:
             from pipeline.bubble import coverage_metrics, draft_metrics
 
@@ -123,6 +126,8 @@ class Trainer:
             scored = self._fill(step)
         rollout_s = time.perf_counter() - t
         idle_s, idle_metrics = self.windows.run(step, self.idle_work)
+        if self.history is not None:  # every rank is done: gathering the responses makes no rank wait
+            self.history.remember(scored.batch.rollouts)
         if self.cfg.trainer.async_steps:
             self.pending = self._fill(step + 1)  # with this policy, before this step's update
         batch, metrics = self._train_batch(scored)
@@ -155,6 +160,8 @@ class Trainer:
         metrics["engine/version"] = float(self.engine.version)
         metrics.update(self._mean_over_ranks(self.bubble_metrics))
         metrics.update(scored.fill_metrics)
+        if self.history is not None:
+            metrics.update(self.history.metrics(scored.batch.steps))
         if self.engine.policy is not None:
             metrics.update(self.engine.policy.metrics())
         lengths = [int(x) for row in gather_floats(self.r, [float(x) for x in scored.lengths.tolist()]) for x in row]
@@ -307,6 +314,8 @@ class Trainer:
         components = {}
         if self.engine.policy is not None:  # a learning policy (the tuner) resumes where it was
             components["spec_policy"] = self.engine.policy.state_dict()
+        if self.history is not None:  # equal on every rank (RunHistory.remember): rank 0's is saved
+            components["history"] = self.history.state_dict()
         extras = {}
         if self.idle_work is not None:  # spot training: its trainer's folder and state
             components["idle_work"] = self.idle_work.state_dict()

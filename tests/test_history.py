@@ -9,7 +9,7 @@ import torch
 
 from engine.sampling import SamplingParams
 from engine.spec.drafter import DraftShape
-from engine.spec.history import HistoryDrafter, history_metrics
+from engine.spec.history import HistoryDrafter, history_counts, history_metrics
 from engine.spec.history_index import HistoryStore, SuffixIndex
 from engine.types import StepRecord
 from tests.test_ngram import make_ctx, row_nodes
@@ -120,10 +120,11 @@ def test_history_metrics_count_only_the_rows_the_history_part_drafted():
         index=0, batch_size=len(drafted), shape=shape, drafted=drafted, accepted=[max(e - 1, 0) for e in emitted],
         emitted=emitted, context_mean=0.0, draft_s=0.0, forward_s=0.0, other_s=0.0, source=source)
     steps = [rec("d4k1v4", [0, 1, 0], [4, 4, 0], [5, 2, 1]), rec("off", None, [0], [1]), rec("d4k1v4", [1], [4], [3])]
-    m = history_metrics(steps, source=0)
+    assert history_counts(steps, source=0) == [4.0, 1.0, 5.0]
+    m = history_metrics(history_counts(steps, source=0))
     assert m == {"spec/history_coverage": pytest.approx(1 / 4), "spec/history_accept_len": 5.0}
-    assert history_metrics([steps[1]], source=0) == {}
-    assert history_metrics(steps, source=None)["spec/history_coverage"] == pytest.approx(3 / 4)
+    assert history_metrics(history_counts([steps[1]], source=0)) == {}
+    assert history_metrics(history_counts(steps, source=None))["spec/history_coverage"] == pytest.approx(3 / 4)
 
 
 @pytest.fixture(scope="module")
@@ -150,4 +151,4 @@ def test_history_drafts_change_no_token_and_draft_where_the_prompt_recurs(target
     assert [(r.prompt_id, r.sample, r.tokens, r.finish_reason) for r in batch] == \
         [(r.prompt_id, r.sample, r.tokens, r.finish_reason) for r in reference]
     assert [r.logprobs for r in batch] == [pytest.approx(r.logprobs, abs=1e-9) for r in reference]
-    assert history_metrics(batch.steps, source=0)["spec/history_coverage"] > 0
+    assert history_metrics(history_counts(batch.steps, source=0))["spec/history_coverage"] > 0

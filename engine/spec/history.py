@@ -15,7 +15,7 @@ never crossing into another response. Rows without a candidate get no draft, so 
 
 The per-row work is a dictionary read; matching and continuation are a few tensor ops over the
 whole batch. Token ids only: chains without `q_logits` (coupled verification), no slot state.
-`history_metrics` reads a generate() call's step records for the share of speculative row-steps
+`history_counts` and `history_metrics` read step records for the share of speculative row-steps
 this drafter drafted and their accept length.
 """
 
@@ -120,11 +120,11 @@ def _match_lengths(corpus: torch.Tensor, starts: torch.Tensor, tails: torch.Tens
     return torch.where(starts >= 0, same.long().cumprod(-1).sum(-1), -1)
 
 
-def history_metrics(steps: list[StepRecord], source: int | None) -> dict[str, float]:
-    """spec/history_coverage: the share of speculative row-steps the history drafter drafted;
-    spec/history_accept_len: their mean emitted tokens (accepted + 1). `source`: the drafter's
-    index in its composition (StepRecord.source), None when it drafts alone. {} without a
-    speculative step."""
+def history_counts(steps: list[StepRecord], source: int | None) -> list[float]:
+    """[speculative row-steps, of them drafted by the history drafter, tokens those emitted]
+    over a generate() call's step records (summable over calls and ranks). `source`: the
+    drafter's index in its composition (StepRecord.source); a step without sources (a drafter
+    alone) counts every row that got a draft."""
     rows = covered = emitted = 0
     for s in steps:
         if not s.speculative:
@@ -134,6 +134,14 @@ def history_metrics(steps: list[StepRecord], source: int | None) -> dict[str, fl
                 else [i == source and d > 0 for i, d in zip(s.source, s.drafted)])
         covered += sum(mine)
         emitted += sum(e for e, m in zip(s.emitted, mine) if m)
+    return [float(rows), float(covered), float(emitted)]
+
+
+def history_metrics(counts: list[float]) -> dict[str, float]:
+    """spec/history_coverage: the share of speculative row-steps the history drafter drafted;
+    spec/history_accept_len: their mean emitted tokens (accepted + 1); {} without a speculative
+    step. `counts`: history_counts' (summed)."""
+    rows, covered, emitted = counts
     if rows == 0:
         return {}
     out = {"spec/history_coverage": covered / rows}
