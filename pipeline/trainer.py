@@ -5,6 +5,7 @@ One step on every rank (colocated: each rank rolls out, then trains):
     prompts (pipeline.data: this rank's shard of the step)
     -> rollouts (pipeline.rollouts: the engine, noise keyed by run seed, RL step, prompt, sample)
     -> idle window (common.idle: wait for the slowest rank, or pre-generate / train the drafter)
+    -> history (pipeline.history: every rank's responses into the history drafter's store)
     -> rewards -> advantages (pipeline.algorithms; DAPO's dynamic sampling refills the batch)
     -> old (and reference) log-probs (the actor)
     -> PPO epochs over mini-batches (the actor's update with the algorithm's loss)

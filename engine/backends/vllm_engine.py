@@ -58,6 +58,10 @@ def speculative_config(cfg: EngineConfig, export_dir: Path) -> dict | None:
     if not spec.enabled:
         return None
     if spec.tuner_arms:
+        budget = [a for a in spec.tuner_arms if "L" in a]
+        if budget:
+            raise ValueError(f"engine.spec.tuner_arms {budget}: a length-aware budget (L<n>) is the native engine's; vLLM "
+                             "drafts one depth for every row: drop the L variants with engine.backend=vllm")
         k = max(arm_tokens(a) for a in spec.tuner_arms)
         schedule = vllm_schedule(spec.tuner_arms, spec.tuner_buckets, [None] * len(spec.tuner_buckets), cfg.max_batch, k)
     else:
