@@ -34,6 +34,8 @@ class Request:
             raise ValueError(f"request {self.prompt_id!r}: n must be >= 1, got {self.n}")
         if not self.prompt:
             raise ValueError(f"request {self.prompt_id!r}: the prompt is empty")
+        if self.predicted_len is not None and self.predicted_len < 0:
+            raise ValueError(f"request {self.prompt_id!r}: predicted_len must be >= 0 (or None), got {self.predicted_len}")
         if self.drafts is not None and any(not 0 <= k < self.n for k in self.drafts):
             raise ValueError(f"request {self.prompt_id!r}: drafts are keyed by sample index 0..{self.n - 1}, got {sorted(self.drafts)}")
 
