@@ -117,6 +117,14 @@ def levers(cfg: TrainConfig, world: int) -> list[Lever]:
     learned = (None if spec.drafter_spec.learned
                else f"spot training trains a learned drafter; engine.spec.drafter={drafter} has none")
     on = lambda d: ("engine.spec.enabled=true", f"engine.spec.drafter={d}")  # noqa: E731
+    top = min(spec.limits()[0], spec.limits()[2])
+    # The length-aware budget on the config's speculation: a variant of each tuner arm, or the fixed shape's.
+    budget = ((f"engine.spec.tuner_arms={json.dumps(length_aware_arms(spec.tuner_arms, top))}", "engine.spec.max_active_batch=null")
+              if spec.tuner_arms else ("engine.spec.tuner_arms=[]", f"engine.spec.long_depth={top}"))
+    shallow = (length_aware_arms(spec.tuner_arms, top) != spec.tuner_arms if spec.tuner_arms
+               else spec.topk == 1 and min(spec.depth, spec.verify_tokens) < top)
+    deepest = None if shallow else (f"every arm already drafts to the engine's maximum depth {top} (engine.spec.max_depth, "
+                                    "max_verify_tokens), or none is a chain: nothing to budget")
     return [
         Lever("spec", (*on(drafter), "engine.spec.tuner_arms=[]")),
         # The tuner decides when to speculate ("off" is an arm): no max_active_batch beside it.
@@ -124,9 +132,8 @@ def levers(cfg: TrainConfig, world: int) -> list[Lever]:
         Lever("spot", (*on(drafter), "spot.enabled=true"), skip=learned or idle),
         Lever("bubble", (*on(f"pregenerated+{drafter}"), "bubble.enabled=true"), skip=idle),
         Lever("history", on(history), recurrence_note(cfg)),
-        Lever("das", (*on(drafter), f"engine.spec.tuner_arms={json.dumps(length_aware_arms(arms, min(spec.limits()[0], spec.limits()[2])))}",
-                      "engine.spec.max_active_batch=null"), f"long rows: engine.spec.long_row_tokens={spec.long_row_tokens} "
-                                                            "generated or predicted from the prompt's earlier responses"),
+        Lever("das", (*on(drafter), *budget), f"long rows: engine.spec.long_row_tokens={spec.long_row_tokens} generated or "
+                                                 "predicted from the prompt's earlier responses", skip=deepest),
     ]
 
 

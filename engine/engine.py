@@ -57,9 +57,10 @@ class RolloutEngine(RolloutBackend):
         spec = self.cfg.spec
         iid = spec.verify == "rejection"
         self.shape = DraftShape(depth=spec.depth, topk=spec.topk, verify_tokens=spec.verify_tokens, iid_children=iid,
-                                min_confidence=spec.min_confidence)
+                                min_confidence=spec.min_confidence, long_depth=spec.long_depth)
         depth, topk, verify = spec.limits()
         self.limits = DraftShape(depth=depth, topk=topk, verify_tokens=verify, iid_children=iid)
+        self.shape.check_within(self.limits)
         self.policy: SpecPolicy = policy or self._config_policy()
         self.sink = sink
         self.max_len = min(self.cfg.max_len, model.config.max_position_embeddings)

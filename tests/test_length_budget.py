@@ -69,3 +69,10 @@ def test_long_rows_draft_deeper_and_no_token_changes(target):
     plain_steps = plain.generate(requests({"p1": 20}), PARAMS).steps
     assert max(d for s in plain_steps for d in s.drafted) == 2
     assert len(batch.steps) < len(plain_steps)
+
+
+def test_the_fixed_shapes_budget_is_validated_naming_the_key():
+    SpecConfig(depth=4, verify_tokens=4, max_depth=8, max_verify_tokens=8, long_depth=8).validate()
+    for bad in ({"long_depth": 4}, {"long_depth": 12}, {"long_depth": 8, "topk": 2}):
+        with pytest.raises(ValueError, match="engine.spec.long_depth"):
+            SpecConfig(**{"depth": 4, "verify_tokens": 4, "max_depth": 8, "max_verify_tokens": 8, **bad}).validate()

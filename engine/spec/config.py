@@ -54,6 +54,9 @@ class SpecConfig:
     # Length-aware budget: an arm "d8k1v8L16" drafts 16 deep for *long* rows (at least this many
     # tokens generated, or predicted from the prompt's earlier responses) and 8 for the others.
     long_row_tokens: int = 256
+    # The fixed shape's length-aware budget: long rows draft chains this deep (<= max_depth and
+    # max_verify_tokens); 0: off. Tuner arms carry their own (the L<n> suffix).
+    long_depth: int = 0
     # The engine's maximum sizes (cache margin, RoPE reach, drafter buffers): a speculation
     # policy may pick any shape within them on any step. None: the fixed shape above.
     max_depth: int | None = None
@@ -98,6 +101,12 @@ class SpecConfig:
             top = getattr(self, f"max_{key}")
             if top is not None and top < getattr(self, key):
                 raise ValueError(f"engine.spec.max_{key}={top} is below engine.spec.{key}={getattr(self, key)}")
+        if self.long_depth:
+            top = min(self.limits()[0], self.limits()[2])
+            if self.topk != 1 or not min(self.depth, self.verify_tokens) < self.long_depth <= top:
+                raise ValueError(f"engine.spec.long_depth={self.long_depth} needs a chain (topk=1) and a value above "
+                                 f"engine.spec.depth and verify_tokens, at most {top} (engine.spec.max_depth and "
+                                 "max_verify_tokens); 0 turns it off")
         if not 0.0 <= self.min_confidence < 1.0:
             raise ValueError(f"engine.spec.min_confidence must be in [0, 1) (0: off), got {self.min_confidence}")
         if self.min_confidence > 0 and self.topk != 1:
