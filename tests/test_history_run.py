@@ -13,7 +13,7 @@ from pipeline.dist import Ranks
 from tests.test_trainer import LEARNED, config, digits_task, step_rows, weights  # noqa: F401 (a fixture)
 
 # 8 prompts, 4 a step: every prompt recurs from step 3 on. The tuner's arms include a length-aware budget.
-HISTORY = ("task.train_problems=8", "engine.spec.enabled=true", "engine.spec.drafter=history+eagle",
+HISTORY = ("task.train_problems=8", "engine.spec.enabled=true", "engine.spec.drafter=history+eagle", "engine.spec.history_min_match=2",
            'engine.spec.tuner_arms=["d2k1v2L4","d4k1v4"]', "engine.spec.long_row_tokens=6")
 
 

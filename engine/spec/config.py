@@ -45,10 +45,12 @@ class SpecConfig:
     # at most this many prompts (least recently used evicted first), corpus tokens in all, and
     # responses per prompt (oldest dropped); a row's draft needs a match of history_min_match
     # tokens, extended backwards up to history_max_match over history_max_candidates occurrences.
+    # A long minimum match leaves the rows at a branch point to the next drafter: short matches
+    # propose another sample's branch (docs/BENCHMARKS.md, "History drafts").
     history_max_prompts: int = 4096
     history_max_tokens: int = 2_000_000
     history_max_responses: int = 16
-    history_min_match: int = 3
+    history_min_match: int = 12
     history_max_match: int = 32
     history_max_candidates: int = 8
     # Length-aware budget: an arm "d8k1v8L16" drafts 16 deep for *long* rows (at least this many
