@@ -152,3 +152,14 @@ def test_history_drafts_change_no_token_and_draft_where_the_prompt_recurs(target
         [(r.prompt_id, r.sample, r.tokens, r.finish_reason) for r in reference]
     assert [r.logprobs for r in batch] == [pytest.approx(r.logprobs, abs=1e-9) for r in reference]
     assert history_metrics(history_counts(batch.steps, source=0))["spec/history_coverage"] > 0
+
+
+def test_the_minimum_match_defaults_long_before_a_learned_drafter_and_short_without_one():
+    from engine.spec.config import SpecConfig
+    from engine.spec.factory import history_store
+
+    assert history_store(SpecConfig(drafter="history+eagle")).min_match == 12
+    assert history_store(SpecConfig(drafter="history+ngram")).min_match == 3
+    assert history_store(SpecConfig(drafter="history+eagle", history_min_match=5)).min_match == 5
+    with pytest.raises(ValueError, match="engine.spec.history_max_match"):
+        SpecConfig(drafter="history", history_min_match=40).validate()

@@ -45,12 +45,13 @@ class SpecConfig:
     # at most this many prompts (least recently used evicted first), corpus tokens in all, and
     # responses per prompt (oldest dropped); a row's draft needs a match of history_min_match
     # tokens, extended backwards up to history_max_match over history_max_candidates occurrences.
-    # A long minimum match leaves the rows at a branch point to the next drafter: short matches
-    # propose another sample's branch (docs/BENCHMARKS.md, "History drafts").
+    # None: 12 with a learned drafter after history (a long match leaves the rows at a branch
+    # point to the coupled drafter, where another sample's branch is the worse guess), else 3
+    # (docs/BENCHMARKS.md, "History drafts"); `history_match()` resolves it.
     history_max_prompts: int = 4096
     history_max_tokens: int = 2_000_000
     history_max_responses: int = 16
-    history_min_match: int = 12
+    history_min_match: int | None = None
     history_max_match: int = 32
     history_max_candidates: int = 8
     # Length-aware budget: an arm "d8k1v8L16" drafts 16 deep for *long* rows (at least this many
@@ -87,13 +88,16 @@ class SpecConfig:
                 parse_arm(label)
             Bandit(len(self.tuner_arms), self.tuner_buckets, epsilon=self.tuner_epsilon, window=self.tuner_window,
                    explore_within=self.tuner_explore_within)
-        for key in ("history_max_prompts", "history_max_tokens", "history_max_responses", "history_min_match",
-                    "history_max_candidates", "long_row_tokens"):
+        for key in ("history_max_prompts", "history_max_tokens", "history_max_responses", "history_max_candidates",
+                    "long_row_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"engine.spec.{key} must be >= 1, got {getattr(self, key)}")
-        if self.history_max_match < self.history_min_match:
-            raise ValueError(f"engine.spec.history_max_match={self.history_max_match} is below engine.spec.history_min_match="
-                             f"{self.history_min_match}; raise it (32 is the default)")
+        if self.history_min_match is not None and self.history_min_match < 1:
+            raise ValueError(f"engine.spec.history_min_match must be >= 1 (or null: chosen by the drafter), got "
+                             f"{self.history_min_match}")
+        if self.history_max_match < self.history_match():
+            raise ValueError(f"engine.spec.history_max_match={self.history_max_match} is below the minimum match "
+                             f"{self.history_match()} (engine.spec.history_min_match); raise it")
         if self.max_active_batch is not None and self.max_active_batch < 1:
             raise ValueError(f"engine.spec.max_active_batch must be >= 1 (or null: every step), got {self.max_active_batch}")
         for key in ("depth", "topk", "verify_tokens"):
@@ -123,6 +127,13 @@ class SpecConfig:
                 f"engine.spec.drafter={self.drafter} needs engine.spec.drafter_path (a folder from "
                 "`python -m spot.warmstart` or `make drafters`)"
             )
+
+    def history_match(self) -> int:
+        """The history drafter's minimum match: history_min_match, or by default 12 when a learned
+        drafter follows history in the composition and 3 when none does."""
+        if self.history_min_match is not None:
+            return self.history_min_match
+        return 12 if self.drafter_spec.learned is not None else 3
 
     def limits(self) -> tuple[int, int, int]:
         """(depth, topk, verify_tokens): the largest shape the engine is built for."""

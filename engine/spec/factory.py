@@ -15,7 +15,7 @@ from engine.spec.history_index import HistoryStore
 def history_store(cfg: SpecConfig) -> HistoryStore:
     """An empty store with the limits of `engine.spec.history_*`."""
     return HistoryStore(max_prompts=cfg.history_max_prompts, max_tokens=cfg.history_max_tokens,
-                        max_responses=cfg.history_max_responses, min_match=cfg.history_min_match)
+                        max_responses=cfg.history_max_responses, min_match=cfg.history_match())
 
 
 def build_drafter(cfg: SpecConfig, target: Transformer, history: HistoryStore | None = None) -> Drafter | None:

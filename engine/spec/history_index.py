@@ -82,7 +82,7 @@ class HistoryStore:
     """Indexes of many prompts' earlier responses, bounded by prompts, tokens and responses per prompt."""
 
     def __init__(self, *, max_prompts: int = 4096, max_tokens: int = 2_000_000, max_responses: int = 16,
-                 min_match: int = 12) -> None:
+                 min_match: int = 3) -> None:
         for key, value in (("max_prompts", max_prompts), ("max_tokens", max_tokens), ("max_responses", max_responses),
                            ("min_match", min_match)):
             if value < 1:
