@@ -4,7 +4,7 @@ history drafts on a recurring step, against EAGLE and n-gram drafts, at the engi
 The task's first `--prompts` training problems, `--n` samples each, are rolled out at RL step 1
 (the history: the prompt's responses of an earlier epoch, other noise) and then at step 2 by each
 way, with a fixed chain (`--depth`, verify tokens the same): `eagle` (the drafter at --drafter),
-`ngram`, `history` alone, `history+ngram`, and `history+eagle` at each `--min-match`. The
+`ngram`, and `history` alone, `history+ngram` and `history+eagle` at each `--min-match`. The
 policy does not move between the two steps, so this is history's best case in that respect; the
 noise differs, as between epochs. Counts are exact and repeatable (decode steps, accept length:
 tokens emitted per row per speculative step, target tokens verified, the history drafter's share
@@ -44,12 +44,12 @@ def ways(model, drafter_path: str, history: list, min_matches: list[int]) -> dic
         return s
 
     eagle = lambda: EagleDrafter.load(drafter_path, model, expect="eagle")  # noqa: E731
-    k0 = max(min_matches)
-    out = {"eagle": (eagle, None), "ngram": (NgramDrafter, None),
-           f"history k{k0}": (lambda: HistoryDrafter(store(k0), max_match=max(32, k0)), 0),
-           f"history+ngram k{k0}": (lambda: FallbackDrafter([HistoryDrafter(store(k0), max_match=max(32, k0)), NgramDrafter()]), 0)}
+    history = lambda k: HistoryDrafter(store(k), max_match=max(32, k))  # noqa: E731
+    out = {"eagle": (eagle, None), "ngram": (NgramDrafter, None)}
     for k in min_matches:
-        out[f"history+eagle k{k}"] = (lambda k=k: FallbackDrafter([HistoryDrafter(store(k), max_match=max(32, k)), eagle()]), 0)
+        out[f"history k{k}"] = (lambda k=k: history(k), 0)
+        out[f"history+ngram k{k}"] = (lambda k=k: FallbackDrafter([history(k), NgramDrafter()]), 0)
+        out[f"history+eagle k{k}"] = (lambda k=k: FallbackDrafter([history(k), eagle()]), 0)
     return out
 
 
