@@ -44,7 +44,7 @@ from pipeline.rollouts import StepSampling, encode_problem
 from pipeline.run_state import RunState, latest_checkpoint, load_run
 from pipeline.tasks import Problem, Task, get_task
 from pipeline.tasks.eval import EVAL_SEED
-from pipeline.trainer import Trainer
+from pipeline.trainer import StepDriver, Trainer
 
 
 class RankLog:
@@ -70,10 +70,10 @@ class Run:
     task: Task
     held_out: list[Problem]
     loader: PromptLoader
-    engine: RolloutBackend
-    actor: object  # pipeline.actors.base.Actor
+    engine: RolloutBackend | None  # None on a separated run's actor ranks
+    actor: object | None  # pipeline.actors.base.Actor; None on a separated run's rollout ranks
     idle_work: IdleWork | None  # a ScheduledIdle of bubble pre-generation and / or spot training
-    trainer: Trainer
+    trainer: StepDriver  # colocated: the Trainer; separated: this rank's side (launch.separated)
     logger: MetricsLogger
     start_step: int  # RL steps done before this process (a resumed run's checkpoint)
     resources: ExitStack = field(default_factory=ExitStack)  # closed by close(), last built first
@@ -94,7 +94,7 @@ class Run:
             for _ in range(self.start_step, tc.steps):
                 result = trainer.step()
                 step = trainer.step_index
-                log_step(self.run_dir, step, r.rank, result.rollouts)
+                log_step(self.run_dir, step, r.rank, result.decode_steps, result.rollouts)
                 metrics = result.metrics
                 if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
                     acc = trainer.evaluate()
@@ -141,6 +141,10 @@ def build_run(cfg: TrainConfig, r: Ranks) -> Run:
     torch.manual_seed(cfg.run.seed)
     resources = ExitStack()
     try:
+        if cfg.pipeline.placement == "separated":
+            from launch.separated import build_separated
+
+            return build_separated(cfg, r, run_dir, log, resources)
         return _build(cfg, r, run_dir, log, resources)
     except BaseException:
         resources.close()
@@ -162,18 +166,14 @@ def _build(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: E
         from pipeline.reference import ReferencePolicy
 
         reference = ReferencePolicy(cfg.actor, cfg.model.path)
-    resume = Path(cfg.trainer.resume) if cfg.trainer.resume else None
-    state = load_run(resume) if resume is not None else RunState(step=0, loader={}, engine_version=0)
+    resume, state = resume_state(cfg, r, run_dir, log)
     if resume is not None:
-        if r.main:
-            truncate_after(run_dir, state.step)
         actor.load(resume / "actor")
         loader.load_state_dict(state.loader)
         if engine.policy is not None and "spec_policy" in state.components:
             engine.policy.load_state_dict(state.components["spec_policy"])
         if history is not None and "history" in state.components:
             history.load_state_dict(state.components["history"])
-        log(f"resumed from {resume} at step {state.step}")
     idle_work, bubbles, spot = _build_idle(cfg, r, run_dir, log, resources, engine, tokenizer, loader, sampling, resume)
     if idle_work is not None and "idle_work" in state.components:
         idle_work.load_state_dict(state.components["idle_work"])
@@ -228,6 +228,19 @@ def _build_idle(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resourc
         return None, None, None
     schedule = IdleSchedule(pregenerate=bubble is not None, train=spot is not None, share=cfg.bubble.share)
     return ScheduledIdle(schedule, bubble, spot.work if spot is not None else None), bubbles, spot
+
+
+def resume_state(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog) -> tuple[Path | None, RunState]:
+    """The checkpoint to continue from (None: a fresh start) and its state; rank 0 drops the run
+    folder's records of the steps about to be redone."""
+    resume = Path(cfg.trainer.resume) if cfg.trainer.resume else None
+    if resume is None:
+        return None, RunState(step=0, loader={}, engine_version=0)
+    state = load_run(resume)
+    if r.main:
+        truncate_after(run_dir, state.step)
+    log(f"resumed from {resume} at step {state.step}")
+    return resume, state
 
 
 def resolve_resume(cfg: TrainConfig, r: Ranks) -> None:

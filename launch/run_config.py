@@ -119,8 +119,13 @@ class PipelineSection:
 
     placement: Literal["colocated", "separated"] = "colocated"
     actor_ranks: int = 0  # separated only: ranks 0..K-1 train, ranks K..world-1 roll out
+    # Seconds any collective or transfer may wait for a peer (every process group): a rank that
+    # died ends the others' waits with an error after at most this long.
+    timeout_s: float = 1800.0
 
     def validate(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"pipeline.timeout_s must be > 0, got {self.timeout_s}")
         if self.placement == "colocated" and self.actor_ranks:
             raise ValueError(f"pipeline.actor_ranks={self.actor_ranks} is for pipeline.placement=separated; drop it or "
                              "set pipeline.placement=separated")
@@ -157,6 +162,8 @@ class TrainConfig:
     def validate(self) -> None:
         if self.engine.backend == "vllm":
             self._validate_vllm()
+        if self.pipeline.placement == "separated":
+            self._validate_separated()
         self._validate_weights()
         if self.trainer.resume == "auto" and not self.run.dir:
             raise ValueError("trainer.resume=auto resumes the latest checkpoint of a fixed run folder: set run.dir too")
@@ -170,6 +177,24 @@ class TrainConfig:
             if self.trainer.async_steps:
                 raise ValueError("bubble.enabled pre-generates step t+1 with policy t in step t's idle window; with "
                                  "trainer.async_steps=1 step t+1 is rolled out before that window: use one or the other")
+
+    def _validate_separated(self) -> None:
+        """What a separated placement does not run (yet): each named by its key."""
+        unsupported = [
+            (self.spot.enabled and self.spot.mode == "pool", "spot.mode=pool: the rollout ranks train the drafter in "
+                                                             "their idle time themselves; set spot.mode=colocated"),
+            (self.spot.enabled and self.engine.backend != "native", "spot.enabled trains from the rollout engine's "
+                                                                   "features: set engine.backend=native or spot.enabled=false"),
+            (self.bubble.enabled, "bubble.enabled: pre-generation fills a colocated rank's idle window; set "
+                                  "bubble.enabled=false"),
+            (bool(self.algorithm.dynamic_sampling), "algorithm.dynamic_sampling (DAPO's refill rounds) is not supported "
+                                                   "by the separated placement; set algorithm.dynamic_sampling=false"),
+            (self.actor.backend != "torch", f"actor.backend={self.actor.backend}: the separated placement trains with "
+                                            "actor.backend=torch (DDP over the actor ranks)"),
+        ]
+        for bad, why in unsupported:
+            if bad:
+                raise ValueError(f"pipeline.placement=separated: {why} (or use pipeline.placement=colocated)")
 
     def _validate_weights(self) -> None:
         if self.engine.weights != "float32" and self.trainer.old_logprobs == "engine":

@@ -9,6 +9,12 @@ The job, as rendered:
         --rdzv-backend=c10d --rdzv-endpoint=HEAD:PORT                meeting on the first node
         -m launch.train --config C run.dir=RUN_DIR trainer.resume=auto [overrides]
 
+Placement (`pipeline.placement`): colocated, every rank rolls out and trains; separated, ranks
+0..K-1 train (`pipeline.actor_ranks: K`) and the others roll out, in the same single torchrun.
+torchrun numbers the nodes in the sorted order of their host names and gives each node
+`procs_per_node` consecutive ranks, so with K a multiple of it whole nodes take one role; the
+script names the split (a job with no rollout rank is refused at rendering).
+
 The ranks' process group is the control plane (pipeline.dist, common.idle.states): its store is the
 rendezvous's, at HEAD:PORT. RUN_DIR is `run.out_dir/<run.name>-<job id>`, stable across requeues,
 so a requeued job resumes the latest checkpoint there (`trainer.resume=auto`). Requeue policy:
@@ -52,6 +58,26 @@ def directives(cfg: TrainConfig, job_name: str, log_dir: Path) -> list[str]:
     return opts + list(c.sbatch_args)
 
 
+def placement_lines(cfg: TrainConfig) -> list[str]:
+    """Comment lines naming which ranks (and nodes) train and which roll out."""
+    c, p = cfg.cluster, cfg.pipeline
+    world, per_node = c.world_size, c.ranks_per_node
+    actors, rollout = p.roles(world)
+    if p.placement == "colocated":
+        return [f"# placement: colocated: all {world} ranks roll out, then train"]
+    lines = [f"# placement: separated: ranks 0-{actors - 1} train (pipeline.actor_ranks={actors}), ranks "
+             f"{actors}-{world - 1} roll out ({rollout} ranks)",
+             f"# torchrun orders the {c.nodes} node(s) by host name, {per_node} ranks each:"]
+    for node in range(c.nodes):
+        first, last = node * per_node, (node + 1) * per_node - 1
+        if last < actors or first >= actors:
+            role = f"ranks {first}-{last} " + ("train" if last < actors else "roll out")
+        else:
+            role = f"ranks {first}-{actors - 1} train, ranks {actors}-{last} roll out"
+        lines.append(f"#   node {node}: {role}")
+    return lines
+
+
 def render_sbatch(cfg: TrainConfig, config_path: str, overrides: list[str], repo: Path, *, job_name: str) -> str:
     """The batch script for `python -m launch.train --config config_path overrides` under cfg.cluster.
 
@@ -83,6 +109,7 @@ def render_sbatch(cfg: TrainConfig, config_path: str, overrides: list[str], repo
              "fi",
              'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
              f"PORT=$(( {c.rdzv_port} + SLURM_JOB_ID % 1000 ))  # two jobs sharing a node do not collide",
+             *placement_lines(cfg),
              'echo "job $SLURM_JOB_ID restart $RESTARTS on $SLURM_JOB_NODELIST: run folder $RUN_DIR; '
              'rendezvous and control-plane store at $HEAD_NODE:$PORT"',
              ]

@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch.distributed as dist
+
 from launch.config import load_config, override_args, require_keys
 from launch.run import run
 from launch.run_config import TrainConfig
-from pipeline.dist import init_ranks, shutdown
+from pipeline.dist import PeerLost, init_ranks, shutdown
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,9 +28,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(TrainConfig, args.config, overrides)
         require_keys(cfg, args.config)
-        r = init_ranks(cfg.actor.device)
+        r = init_ranks(cfg.actor.device, cfg.pipeline.timeout_s)
         try:
             run(cfg, r)
+        except (PeerLost, dist.DistError) as e:  # a peer died or stopped answering: say so on this rank, then stop
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"error: rank {r.rank} of {r.world}: lost contact with another rank of the job ({detail}); the job "
+                  f"stops. To continue from the last checkpoint, run it again with run.dir=<its run folder> "
+                  f"trainer.resume=auto", file=sys.stderr)
+            return 1
         finally:
             shutdown()
     except (FileNotFoundError, ValueError) as e:

@@ -9,9 +9,11 @@ and the actor's weight sync into the engine.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -20,9 +22,14 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class Ranks:
+    """This process within a set of ranks: the whole job (`group` None: the default process group),
+    or one role's group of a separated placement (pipeline.placement), where `rank` and `world`
+    are the group's and the collectives below run over `group`."""
+
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    group: object = None  # a torch.distributed ProcessGroup; None: the default one
 
     @property
     def main(self) -> bool:
@@ -30,6 +37,7 @@ class Ranks:
 
 
 def init_ranks(device: str = "cpu", timeout_s: float = 1800.0) -> Ranks:
+    """Collectives wait at most `timeout_s` (gloo raises after it): a dead peer ends the job."""
     """Joins the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR...); alone without it."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
@@ -63,7 +71,7 @@ def timed_barrier(r: Ranks) -> float:
     """Seconds this rank waited for the others (0 alone)."""
     t = time.perf_counter()
     if r.world > 1:
-        dist.barrier()
+        dist.barrier(group=r.group)
     return time.perf_counter() - t
 
 
@@ -73,7 +81,7 @@ def gather_floats(r: Ranks, values: list[float]) -> list[list[float]]:
         return [list(values)]
     t = torch.tensor(values, dtype=torch.float64)
     out = [torch.zeros_like(t) for _ in range(r.world)]
-    dist.all_gather(out, t)
+    dist.all_gather(out, t, group=r.group)
     return [o.tolist() for o in out]
 
 
@@ -82,7 +90,7 @@ def gather_objects(r: Ranks, value) -> list:
     if r.world == 1:
         return [value]
     out = [None] * r.world
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=r.group)
     return out
 
 
@@ -90,5 +98,22 @@ def all_sum(r: Ranks, value: float) -> float:
     if r.world == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=r.group)
     return float(t)
+
+
+class PeerLost(RuntimeError):
+    """A transfer with another rank failed: that rank died, or did not answer within the job's
+    collective timeout (pipeline.timeout_s)."""
+
+
+@contextlib.contextmanager
+def transfer(what: str) -> Iterator[None]:
+    """Turns a torch.distributed failure inside (gloo raises RuntimeError) into PeerLost naming `what`."""
+    try:
+        yield
+    except PeerLost:
+        raise
+    except RuntimeError as e:
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PeerLost(f"{what}: {detail}") from e

@@ -1,8 +1,8 @@
 """Per-rank records of every RL step, for the simulator's calibration (sim.runs reads them).
 
 `decode_steps.jsonl`: one line per engine decode step of one rank (engine.types.StepRecord.as_dict
-plus the RL step and the rank); `rollouts.jsonl`: one line per rollout (step, rank, prompt id,
-sample, length, finish reason, reward). Every rank appends to the same files, one `write` per
+plus the RL step and the rank that generated); `rollouts.jsonl`: one line per rollout (step, the
+rank that trained on it, prompt id, sample, length, finish reason, reward). Every rank appends to the same files, one `write` per
 line on a file opened with O_APPEND, which Linux keeps whole for lines this short; a resumed run
 first drops the lines of the steps it is about to redo (rank 0, before the others start).
 """
@@ -27,9 +27,12 @@ def _append(path: Path, rows: list[dict]) -> None:
         os.close(fd)
 
 
-def log_step(run_dir: Path, step: int, rank: int, scored) -> None:
-    """scored: pipeline.rollouts.ScoredRollouts of this rank's step."""
-    _append(run_dir / FILES[0], [{"step": step, "rank": rank, **r.as_dict()} for r in scored.batch.steps])
+def log_step(run_dir: Path, step: int, rank: int, decode_steps, scored) -> None:
+    """decode_steps: this rank's engine.types.StepRecords of the step; scored: the
+    pipeline.rollouts.ScoredRollouts this rank trained on, or None (a separated run's rollout rank)."""
+    _append(run_dir / FILES[0], [{"step": step, "rank": rank, **r.as_dict()} for r in decode_steps])
+    if scored is None:
+        return
     _append(run_dir / FILES[1], [
         {"step": step, "rank": rank, "prompt_id": ro.prompt_id, "sample": ro.sample, "prompt_len": len(scored.prompts[i // scored.n]),
          "length": len(ro.tokens), "finish_reason": ro.finish_reason.value, "reward": float(rew)}

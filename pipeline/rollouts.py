@@ -89,3 +89,18 @@ def roll_out(engine: RolloutBackend, tokenizer, task: Task, problems: list[Probl
             raise ValueError(f"task {task.name!r}: reward {value!r} of prompt {p.id!r} sample {ro.sample} is not a finite number")
         rewards.append(float(value))
     return ScoredRollouts(problems=problems, prompts=prompts, batch=batch, rewards=torch.tensor(rewards), n=n)
+
+
+def held_out_accuracy(engine: RolloutBackend, tokenizer, task: Task, problems: list[Problem], cfg,
+                      stop_token_ids: tuple[int, ...]) -> float:
+    """Greedy accuracy on the held-out problems with the served policy (cfg: the run's TrainConfig:
+    task.eval_max_new_tokens or rollout.max_new_tokens, task.chat). Held-out rollouts are not
+    training data for anyone: the engine's feature sink is off while they run."""
+    params = SamplingParams(max_new_tokens=cfg.task.eval_max_new_tokens or cfg.rollout.max_new_tokens, temperature=0.0,
+                            stop_token_ids=stop_token_ids)
+    sink, engine.sink = engine.sink, None
+    try:
+        scored = roll_out(engine, tokenizer, task, problems, params, 1, cfg.task.chat)
+    finally:
+        engine.sink = sink
+    return float(scored.rewards.mean())

@@ -13,6 +13,7 @@ order whichever way the rollout was placed, and the run stays bit for bit the sa
   lower rank), each rank's groups then in global order: ranks finish their updates together when
   lengths are long-tailed. A different assignment from `shard_shares` sums gradients in another
   order, so it is a different (equally valid) run, not the same bits.
+- `generation_shares`: which groups each rollout rank of a separated placement generates.
 """
 
 from __future__ import annotations
@@ -40,3 +41,14 @@ def token_shares(group_tokens: Sequence[int], world: int) -> list[list[int]]:
         shares[r].append(g)
         load[r] += group_tokens[g]
     return [sorted(s) for s in shares]
+
+
+def generation_shares(groups: int, ranks: int) -> list[list[int]]:
+    """Which groups each rollout rank of a separated placement generates: contiguous, as equal in
+    count as they go (the first `groups % ranks` ranks take one more). Tokens do not depend on
+    where a group is generated, so this changes no result, only the ranks' loads."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    size, extra = divmod(groups, ranks)
+    starts = [r * size + min(r, extra) for r in range(ranks + 1)]
+    return [list(range(starts[r], starts[r + 1])) for r in range(ranks)]

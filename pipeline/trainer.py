@@ -1,14 +1,14 @@
 """The RL loop: orchestration only; every stage lives in its own module.
 
-One step on every rank (colocated: each rank rolls out, then trains):
+One step on every rank of a colocated placement (each rank rolls out, then trains; a separated
+placement runs the same stages on separate ranks: pipeline.separated_actor, pipeline.separated_rollout):
 
     prompts (pipeline.data: this rank's shard of the step)
     -> rollouts (pipeline.rollouts: the engine, noise keyed by run seed, RL step, prompt, sample)
     -> idle window (common.idle: wait for the slowest rank, or pre-generate / train the drafter)
     -> history (pipeline.history: every rank's responses into the history drafter's store)
-    -> rewards -> advantages (pipeline.algorithms; DAPO's dynamic sampling refills the batch)
-    -> old (and reference) log-probs (the actor)
-    -> PPO epochs over mini-batches (the actor's update with the algorithm's loss)
+    -> rewards -> advantages -> old (and reference) log-probs -> PPO epochs (pipeline.learner);
+       DAPO's dynamic sampling refills the batch first
     -> weight sync (engine.load_weights(actor.named_weights(), version=step))
     -> metrics -> eval every N steps -> checkpoint every N steps.
 
@@ -20,8 +20,7 @@ DataBuffer is filled from that same actor forward (`actor_features`, spot.actor_
 backend sleeps from the rollouts' end to the weight sync while the colocated actor works (a no-op
 for the native engine). The parts are built and connected by launch.run.build_run.
 
-Loss weights are normalised over the whole data-parallel mini-batch (all ranks), as the actor
-backends expect. Synchronous by default; `trainer.async_steps: 1` rolls out step t+1 with the
+Synchronous by default; `trainer.async_steps: 1` rolls out step t+1 with the
 policy before step t's update (one step off-policy) and corrects with a truncated importance
 weight min(pi_old / pi_behaviour, is_cap) on each token's advantage.
 """
@@ -32,6 +31,7 @@ import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,16 +39,15 @@ import torch.distributed as dist
 from common.idle import IdleWindows, IdleWork
 from common.text import stop_tokens
 from engine.backend import RolloutBackend
-from engine.sampling import SamplingParams
-from engine.types import RolloutBatch
-from pipeline.algorithms import build_algorithm, fill_groups, informative_groups, mismatch_kl
+from engine.types import RolloutBatch, StepRecord
+from pipeline.algorithms import fill_groups, informative_groups
 from pipeline.data import PromptLoader
 from pipeline.dist import Ranks, all_sum, gather_floats, job_store
-from pipeline.records import TrainBatch
-from pipeline.rollouts import ScoredRollouts, StepSampling, roll_out
+from pipeline.learner import Learner, uses_engine_logprobs
+from pipeline.rollouts import ScoredRollouts, StepSampling, held_out_accuracy, roll_out
 from pipeline.run_state import RunState, checkpoint_dir, save_run
+from pipeline.step_metrics import RolloutReport, rollout_metrics
 from pipeline.tasks import Problem, Task
-from pipeline.train_batch import pack_rollouts
 
 
 _RUNS = itertools.count()  # runs made in this process: part of their idle windows' store scope
@@ -57,8 +56,24 @@ _RUNS = itertools.count()  # runs made in this process: part of their idle windo
 @dataclass
 class StepResult:
     metrics: dict[str, float]
-    lengths: list[int]  # this step's response lengths (all ranks)
-    rollouts: ScoredRollouts  # this rank's
+    lengths: list[int]  # this step's response lengths (all ranks; empty on a rollout rank of a separated run)
+    rollouts: ScoredRollouts | None  # the rollouts this rank trained on (None on a rollout rank of a separated run)
+    decode_steps: list[StepRecord]  # this rank's engine decode steps (none on an actor rank of a separated run)
+
+
+class StepDriver(Protocol):
+    """What launch.run's loop drives on every rank: this Trainer (colocated), or a separated
+    placement's actor or rollout side (pipeline.separated_actor, pipeline.separated_rollout)."""
+
+    step_index: int  # RL steps completed
+
+    def step(self) -> StepResult: ...
+
+    def evaluate(self) -> float | None:
+        """Held-out greedy accuracy on rank 0 (None elsewhere); collective."""
+
+    def save(self) -> None:
+        """A run checkpoint of step_index; collective."""
 
 
 class Trainer:
@@ -72,29 +87,20 @@ class Trainer:
         # same order), distinct from an earlier run of this job (common.idle.window).
         self.windows = windows or IdleWindows(job_store(ranks), ranks.rank, ranks.world,
                                               f"tailspec/{Path(run_dir).name}/{next(_RUNS)}", barrier=self._barrier)
-        self.reference = reference  # a ReferencePolicy when algorithm.kl_coef > 0
         self.bubbles = bubbles  # a pipeline.bubble.BubbleStore: drafts pre-generated for the coming steps
         self.bubble_metrics: dict[str, float] = {}
         self.history = history  # a pipeline.history.RunHistory: the history drafter's store, kept across steps
         self.actor_features = actor_features  # a spot.actor_features.ActorFeatures: the buffer from the actor's forward
-        if cfg.algorithm.kl_coef > 0 and reference is None:
-            raise ValueError("algorithm.kl_coef > 0 needs a reference policy (pipeline.reference.ReferencePolicy)")
-        self.algo = build_algorithm(cfg.algorithm, cfg.rollout.max_new_tokens)
         self.step_index = start_step
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.stops = stop_tokens(engine.model_config, tokenizer)
         self.sampling = sampling or StepSampling.of(cfg.rollout, cfg.run.seed, self.stops)
         self.reward = training_reward(cfg.task, task)
         self.pending: ScoredRollouts | None = None  # async mode: the next step's rollouts, made before this update
-        tc = cfg.trainer
-        if tc.old_logprobs == "engine" and not self.sampling.is_policy:
-            raise ValueError("trainer.old_logprobs=engine needs rollout.temperature=1, top_p=1, top_k=0 (the engine's "
-                             "log-probs are those of the sampling distribution); use actor or auto")
-        self.engine_old_logprobs = tc.old_logprobs == "engine" or (
-            tc.old_logprobs == "auto" and self.sampling.is_policy and not tc.async_steps and engine.caps.exact_logprobs)
-        if actor_features is not None and self.engine_old_logprobs:
-            raise ValueError("spot training from the actor's forward needs trainer.old_logprobs=actor or auto (the "
-                             "engine's log-probs would skip the forward that fills the DataBuffer)")
+        self.learner = Learner(cfg, ranks, actor, self.pad_id,
+                               uses_engine_logprobs(cfg.trainer, self.sampling.is_policy, engine.caps.exact_logprobs),
+                               reference=reference, actor_features=actor_features)
+        self.algo = self.learner.algo
 
     def _barrier(self) -> None:
         if self.r.world > 1:
@@ -131,22 +137,8 @@ class Trainer:
             self.history.remember(scored.batch.rollouts)
         if self.cfg.trainer.async_steps:
             self.pending = self._fill(step + 1)  # with this policy, before this step's update
-        batch, metrics = self._train_batch(scored)
         self.engine.sleep()
-        t = time.perf_counter()
-        if self.engine_old_logprobs:
-            batch.old_logprobs = batch.engine_logprobs.clone()
-        else:
-            metrics.update(self._actor_old_logprobs(batch, scored, step))
-        if self.reference is not None:
-            batch.ref_logprobs = self.reference.logprobs(batch.input_ids, batch.attention_mask) * batch.response_mask
-        logprob_s = time.perf_counter() - t
-        if self.cfg.trainer.async_steps:
-            ratio = (batch.old_logprobs - batch.engine_logprobs).clamp(max=20).exp().clamp(max=self.cfg.trainer.is_cap)
-            batch.advantages = batch.advantages * torch.where(batch.response_mask.bool(), ratio, 0)
-        t = time.perf_counter()
-        metrics.update(self._update(batch))
-        update_s = time.perf_counter() - t
+        metrics, logprob_s, update_s = self.learner.train(scored, step)
         t = time.perf_counter()
         self.engine.wake_up()
         self.sync(version=step + 1)
@@ -166,20 +158,7 @@ class Trainer:
         if self.engine.policy is not None:
             metrics.update(self.engine.policy.metrics())
         lengths = [int(x) for row in gather_floats(self.r, [float(x) for x in scored.lengths.tolist()]) for x in row]
-        return StepResult(metrics=metrics, lengths=lengths, rollouts=scored)
-
-    def _actor_old_logprobs(self, batch: TrainBatch, scored: ScoredRollouts, step: int) -> dict[str, float]:
-        """The actor's recomputed old log-probs into `batch`; the same forward's hidden states fill the
-        DataBuffer when spot training reads them from the actor (entries of step t, trained on from
-        step t + 1's idle window: spot.actor_features)."""
-        kw = self.actor_features.logprobs_kwargs if self.actor_features is not None else {}
-        out = self.actor.logprobs(batch.input_ids, batch.attention_mask, **kw)
-        batch.old_logprobs = out.logprobs.cpu() * batch.response_mask
-        metrics = mismatch_kl(batch.engine_logprobs, batch.old_logprobs, batch.response_mask)[1]
-        if self.actor_features is not None:
-            put = self.actor_features.put(scored.batch.rollouts, _row_prompts(scored), batch.input_ids, out, step)
-            metrics["spot/entries_put"] = all_sum(self.r, float(put))  # over all ranks
-        return metrics
+        return StepResult(metrics=metrics, lengths=lengths, rollouts=scored, decode_steps=scored.batch.steps)
 
     def sync(self, version: int) -> None:
         """The actor's weights into the engine, served as `version`; the spot drafter's HeadTarget (if
@@ -211,41 +190,6 @@ class Trainer:
         kept, metrics = fill_groups(groups, want)
         return _join_groups(kept, rounds, n, metrics | {"train/dynamic_sampling_rounds": float(len(rounds))})
 
-    def _train_batch(self, scored: ScoredRollouts) -> tuple[TrainBatch, dict[str, float]]:
-        n = scored.n
-        rewards, metrics = self.algo.shape_rewards(scored.rewards, scored.lengths)
-        adv, m = self.algo.advantages(rewards.view(-1, n), None)
-        metrics.update(m)
-        batch = pack_rollouts(_row_prompts(scored), [r.tokens for r in scored.batch], [r.logprobs for r in scored.batch],
-                              adv.reshape(-1), self.pad_id)
-        return batch, metrics
-
-    def _update(self, batch: TrainBatch) -> dict[str, float]:
-        tc = self.cfg.trainer
-        rows = torch.arange(batch.size)
-        sums: dict[str, float] = {}
-        count = 0
-        first: dict[str, float] = {}
-        for epoch in range(tc.ppo_epochs):
-            for chunk in rows.chunk(tc.mini_batches):
-                mb = batch.select(chunk)
-                mb.loss_weights = self._global_weights(mb.response_mask)
-                measure = self.engine_old_logprobs and count == 0
-
-                def loss_fn(lp, ent, micro, measure=measure):
-                    loss, m = self.algo.loss(lp, micro, ent)
-                    if measure:  # before any update: the actor's log-probs against the engine's
-                        m.update(mismatch_kl(micro.engine_logprobs, lp.detach(), micro.response_mask)[1])
-                    return loss, m
-
-                m = self.actor.update(mb, loss_fn)
-                for k in [k for k in m if k.startswith("train/mismatch")]:
-                    first[k] = m.pop(k)
-                for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                count += 1
-        return {k: v / count for k, v in sums.items()} | first
-
     def _mean_over_ranks(self, m: dict[str, float]) -> dict[str, float]:
         """Means over ranks of per-rank metrics (every rank has the same keys, or none)."""
         if self.bubbles is None:
@@ -259,57 +203,21 @@ class Trainer:
                 out[k] = sum(vals) if k == "bubble/decode_steps_saved" else sum(vals) / len(vals)  # saved: over all ranks
         return out
 
-    def _global_weights(self, mask: torch.Tensor) -> torch.Tensor:
-        """The algorithm's aggregation weights for this rank's rows, rescaled so that they are
-        normalised over the mini-batch of all ranks (token counts for token-mean, rows otherwise)."""
-        local = self.algo.loss_weights(mask)
-        count = float(mask.sum()) if self.algo.aggregation == "token-mean" else float(mask.shape[0])
-        total = all_sum(self.r, count)
-        return local * (count / total) if total > 0 else local
-
     def _step_metrics(self, scored: ScoredRollouts, rollout_s, idle_s, logprob_s, update_s, sync_s, step_s) -> dict[str, float]:
-        stats = scored.batch.stats
-        per_rank = gather_floats(self.r, [rollout_s, idle_s, float(stats.new_tokens), float(scored.rewards.sum()),
-                                          float(scored.rewards.numel()), stats.accept_len, float(stats.speculative_steps),
-                                          float(stats.accepted), float(stats.drafted), stats.prefill_s])
+        mine = RolloutReport.of(scored, rollout_s, idle_s)
+        reports = {rank: RolloutReport.from_values(row) for rank, row in enumerate(gather_floats(self.r, mine.values()))}
         m = {"step": float(self.step_index), "timing/step": step_s, "timing/logprob": logprob_s, "timing/update": update_s,
              "timing/sync": sync_s, "world_size": float(self.r.world)}
-        tokens = sum(row[2] for row in per_rank)
-        rollout_max = max(row[0] for row in per_rank)
-        for rank, row in enumerate(per_rank):
-            m[f"timing/rollout/rank{rank}"], m[f"timing/idle/rank{rank}"] = row[0], row[1]
-            m[f"timing/prefill/rank{rank}"] = row[9]  # the prompts' prefill within the rollout (sim.calibrate)
-        # Means over ranks: rollout + idle is the time until every rank was done (with idle work: plus what
-        # this rank's work had in flight then; common.idle), about the same on every rank.
-        m["timing/rollout"] = sum(row[0] for row in per_rank) / len(per_rank)
-        m["timing/rollout_max"] = rollout_max
-        m["timing/idle"] = sum(row[1] for row in per_rank) / len(per_rank)
-        m["reward/mean"] = sum(row[3] for row in per_rank) / max(sum(row[4] for row in per_rank), 1)
+        m.update(rollout_metrics(reports))
         m["reward/std"] = float(scored.rewards.std()) if scored.rewards.numel() > 1 else 0.0
-        m["rollout/tokens_per_s"] = tokens / rollout_max if rollout_max > 0 else 0.0
-        m["rollout/batch_size"] = sum(row[4] for row in per_rank)
-        drafted, accepted = sum(row[8] for row in per_rank), sum(row[7] for row in per_rank)
-        if drafted > 0:
-            spec = [row for row in per_rank if row[6] > 0]
-            m["spec/accept_len"] = sum(row[5] * row[6] for row in spec) / sum(row[6] for row in spec)
-            m["spec/accept_rate"] = accepted / drafted
         return m
 
     # -- eval and checkpoints --------------------------------------------------------------
     def evaluate(self) -> float | None:
         """Greedy held-out accuracy through the engine (rank 0; the others wait)."""
-        acc = None
-        if self.r.main:
-            r = self.cfg.rollout
-            params = SamplingParams(max_new_tokens=self.cfg.task.eval_max_new_tokens or r.max_new_tokens, temperature=0.0,
-                                    stop_token_ids=self.stops)
-            sink, self.engine.sink = self.engine.sink, None  # held-out rollouts are not training data for anyone
-            try:
-                scored = roll_out(self.engine, self.tok, self.task, self.eval_problems, params, 1, self.cfg.task.chat)
-            finally:
-                self.engine.sink = sink
-            acc = float(scored.rewards.mean())
-        return acc
+        if not self.r.main:
+            return None
+        return held_out_accuracy(self.engine, self.tok, self.task, self.eval_problems, self.cfg, self.stops)
 
     def save(self) -> None:
         components = {}
@@ -339,11 +247,6 @@ def training_reward(task_cfg, task: Task):
 
     scorer = MathVerifyReward(format_weight=task_cfg.format_weight)
     return lambda text, answer: scorer(text, answer)[0]
-
-
-def _row_prompts(scored: ScoredRollouts) -> list[list[int]]:
-    """The prompt of each rollout (row) of the batch: rollouts come n per prompt."""
-    return [scored.prompts[i // scored.n] for i in range(len(scored.batch))]
 
 
 def _informative(parts: list[ScoredRollouts], n: int) -> int:

@@ -5,7 +5,8 @@ latency model (from `sim.calibrate`), the cluster (device counts to project, ten
 size per rollout group), the rollout batch and its response-length distribution, the
 speculation arms and the schedule that picks among them by active batch size, the two ways of
 filling the bubble (spot training of the drafter, pre-generation of the next step's drafts),
-the non-rollout phases of a step, and the one-step asynchronous mode.
+the non-rollout phases of a step, the one-step asynchronous mode, and the placement (every
+device rolls out and trains, or separate actor and rollout devices).
 
 Loaded with `launch.config.load_config`: unknown keys and bad values raise `ValueError` naming
 the dotted key. `load_scenario` also resolves relative paths against the scenario's folder.
@@ -269,11 +270,37 @@ class PhaseSpec:
 
 @dataclass(kw_only=True)
 class AsyncSpec:
-    rollout_share: float = 0.5  # devices given to rollout in the one-step asynchronous mode
+    rollout_share: float = 0.5  # colocated placement: devices given to rollout in the one-step asynchronous mode
 
     def validate(self) -> None:
         if not 0 < self.rollout_share < 1:
             raise ValueError(f"one_step_async.rollout_share must be in (0, 1), got {self.rollout_share}")
+
+
+@dataclass(kw_only=True)
+class PlacementSpec:
+    """Where a step's work runs. `colocated`: every device rolls out, then trains; weights reach
+    the engine on the same device (`phases.sync_s` / `phases.sync_gbps`). `separated`: `actor_share`
+    of the devices train (whole devices, at least one) and the others roll out in groups of
+    `cluster.tensor_parallel`; rollouts go to the actor devices over `transfer_gbps`, and the
+    actors push each rollout device its weight shard (all parameters / tensor_parallel bytes)
+    over `sync_gbps`. The one-step asynchronous mode keeps this split (`one_step_async.rollout_share`
+    is for the colocated placement)."""
+
+    kind: Literal["colocated", "separated"] = "colocated"
+    actor_share: float = 0.5  # separated: share of the devices that train
+    sync_gbps: float = 50.0  # separated: GB/s of the weight push to each rollout device
+    transfer_gbps: float = 50.0  # separated: GB/s of the rollouts' transfer to the actor devices
+    transfer_bytes_per_token: float = 8.0  # a token id and its engine log-prob (int32 + float32)
+
+    def validate(self) -> None:
+        if not 0 < self.actor_share < 1:
+            raise ValueError(f"placement.actor_share must be in (0, 1), got {self.actor_share}")
+        for key in ("sync_gbps", "transfer_gbps"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"placement.{key} must be > 0, got {getattr(self, key)}")
+        if self.transfer_bytes_per_token < 0:
+            raise ValueError(f"placement.transfer_bytes_per_token must be >= 0, got {self.transfer_bytes_per_token}")
 
 
 @dataclass(kw_only=True)
@@ -283,6 +310,8 @@ class SweepSpec:
     depths: list[int] = field(default_factory=lambda: [1, 2, 3, 5, 7])
     chain_accept_rate: float = 0.76
     tail_sigmas: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0, 1.25])
+    # Separated placement: the share of devices that train, varied (sim.placement).
+    actor_shares: list[float] = field(default_factory=lambda: [0.25, 0.375, 0.5, 0.625, 0.75])
 
 
 @dataclass(kw_only=True)
@@ -300,6 +329,7 @@ class Scenario:
     bubble: BubbleSpec = field(default_factory=BubbleSpec)
     phases: PhaseSpec = field(default_factory=PhaseSpec)
     one_step_async: AsyncSpec = field(default_factory=AsyncSpec)
+    placement: PlacementSpec = field(default_factory=PlacementSpec)
     sweep: SweepSpec = field(default_factory=SweepSpec)
 
     def validate(self) -> None:
@@ -309,6 +339,9 @@ class Scenario:
         if (derived or self.phases.sync_s is None) and (self.model is None or self.hardware is None):
             raise ValueError("phases without logprob_s_per_token, update_s_per_token and sync_s need the "
                              "model and hardware sections")
+        if self.placement.kind == "separated" and self.model is None:
+            raise ValueError("placement.kind=separated sizes the weight push from the model section (params_b, "
+                             "bytes_per_param): add it, or use placement.kind=colocated")
 
 
 def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Scenario:

@@ -7,6 +7,7 @@ writes one small PNG atomically. Nothing here simulates.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import matplotlib
 
@@ -17,6 +18,9 @@ from common.atomic import atomic_write  # noqa: E402
 from sim.project import Projection  # noqa: E402
 from sim.step import StepResult  # noqa: E402
 from sim.sweeps import SweepPoint  # noqa: E402
+
+if TYPE_CHECKING:
+    from sim.placement import PlacementRow
 
 DPI = 80
 COLORS = {"prefill": "#999999", "off": "#4c72b0", "spec": "#55a868", "bubble": "#dd8452",
@@ -90,6 +94,42 @@ def plot_tail(points: list[SweepPoint], path: str | Path, title: str) -> None:
     _save(fig, path)
 
 
+LAYOUT_STYLE = {"colocated": "-", "separated": "--", "separated+async": ":"}
+
+
+def plot_placement(best: list[PlacementRow], at_ref: list[PlacementRow], path: str | Path, title: str) -> None:
+    """Left: step speedup over the colocated baseline against devices, each layout at its best
+    actor share. Right: at one device count, the separated layouts against their actor devices."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for layout, ls in LAYOUT_STYLE.items():
+        for combo, marker in (("baseline", "s"), ("spec+spot", "o")):
+            pts = sorted((r for r in best if r.layout == layout and r.combo == combo), key=lambda r: r.devices)
+            axes[0].plot([r.devices for r in pts], [r.speedup for r in pts], ls=ls, marker=marker,
+                         label=f"{layout}, {combo}")
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xlabel("devices")
+    axes[0].set_ylabel("step speedup over colocated baseline (x)")
+    for layout in LAYOUT_STYLE:
+        if layout == "colocated":
+            continue
+        for combo, marker in (("baseline", "s"), ("spec+spot", "o")):
+            pts = sorted((r for r in at_ref if r.layout == layout and r.combo == combo), key=lambda r: r.actor_devices)
+            axes[1].plot([r.actor_devices for r in pts], [r.speedup for r in pts], ls=LAYOUT_STYLE[layout],
+                         marker=marker, label=f"{layout}, {combo}")
+    for r in at_ref:
+        if r.layout == "colocated":
+            axes[1].axhline(r.speedup, color="#888888", lw=0.8, ls="-" if r.combo == "spec+spot" else "-.")
+    ref = at_ref[0].devices if at_ref else 0
+    axes[1].set_xlabel(f"actor devices (of {ref}; grey: colocated)")
+    axes[1].set_ylabel("step speedup (x)")
+    for ax in axes:
+        ax.axhline(1.0, color="#bbbbbb", lw=0.8)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6)
+    fig.suptitle(title, fontsize=10)
+    _save(fig, path)
+
+
 def _kind_class(kind: str) -> str:
     if kind in ("prefill", "off"):
         return kind
@@ -98,11 +138,15 @@ def _kind_class(kind: str) -> str:
 
 def plot_timeline(result: StepResult, path: str | Path, title: str, max_groups: int = 16) -> None:
     """One bar per rollout group (slowest last): decode segments by kind, then the idle window
-    split into pre-generation, spot training and plain idle, then the step's other phases."""
+    split into pre-generation, spot training and plain idle, then the step's other phases. In the
+    separated placement the log-prob and update phases run on the actor devices (the top bar)
+    while the rollout groups' idle window goes on; the weight push ends the step on both."""
     order = sorted(range(len(result.groups)), key=lambda g: result.groups[g].time_s)
     if len(order) > max_groups:  # keep the fastest and the slowest groups
         order = order[: max_groups // 2] + order[-(max_groups - max_groups // 2):]
-    fig, ax = plt.subplots(figsize=(9, 0.3 * len(order) + 1.6))
+    separated = result.placement == "separated"
+    fig, ax = plt.subplots(figsize=(9, 0.3 * (len(order) + separated) + 1.6))
+    window_end = result.rollout_s + result.window_s
     for y, g in enumerate(order):
         bars: dict[str, list[tuple[float, float]]] = {}
         for s in result.groups[g].segments:
@@ -112,21 +156,34 @@ def plot_timeline(result: StepResult, path: str | Path, title: str, max_groups: 
         spot = result.fill.spot_s[g] if len(result.fill.spot_s) else 0.0
         bars["pregen"] = [(t, pregen)]
         bars["spot"] = [(t + pregen, spot)]
-        bars["idle"] = [(t + pregen + spot, result.rollout_s - t - pregen - spot)]
-        if not result.techniques.one_step_async:
+        bars["idle"] = [(t + pregen + spot, window_end - t - pregen - spot)]
+        if separated:
+            bars["sync"] = [(window_end, result.sync_s)]
+        elif not result.techniques.one_step_async:
             t0 = result.rollout_s
             bars["logprob"] = [(t0, result.logprob_s)]
             bars["update"] = [(t0 + result.logprob_s, result.update_s)]
             bars["sync"] = [(t0 + result.logprob_s + result.update_s, result.sync_s)]
-        for name, spans in bars.items():
-            spans = [sp for sp in spans if sp[1] > 0]
-            if spans:
-                ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=COLORS[name],
-                               edgecolor="#cc0000" if name == "idle" else "none", linewidth=0.5)
-    ax.set_yticks(range(len(order)), [f"group {g}" for g in order], fontsize=6)
+        _draw_bars(ax, y, bars)
+    labels = [f"group {g}" for g in order]
+    if separated:
+        t0 = 0.0 if result.techniques.one_step_async else result.rollout_s + result.transfer_s
+        _draw_bars(ax, len(order), {"idle": [(0.0, t0)], "logprob": [(t0, result.logprob_s)],
+                                    "update": [(t0 + result.logprob_s, result.update_s)],
+                                    "sync": [(result.step_s - result.sync_s, result.sync_s)]})
+        labels.append(f"{result.actor_devices} actor devices")
+    ax.set_yticks(range(len(labels)), labels, fontsize=6)
     ax.set_xlabel("seconds into the step")
     handles = [plt.Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="#cc0000" if n == "idle" else "none")
                for n, c in COLORS.items()]
     ax.legend(handles, list(COLORS), fontsize=6, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.18))
     ax.set_title(title, fontsize=9)
     _save(fig, path)
+
+
+def _draw_bars(ax, y: int, bars: dict[str, list[tuple[float, float]]]) -> None:
+    for name, spans in bars.items():
+        spans = [sp for sp in spans if sp[1] > 0]
+        if spans:
+            ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=COLORS[name],
+                           edgecolor="#cc0000" if name == "idle" else "none", linewidth=0.5)

@@ -1,4 +1,7 @@
-"""One synchronous RL step on N devices: rollout on every group, then log-probs, training, sync.
+"""One RL step on N devices. Colocated (here): rollout on every group, then log-probs, training,
+sync on the same devices; separated (`sim.separated`): actor devices train while the others roll
+out. This module holds the parts both placements share: the rollout with its bubble filled, and
+the training phases' cost.
 
 The rollout ends when the slowest group ends; every other group waits at the barrier: that wait
 is the *bubble* (idle window) of its devices. Techniques, each switchable:
@@ -9,10 +12,13 @@ is the *bubble* (idle window) of its devices. Techniques, each switchable:
 - bubble: idle groups pre-generate the next step's responses at their own decode rate; those
   responses (up to `bubble.coverage` of them) are verified as drafts in the next step;
 - one_step_async: rollout on a share of the devices overlaps training on the rest (steady state:
-  step = max(rollout, log-prob + update) + sync).
+  step = max(rollout, log-prob + update) + sync); colocated, the share is
+  `one_step_async.rollout_share`, separated it is the placement's split.
 
 Spot training and pre-generation fill the bubble of step t for step t + 1; the model takes the
-steady state by iterating the step twice with the previous pass's fill. Pre-generation takes
+steady state by iterating the step twice with the previous pass's fill. A group's idle window is
+its wait at the rollout barrier plus the placement's *window*: time every rollout group waits
+beyond the barrier (none when colocated; the actor's phases when separated). Pre-generation takes
 the idle time it needs first, spot training the rest. The training phases follow
 `PhaseSpec`: device-seconds per token spread over the trainer ranks, or the RL loop's padded
 mini-batches (`padded_tokens`). Pure given the lengths.
@@ -21,6 +27,7 @@ mini-batches (`padded_tokens`). Pure given the lengths.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -72,14 +79,18 @@ class StepResult:
     step_s: float
     fill: Fill  # what this step's bubble held (pre-generation and spot training for the next)
     used: Fill  # what this step received from the previous step's bubble
+    placement: str = "colocated"  # the scenario's placement.kind
+    actor_devices: int = 0  # devices that train (colocated synchronous: all of them)
+    transfer_s: float = 0.0  # separated: the rollouts' transfer to the actor devices
+    window_s: float = 0.0  # idle time of every rollout group beyond the rollout barrier
 
     @property
     def group_rollout_s(self) -> np.ndarray:  # [G]
         return np.array([g.time_s for g in self.groups])
 
     @property
-    def idle_s(self) -> np.ndarray:  # [G] each group's wait at the rollout barrier
-        return self.rollout_s - self.group_rollout_s
+    def idle_s(self) -> np.ndarray:  # [G] each group's idle time: its wait at the barrier plus the window
+        return self.rollout_s - self.group_rollout_s + self.window_s
 
     @property
     def idle_share(self) -> np.ndarray:  # [G] share of the step each group's devices idle
@@ -88,18 +99,16 @@ class StepResult:
 
 def simulate_step(scn: Scenario, lengths: np.ndarray, devices: int, tech: Techniques,
                   latency: LatencyModel | None = None) -> StepResult:
-    """The step for these response lengths ([n], dealt to groups in order) on `devices`."""
+    """The step for these response lengths ([n], dealt to groups in order) on `devices`, in the
+    scenario's placement."""
     latency = latency or build_latency(scn)
+    if scn.placement.kind == "separated":
+        from sim.separated import simulate_separated_step  # built on this module's parts
+
+        return simulate_separated_step(scn, lengths, devices, tech, latency)
     tp = scn.cluster.tensor_parallel
     rollout_devices = _rollout_devices(scn, devices, tech)
-    parts = deal(lengths, rollout_devices // tp)
-    base = build_schedule(scn.spec) if tech.spec else OFF
-    used = NO_FILL
-    groups = _rollout(scn, parts, base, used, latency)
-    for _ in range(FILL_ITERATIONS if (tech.spot or tech.bubble) else 0):
-        used = plan_fill(scn, groups, tech)
-        groups = _rollout(scn, parts, base, used, latency)
-    fill = plan_fill(scn, groups, tech) if (tech.spot or tech.bubble) else NO_FILL
+    groups, used, fill = fill_rollout(scn, deal(lengths, rollout_devices // tp), tech, latency)
     rollout_s = max(g.time_s for g in groups)
     trainers = devices - rollout_devices if tech.one_step_async else devices
     logprob_s, update_s, sync_s = phase_times(scn, deal(lengths, trainers))
@@ -109,7 +118,24 @@ def simulate_step(scn: Scenario, lengths: np.ndarray, devices: int, tech: Techni
         step_s = rollout_s + logprob_s + update_s + sync_s
     return StepResult(devices=devices, techniques=tech, groups=tuple(groups), tensor_parallel=tp,
                       rollout_s=rollout_s, logprob_s=logprob_s, update_s=update_s, sync_s=sync_s,
-                      step_s=step_s, fill=fill, used=used)
+                      step_s=step_s, fill=fill, used=used, actor_devices=trainers)
+
+
+def fill_rollout(scn: Scenario, parts: list[np.ndarray], tech: Techniques, latency: LatencyModel,
+                 window: Callable[[float], float] = lambda rollout_s: 0.0
+                 ) -> tuple[list[GroupRollout], Fill, Fill]:
+    """(groups, fill received, fill offered) of a rollout over these parts ([n_g] lengths per
+    group) in the steady state of spot training and pre-generation; `window(rollout_s)` is the
+    idle time every group has beyond the rollout barrier."""
+    base = build_schedule(scn.spec) if tech.spec else OFF
+    filling = tech.spot or tech.bubble
+    used = NO_FILL
+    groups = _rollout(scn, parts, base, used, latency)
+    for _ in range(FILL_ITERATIONS if filling else 0):
+        used = plan_fill(scn, groups, tech, window(max(g.time_s for g in groups)))
+        groups = _rollout(scn, parts, base, used, latency)
+    fill = plan_fill(scn, groups, tech, window(max(g.time_s for g in groups))) if filling else NO_FILL
+    return groups, used, fill
 
 
 def _rollout_devices(scn: Scenario, devices: int, tech: Techniques) -> int:
@@ -137,10 +163,11 @@ def spread_mask(n: int, share: float) -> np.ndarray:
     return np.floor((i + 1) * share + 1e-9) > np.floor(i * share + 1e-9)
 
 
-def plan_fill(scn: Scenario, groups: list[GroupRollout], tech: Techniques) -> Fill:
-    """Split each group's idle window between pre-generation (first) and spot training."""
+def plan_fill(scn: Scenario, groups: list[GroupRollout], tech: Techniques, window_s: float = 0.0) -> Fill:
+    """Split each group's idle window (its wait at the barrier + `window_s`) between
+    pre-generation (first) and spot training."""
     times = np.array([g.time_s for g in groups])
-    idle = times.max() - times  # [G]
+    idle = times.max() - times + window_s  # [G]
     rate = np.array([g.tokens / g.time_s if g.time_s > 0 else 0.0 for g in groups])  # [G] tokens/s
     pregen = np.zeros_like(idle)
     coverage = 0.0
@@ -198,8 +225,13 @@ def padded_tokens(phases: PhaseSpec, parts: list[np.ndarray], prompt_len: int) -
 
 
 def phase_times(scn: Scenario, parts: list[np.ndarray]) -> tuple[float, float, float]:
-    """(log-prob, update, weight-sync) seconds of a step whose trainer ranks (one per device)
-    hold these responses ([n_r] lengths each)."""
+    """(log-prob, update, weight-sync) seconds of a colocated step whose trainer ranks (one per
+    device) hold these responses ([n_r] lengths each)."""
+    return (*train_times(scn, parts), colocated_sync_s(scn))
+
+
+def train_times(scn: Scenario, parts: list[np.ndarray]) -> tuple[float, float]:
+    """(log-prob, update) seconds of trainer ranks (one per device) holding these responses."""
     ph = scn.phases
     prompt = scn.rollout.prompt_len
     lp, up = ph.logprob_s_per_token, ph.update_s_per_token
@@ -207,13 +239,22 @@ def phase_times(scn: Scenario, parts: list[np.ndarray]) -> tuple[float, float, f
         per_flop = 1.0 / (scn.hardware.tflops * 1e12 * ph.mfu)
         lp = 2 * scn.model.active_b * 1e9 * per_flop if lp is None else lp
         up = 6 * scn.model.active_b * 1e9 * per_flop if up is None else up
-    sync = ph.sync_s
-    if sync is None:
-        shard_bytes = scn.model.params_b * 1e9 * scn.model.bytes_per_param / scn.cluster.tensor_parallel
-        sync = shard_bytes / (ph.sync_gbps * 1e9)
     if ph.mini_batches:
         real, padded = padded_tokens(ph, parts, prompt)
-        return lp * real * ph.logprob_passes, up * padded * ph.ppo_epochs, sync
+        return lp * real * ph.logprob_passes, up * padded * ph.ppo_epochs
     tokens = float(sum(p.sum() for p in parts)) + sum(len(p) for p in parts) * prompt
     devices = len(parts)
-    return lp * tokens * ph.logprob_passes / devices, up * tokens * ph.ppo_epochs / devices, sync
+    return lp * tokens * ph.logprob_passes / devices, up * tokens * ph.ppo_epochs / devices
+
+
+def shard_bytes(scn: Scenario) -> float:
+    """Weight bytes one device of a rollout group holds: all parameters over tensor_parallel."""
+    return scn.model.params_b * 1e9 * scn.model.bytes_per_param / scn.cluster.tensor_parallel
+
+
+def colocated_sync_s(scn: Scenario) -> float:
+    """The weights' way from the actor to the engine on the same device: measured, or a shard
+    over `phases.sync_gbps`."""
+    if scn.phases.sync_s is not None:
+        return scn.phases.sync_s
+    return shard_bytes(scn) / (scn.phases.sync_gbps * 1e9)

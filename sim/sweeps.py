@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from sim.config import ArmSpec, ClusterSpec, LatencySpec, Scenario, SpecSpec
+from sim.config import ArmSpec, ClusterSpec, LatencySpec, PlacementSpec, Scenario, SpecSpec
 from sim.latency import build_latency
 from sim.project import simulate_steps
 from sim.schedule import chain_arm
@@ -64,8 +64,8 @@ def accept_sweep(scn: Scenario, devices: int, alphas: list[float]) -> list[Sweep
 def ceiling_limit(scn: Scenario, devices: int, alphas: list[float], pass_s: float = 0.01) -> list[SweepPoint]:
     """The accept sweep where the ceiling is exact: every pass costs `pass_s` whatever it
     verifies or reads, drafting is free, and the one prefill pass per group (a one-token prompt,
-    no queue) is the only rollout time that is not decode."""
-    limit = replace(scn, latency=LatencySpec(kind="fitted", base_s=pass_s),
+    no queue) is the only rollout time that is not decode; colocated, as the ceiling assumes."""
+    limit = replace(scn, placement=PlacementSpec(), latency=LatencySpec(kind="fitted", base_s=pass_s),
                     rollout=replace(scn.rollout, prompt_len=1),
                     cluster=replace(scn.cluster, max_batch=scn.rollout.requests),
                     spec=SpecSpec(arms=[ArmSpec(name="limit", depth=63, verify_tokens=63, accept_len=1.0)],
@@ -74,11 +74,13 @@ def ceiling_limit(scn: Scenario, devices: int, alphas: list[float], pass_s: floa
 
 
 def depth_sweep(scn: Scenario, depths: list[int], batches: list[int], p: float) -> dict[int, list[SweepPoint]]:
-    """batch B -> rollout speedup of a depth-k chain, for each k, one group of B requests."""
+    """batch B -> rollout speedup of a depth-k chain, for each k, one group of B requests
+    (colocated: one group's devices)."""
     out: dict[int, list[SweepPoint]] = {}
     tp = scn.cluster.tensor_parallel
     for b in batches:
-        one = replace(scn, cluster=ClusterSpec(devices=[tp], tensor_parallel=tp, max_batch=b),
+        one = replace(scn, placement=PlacementSpec(),
+                      cluster=ClusterSpec(devices=[tp], tensor_parallel=tp, max_batch=b),
                       rollout=replace(scn.rollout, prompts=b, samples_per_prompt=1))
         points = []
         for k in depths:

@@ -72,16 +72,8 @@ def build_spot_work(cfg: SpotConfig, engine: RolloutBackend, *, run_name: str, r
         raise ValueError("spot.enabled needs a speculative engine with one EAGLE drafter (engine.spec.enabled: true, "
                          "engine.spec.drafter: eagle or eagle3, engine.spec.drafter_path: a warm-started drafter)")
     net = nets[0]
-    name = cfg.buffer_name or segment_name(run_name)
     owner = local_rank == 0
-    if owner:
-        reclaim_stale()
-        buffer = DataBuffer.create(name, capacity_bytes=cfg.buffer_mb * 2**20, feature_size=net.config.feature_size,
-                                   dtype=DTYPES[cfg.feature_dtype], max_entries=cfg.buffer_entries)
-    if world > 1:
-        dist.barrier()
-    if not owner:
-        buffer = DataBuffer.attach(name)
+    buffer = node_buffer(cfg, net, segment_name(run_name), owner, dist.barrier if world > 1 else None)
     features = None
     if from_actor:
         features = sink = ActorFeatures(buffer, max_new_tokens=max_new_tokens, feature_layers=net.config.aux_layers,
@@ -95,17 +87,35 @@ def build_spot_work(cfg: SpotConfig, engine: RolloutBackend, *, run_name: str, r
         return SpotRun(work=PoolFollower(engine, buffer, sink, cfg.pool_dir, store, rank), engine=engine, buffer=buffer,
                        owner=owner, actor_features=features)
     model = net if from_actor else drafter_copy(net)  # the served one lives in vLLM: this is a copy already
-    kw = dict(window=cfg.window, rows_per_step=cfg.rows_per_step, seed=seed * 1000 + rank, chunk_windows=cfg.chunk_windows)
-    if resume is not None and (resume / "spot").is_dir():
-        trainer = SpotTrainer.resume(resume / "spot", model, cfg.optim(), **kw)
-    else:
-        trainer = SpotTrainer(model, cfg.optim(), **kw)
+    trainer = spot_trainer(cfg, model, seed * 1000 + rank, resume)
     control = ControlPlane(store, rank, world) if store is not None else None
     settings = SpotSettings(rows_per_step=cfg.rows_per_step, offset_ratio=cfg.offset_ratio,
                             max_micro_steps=cfg.max_micro_steps, seed=seed)
     group = dist.new_group() if world > 1 else None  # the window end's average runs beside the actor's collectives
     work = SpotWork(engine, trainer, buffer, sink, control, settings, group)
     return SpotRun(work=work, engine=engine, buffer=buffer, owner=owner, actor_features=features, group=group)
+
+
+def node_buffer(cfg: SpotConfig, net: EagleModel, default_name: str, owner: bool, barrier) -> DataBuffer:
+    """The node's DataBuffer (spot.buffer_name, else `default_name`): the owner reclaims a crashed
+    run's segments and creates it, the other ranks of the node attach after `barrier()` (a
+    collective of every rank that builds it; None alone)."""
+    name = cfg.buffer_name or default_name
+    if owner:
+        reclaim_stale()
+        buffer = DataBuffer.create(name, capacity_bytes=cfg.buffer_mb * 2**20, feature_size=net.config.feature_size,
+                                   dtype=DTYPES[cfg.feature_dtype], max_entries=cfg.buffer_entries)
+    if barrier is not None:
+        barrier()
+    return buffer if owner else DataBuffer.attach(name)
+
+
+def spot_trainer(cfg: SpotConfig, model: EagleModel, seed: int, resume: Path | None) -> SpotTrainer:
+    """A SpotTrainer of `model` (the rank's own copy), continued from a checkpoint's `spot/` when there is one."""
+    kw = dict(window=cfg.window, rows_per_step=cfg.rows_per_step, seed=seed, chunk_windows=cfg.chunk_windows)
+    if resume is not None and (resume / "spot").is_dir():
+        return SpotTrainer.resume(resume / "spot", model, cfg.optim(), **kw)
+    return SpotTrainer(model, cfg.optim(), **kw)
 
 
 def served_drafter(engine) -> EagleModel | None:

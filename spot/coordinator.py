@@ -46,20 +46,21 @@ STATS = ("micro_steps", "train_s", "idle_s", "loss_sum", "top1_sum", "aborted", 
 @dataclass
 class PendingAverage:
     """The window end's one collective, posted and not yet waited for: one float32 buffer
-    [sum_r w_r theta_r (N), sum_r w_r, every rank's STATS in its own slot (world x 8)]."""
+    [sum_r w_r theta_r (N), sum_r w_r, every rank's K statistics in its own slot (world x K)]."""
 
     named: list[tuple[str, torch.Tensor]]
     buf: torch.Tensor
     work: object | None  # the async all-reduce's handle (None: a single process)
     world: int
+    k: int = len(STATS)  # statistics per rank
 
     def result(self) -> tuple[list[tuple[str, torch.Tensor]] | None, torch.Tensor]:
-        """Waits; -> (the weighted average, or None when every weight was 0; every rank's STATS [world, 8])."""
+        """Waits; -> (the weighted average, or None when every weight was 0; every rank's statistics [world, K])."""
         if self.work is not None:
             self.work.wait()
         sizes = [t.numel() for _, t in self.named]
         N = sum(sizes)
-        stats = self.buf[N + 1 :].view(self.world, len(STATS)).double()
+        stats = self.buf[N + 1 :].view(self.world, self.k).double()
         total = float(self.buf[N])
         if total <= 0:
             return None, stats
@@ -68,29 +69,45 @@ class PendingAverage:
 
 
 def post_average(named: list[tuple[str, torch.Tensor]], weight: float, stats: list[float] | None = None,
-                 group=None) -> PendingAverage:
+                 group=None, k: int = len(STATS)) -> PendingAverage:
     """Starts sum_r w_r * theta_r / sum_r w_r over the process group (`group`; None: the default
-    one) in one all-reduce that does not block, with this rank's `stats` (STATS) gathered in the
-    same buffer; `PendingAverage.result()` waits. Identical on every rank: an all-reduce hands
-    every rank the same sum. A rank of weight 0 sends zeros without reading its weights. float32:
-    the drafter's dtype (float64 would double the bytes on the critical path of nothing but cost)."""
+    one) in one all-reduce that does not block, with this rank's `stats` (k values: STATS by
+    default) gathered in the same buffer; `PendingAverage.result()` waits. Identical on every
+    rank: an all-reduce hands every rank the same sum. A rank of weight 0 sends zeros without
+    reading its weights. float32: the drafter's dtype (float64 would double the bytes on the
+    critical path of nothing but cost)."""
     distributed = dist.is_initialized() and dist.get_world_size(group) > 1
     world, rank = (dist.get_world_size(group), dist.get_rank(group)) if distributed else (1, 0)
     N = sum(t.numel() for _, t in named)
-    K = len(STATS)
-    buf = torch.zeros(N + 1 + world * K, dtype=torch.float32, device=named[0][1].device)
+    buf = torch.zeros(N + 1 + world * k, dtype=torch.float32, device=named[0][1].device)
     if weight:
         buf[:N].copy_(torch.cat([t.detach().reshape(-1) for _, t in named])).mul_(weight)
         buf[N] = weight
     if stats is not None:
-        buf[N + 1 + rank * K : N + 1 + (rank + 1) * K] = torch.tensor(stats, dtype=torch.float32)
+        if len(stats) != k:
+            raise ValueError(f"post_average: {len(stats)} statistics given, the buffer holds {k} per rank")
+        buf[N + 1 + rank * k : N + 1 + (rank + 1) * k] = torch.tensor(stats, dtype=torch.float32)
     work = dist.all_reduce(buf, group=group, async_op=True) if distributed else None
-    return PendingAverage(named, buf, work, world)
+    return PendingAverage(named, buf, work, world, k)
 
 
 def weighted_average(named: list[tuple[str, torch.Tensor]], weight: float, group=None) -> list[tuple[str, torch.Tensor]] | None:
     """post_average, waited for: the average, or None when every weight is 0 (nobody trained: keep the weights)."""
     return post_average(named, weight, group=group).result()[0]
+
+
+@dataclass(frozen=True)
+class FilledTime:
+    """How training from t0 to t1 filled an idle span from `started` to `end` (one clock)."""
+
+    useful_s: float  # training within the idle span: what spot/utilisation counts
+    idle_s: float  # the idle span
+    overrun_s: float  # training past the span's end: time the step paid for spot training
+
+    @classmethod
+    def of(cls, t0: float, t1: float, started: float, end: float) -> FilledTime:
+        return cls(useful_s=max(0.0, min(t1, end) - t0), idle_s=max(0.0, end - started),
+                   overrun_s=max(0.0, t1 - max(end, t0)))
 
 
 @dataclass(kw_only=True)
@@ -164,13 +181,11 @@ class SpotWork(IdleWork):
                                     keep_cut=True)  # the window's end keeps the chunks done
         t1 = window.clock()
         self._state(step, RankState.BARRIER)
-        end = window.all_done_at()
-        idle_s = max(0.0, end - window.started)
-        useful_s = max(0.0, min(t1, end) - t0)
-        overrun_s = max(0.0, t1 - max(end, t0))
+        filled = FilledTime.of(t0, t1, window.started, window.all_done_at())
         n = float(result["spot/micro_steps"])
-        mine = [n, useful_s, idle_s, result.get("spot/drafter_loss", 0.0) * n, result.get("spot/top1", 0.0) * n,
-                result.get("spot/aborted", 0.0), result.get("spot/dropped_s", 0.0), overrun_s]
+        mine = [n, filled.useful_s, filled.idle_s, result.get("spot/drafter_loss", 0.0) * n,
+                result.get("spot/top1", 0.0) * n, result.get("spot/aborted", 0.0), result.get("spot/dropped_s", 0.0),
+                filled.overrun_s]
         # The average goes on while the step goes on (the barrier, the actor's update): `settle` waits for it.
         self.pending = post_average(list(self.trainer.model.named_parameters()), n, mine, self.group)
         return self.buffer.stats()

@@ -174,3 +174,35 @@ def test_resume_auto_takes_the_latest_complete_checkpoint(tmp_path):
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-10"  # step-12 has no state.json: incomplete
     with pytest.raises(ValueError, match="run.dir"):
         load_config(TrainConfig, REPO / "configs/tiny.yaml", ["trainer.resume=auto"])
+
+
+def test_a_separated_placement_renders_one_torchrun_whose_config_gives_the_roles_by_node():
+    overrides = ["pipeline.placement=separated", "pipeline.actor_ranks=12"]
+    cfg = load_config(TrainConfig, REPO / "configs/7b.yaml", overrides)
+    script = render(cfg, "configs/7b.yaml", overrides)
+    assert script.count("-m torch.distributed.run") == 1 and script.count("#SBATCH --nodes=4") == 1
+    assert "# placement: separated: ranks 0-11 train (pipeline.actor_ranks=12), ranks 12-31 roll out (20 ranks)" in script
+    assert [line for line in script.splitlines() if line.startswith("#   node")] == [
+        "#   node 0: ranks 0-7 train", "#   node 1: ranks 8-11 train, ranks 12-15 roll out",
+        "#   node 2: ranks 16-23 roll out", "#   node 3: ranks 24-31 roll out"]
+    from torch.distributed.run import get_args_parser
+
+    cmd = run_command(script)
+    torchrun = get_args_parser().parse_args(cmd[cmd.index("-m") + 2:])
+    job_overrides, _ = override_args(torchrun.training_script_args)
+    job_cfg = load_config(TrainConfig, REPO / "configs/7b.yaml", job_overrides)
+    world = int(torchrun.nnodes) * int(torchrun.nproc_per_node)
+    assert job_cfg.pipeline.roles(world) == (12, 20)
+
+
+def test_a_colocated_placement_says_every_rank_rolls_out_and_trains():
+    cfg = load_config(TrainConfig, REPO / "configs/7b.yaml")
+    script = render(cfg, "configs/7b.yaml", [])
+    assert "# placement: colocated: all 32 ranks roll out, then train" in script and "#   node" not in script
+
+
+def test_a_separated_job_without_a_rollout_rank_is_refused_naming_the_key():
+    overrides = ["pipeline.placement=separated", "pipeline.actor_ranks=32"]
+    cfg = load_config(TrainConfig, REPO / "configs/7b.yaml", overrides)
+    with pytest.raises(ValueError, match=r"pipeline.actor_ranks=32 leaves no rollout rank"):
+        render(cfg, "configs/7b.yaml", overrides)

@@ -194,7 +194,7 @@ def test_scenario_arm_must_exist(tmp_path):
         load_scenario(REPO / "sim/scenarios/7b.yaml", ["spec.buckets=[{max_batch: 4, arm: d9k1v9}]"])
 
 
-@pytest.mark.parametrize("name", ["7b", "32b", "235b_moe"])
+@pytest.mark.parametrize("name", ["7b", "32b", "235b_moe", "7b_separated", "32b_separated"])
 def test_shipped_scenarios_load(name):
     scn = load_scenario(REPO / f"sim/scenarios/{name}.yaml")
     assert scn.cluster.devices and scn.spec.arms

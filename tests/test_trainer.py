@@ -142,7 +142,7 @@ def test_with_bf16_weights_the_engine_serves_the_rounded_actor_and_the_actor_rec
     actor = build_actor(cfg.actor, char_model_dir)
     trainer = Trainer(cfg, Ranks(), engine, actor, load_tokenizer(char_model_dir), TASKS["digits"],
                       PromptLoader(TASKS["digits"].make_problems("train", 16, 0), 4, 0), [], tmp_path)
-    assert not trainer.engine_old_logprobs
+    assert not trainer.learner.engine_old_logprobs
     result = trainer.step()
     assert result.metrics["train/mismatch_kl"] > 1e-9  # the bf16-rounded policy samples, the fp32 actor trains
     served = dict(engine.model.named_parameters())

@@ -12,7 +12,9 @@ on idle ranks) fill. This package holds all of it and nothing of the works thems
   then spot training, then waiting), a pure function of the window's clock, and the
   `ScheduledIdle` that runs it;
 - `states`: every rank's state in the store (GENERATING, IDLE, PREGENERATING, TRAINING, BARRIER);
-- `rules`: when a rank puts its stashed features into the DataBuffer.
+- `rules`: when a rank puts its stashed features into the DataBuffer;
+- `update`: a separated placement's rollout rank waiting through the actor's update (an
+  `UpdateWindow`), ended by actor rank 0's announcement of its next push (`PushFlag`).
 
 It lives in `common` because both the loop (pipeline) and the works (spot) use it, and neither
 imports the other.
@@ -21,8 +23,9 @@ imports the other.
 from common.idle.rules import HELD_STEPS, stashes_to_hold
 from common.idle.schedule import IdleSchedule, Phase, ScheduledIdle
 from common.idle.states import ControlPlane, RankState
+from common.idle.update import PushFlag, UpdateWindow
 from common.idle.window import IdleWindow, IdleWindows
 from common.idle.work import IdleWork
 
-__all__ = ["HELD_STEPS", "ControlPlane", "IdleSchedule", "IdleWindow", "IdleWindows", "IdleWork", "Phase", "RankState",
-           "ScheduledIdle", "stashes_to_hold"]
+__all__ = ["HELD_STEPS", "ControlPlane", "IdleSchedule", "IdleWindow", "IdleWindows", "IdleWork", "Phase", "PushFlag",
+           "RankState", "ScheduledIdle", "UpdateWindow", "stashes_to_hold"]

@@ -7,6 +7,10 @@ The loop calls, on every rank and every step, in this order:
     work(window) -> metrics       once this rank's rollouts are done: preemptible work until
                                   `window.others_done()`; returns without waiting for the window
                                   to close and without collectives on the default group
+    through_update(window)        separated placement, rollout ranks only: once this rank has sent
+                                  its rollouts, preemptible work until `window.pushed()` (the
+                                  actor's next push is announced; common.idle.update), then it may
+                                  post a collective on its own process group
     settle() -> metrics           after the actor's update: what finished later (an average across
                                   ranks posted as the window ended), collectives allowed
 
@@ -23,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from common.idle.update import UpdateWindow
     from engine.types import RolloutBatch
 
 
@@ -37,6 +42,9 @@ class IdleWork:
 
     def work(self, window) -> dict[str, float]:
         return {}
+
+    def through_update(self, window: UpdateWindow) -> None:
+        pass
 
     def settle(self) -> dict[str, float]:
         return {}

@@ -2,13 +2,20 @@
 // RMSNorm of a few rows (torch's is ~10 dispatched ops) and attention of a few query tokens per
 // row over a KV cache with a boolean mask (a decode step, or a verify pass over a draft tree).
 //
-// Each output row is computed on its own, in a fixed order (keys in slot order, masked slots
-// skipped), so a token's result does not depend on how many other tokens or rows share the call:
-// a verify pass over [root, draft tree] gives bit for bit the values sequential decoding gives.
+// Each output's arithmetic is fixed by its own inputs (every score a chain of fused multiply-adds
+// in order of d; the softmax and the weighted values over slots in slot order, masked slots adding
+// exact zeros), so a token's result does not depend on how many other tokens or rows share the
+// call: a verify pass over [root, draft tree] gives bit for bit the values sequential decoding
+// gives. The queries of one row and KV head (its GQA group x its new tokens) share each tile of
+// keys, so a verify pass of T tokens reads the cache once, not T times.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #include "common.h"
 
@@ -28,23 +35,192 @@ void rms_norm_rows(const float* x, int64_t ldx, const float* w, float eps, float
   }
 }
 
+// Up to this many query vectors of one (row, kv head) share a pass over its keys.
+constexpr int64_t kQueryChunk = 64;
+constexpr int64_t kLanes = 8;  // keys scored together: one vector of lanes over keys
+
+// kt[d * kLanes + l] = rows[l][d]: kLanes keys of D floats, as a tile of lanes over keys.
+static void transpose_keys(const float* const* rows, int64_t D, float* kt) {
+  int64_t d0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; d0 + 8 <= D; d0 += 8) {  // an 8 x 8 transpose in registers
+    __m256 r0 = _mm256_loadu_ps(rows[0] + d0), r1 = _mm256_loadu_ps(rows[1] + d0), r2 = _mm256_loadu_ps(rows[2] + d0),
+           r3 = _mm256_loadu_ps(rows[3] + d0), r4 = _mm256_loadu_ps(rows[4] + d0), r5 = _mm256_loadu_ps(rows[5] + d0),
+           r6 = _mm256_loadu_ps(rows[6] + d0), r7 = _mm256_loadu_ps(rows[7] + d0);
+    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3),
+                 t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+                 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+                 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+                 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+                 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    float* out = kt + d0 * kLanes;
+    _mm256_storeu_ps(out + 0 * kLanes, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(out + 1 * kLanes, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(out + 2 * kLanes, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(out + 3 * kLanes, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(out + 4 * kLanes, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(out + 5 * kLanes, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(out + 6 * kLanes, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(out + 7 * kLanes, _mm256_permute2f128_ps(u3, u7, 0x31));
+  }
+#endif
+  for (int64_t d = d0; d < D; ++d)
+    for (int64_t l = 0; l < kLanes; ++l) kt[d * kLanes + l] = rows[l][d];
+}
+
+// scores[i * ld + l] = (q_i . key_l) * scale for the kLanes keys of a tile kt [D, kLanes]: per
+// (query, key) one fused multiply-add per d in order of d (the lanes are keys), four queries at a
+// time so that their chains of fused multiply-adds overlap.
+static void score_block(const float* const* qs, int64_t Q, const float* kt, int64_t D, float scale, float* scores,
+                        int64_t ld) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 sc8 = _mm256_set1_ps(scale);
+  for (; i < Q; i += 4) {  // a last group of 1-3 queries repeats its last one, stored once
+    const int64_t r = Q - i < 4 ? Q - i : 4;
+    const float *q0 = qs[i], *q1 = qs[i + (r > 1)], *q2 = qs[i + (r > 2 ? 2 : r - 1)], *q3 = qs[i + r - 1];
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 kv = _mm256_loadu_ps(kt + d * kLanes);
+      a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(q0 + d), kv, a0);
+      a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(q1 + d), kv, a1);
+      a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(q2 + d), kv, a2);
+      a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(q3 + d), kv, a3);
+    }
+    _mm256_storeu_ps(scores + i * ld, _mm256_mul_ps(a0, sc8));
+    if (r > 1) _mm256_storeu_ps(scores + (i + 1) * ld, _mm256_mul_ps(a1, sc8));
+    if (r > 2) _mm256_storeu_ps(scores + (i + 2) * ld, _mm256_mul_ps(a2, sc8));
+    if (r > 3) _mm256_storeu_ps(scores + (i + 3) * ld, _mm256_mul_ps(a3, sc8));
+  }
+#endif
+  for (; i < Q; ++i) {
+    const float* q = qs[i];
+    float acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t l = 0; l < kLanes; ++l) acc[l] = std::fma(q[d], kt[d * kLanes + l], acc[l]);
+    for (int64_t l = 0; l < kLanes; ++l) scores[i * ld + l] = acc[l] * scale;
+  }
+}
+
+// out[d] = sum_j w[j] v[j, d] over slots j < S in order of j, one fused multiply-add per term.
+static void weigh_values(const float* w, int64_t S, const float* v, int64_t D, float* out) {
+  int64_t d0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; d0 + 32 <= D; d0 += 32) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t j = 0; j < S; ++j) {
+      const __m256 wj = _mm256_broadcast_ss(w + j);
+      const float* vr = v + j * D + d0;
+      a0 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vr), a0);
+      a1 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vr + 8), a1);
+      a2 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vr + 16), a2);
+      a3 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vr + 24), a3);
+    }
+    _mm256_storeu_ps(out + d0, a0);
+    _mm256_storeu_ps(out + d0 + 8, a1);
+    _mm256_storeu_ps(out + d0 + 16, a2);
+    _mm256_storeu_ps(out + d0 + 24, a3);
+  }
+#endif
+  for (int64_t d = d0; d < D; ++d) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < S; ++j) acc = std::fma(w[j], v[j * D + d], acc);
+    out[d] = acc;
+  }
+}
+
+// Attention of Q queries that share one head's keys / values k, v [S, D] (a row's GQA group:
+// its G query heads x T new tokens) -> outs[i] [D]. Every (query, key) score is the same
+// arithmetic whatever else shares the call: sequential fused multiply-adds over d (lanes run over
+// keys, never over d, so no horizontal sum), then the softmax over visible slots in slot order
+// and the weighted sum of values in slot order. So a verify pass over [root, draft] gives bit for
+// bit what sequential decoding gives, while the keys are read once per chunk of queries instead
+// of once per query. kt: scratch of D * kLanes floats; scores: of kQueryChunk * S (rounded up to kLanes) floats.
+static void attend_group(const float* const* qs, const bool* const* masks, float* const* outs, int64_t Q, const float* k,
+                         const float* v, int64_t S, int64_t D, float scale, float* kt, float* scores) {
+  int64_t end = 0;  // one past the last slot any query sees
+  for (int64_t i = 0; i < Q; ++i)
+    for (int64_t j = S - 1; j >= end; --j)
+      if (masks[i][j]) {
+        end = j + 1;
+        break;
+      }
+  const int64_t padded = (end + kLanes - 1) / kLanes * kLanes;
+  const int64_t ld = (S + kLanes - 1) / kLanes * kLanes;  // a query's row of scores
+  for (int64_t j0 = 0; j0 < end; j0 += kLanes) {
+    const int64_t n = end - j0 < kLanes ? end - j0 : kLanes;
+    const float* rows[kLanes];  // lanes past the end: any finite key (its scores are masked)
+    for (int64_t l = 0; l < kLanes; ++l) rows[l] = k + (j0 + (l < n ? l : 0)) * D;
+    transpose_keys(rows, D, kt);
+    score_block(qs, Q, kt, D, scale, scores + j0, ld);
+  }
+  for (int64_t i = 0; i < Q; ++i) {
+    const uint8_t* m = reinterpret_cast<const uint8_t*>(masks[i]);
+    float* sc = scores + i * ld;
+    float* out = outs[i];
+    for (int64_t j = 0; j < end; ++j) {
+      const float x = sc[j];
+      sc[j] = m[j] ? x : -INFINITY;
+    }
+    for (int64_t j = end; j < padded; ++j) sc[j] = -INFINITY;
+    float top[kLanes];  // the largest visible score, by lane (max is exact in any order)
+    for (int64_t l = 0; l < kLanes; ++l) top[l] = -INFINITY;
+    for (int64_t j0 = 0; j0 < padded; j0 += kLanes) {
+#pragma omp simd
+      for (int64_t l = 0; l < kLanes; ++l) top[l] = sc[j0 + l] > top[l] ? sc[j0 + l] : top[l];
+    }
+    float mx = -INFINITY;
+    for (int64_t l = 0; l < kLanes; ++l) mx = top[l] > mx ? top[l] : mx;
+    for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
+    if (mx == -INFINITY) continue;  // nothing visible: zeros (never happens for a real token)
+    // Weights: exp(s - max) on visible slots, exact zeros elsewhere (adding a zero changes no sum).
+    for (int64_t j = 0; j < end; ++j) sc[j] = tailspec::fast_expf(sc[j] - mx);
+    for (int64_t j = 0; j < end; ++j) sc[j] = sc[j] * (float)m[j];
+    for (int64_t j = end; j < padded; ++j) sc[j] = 0.f;
+    float lanes[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // the total, by slot mod kLanes
+    for (int64_t j0 = 0; j0 < padded; j0 += kLanes) {
+#pragma omp simd
+      for (int64_t l = 0; l < kLanes; ++l) lanes[l] += sc[j0 + l];
+    }
+    const float total = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+    weigh_values(sc, end, v, D, out);
+    const float inv = 1.f / total;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+  }
+}
+
 // out[b, t, hq, :] = softmax_j(q[b, t, hq] . k[b, hq / G, j] * scale | mask[b, t, j]) @ v[b, hq / G, j]
 // q: [B, T, Hq, D] with strides (sqb, sqt, D, 1); k, v: [B, Hkv, M, D] contiguous (a cache layer,
 // rows 0..B-1); mask: [B, T, S] bool, contiguous; out: [B, T, Hq, D] contiguous.
+// One job per (row, kv head, chunk of its G * T queries): attend_group.
 void attend_rows(const float* q, int64_t sqb, int64_t sqt, const float* k, const float* v, int64_t skb, int64_t skh,
                  const bool* mask, float* out, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t S, int64_t D,
                  float scale, int nthreads) {
   const int64_t G = Hq / Hkv;
-  const int64_t jobs = B * T * Hq;
-  const bool parallel = nthreads > 1 && jobs * S * D > 32768;
+  const int64_t per_head = G * T;
+  const int64_t chunks = (per_head + kQueryChunk - 1) / kQueryChunk;
+  const int64_t jobs = B * Hkv * chunks;
+  const bool parallel = nthreads > 1 && B * T * Hq * S * D > 32768;
 #pragma omp parallel num_threads(parallel ? nthreads : 1)
   {
-    std::vector<float> p(S);
+    std::vector<float> kt(D * kLanes), scores(kQueryChunk * ((S + kLanes - 1) / kLanes * kLanes));
+    const float* qs[kQueryChunk];
+    const bool* masks[kQueryChunk];
+    float* outs[kQueryChunk];
 #pragma omp for schedule(static)
     for (int64_t job = 0; job < jobs; ++job) {
-      const int64_t b = job / (T * Hq), t = (job / Hq) % T, hq = job % Hq, h = hq / G;
-      tailspec::attend_one(q + b * sqb + t * sqt + hq * D, k + b * skb + h * skh, v + b * skb + h * skh,
-                           mask + (b * T + t) * S, S, D, scale, p.data(), out + ((b * T + t) * Hq + hq) * D);
+      const int64_t b = job / (Hkv * chunks), h = (job / chunks) % Hkv, c = job % chunks;
+      const int64_t first = c * kQueryChunk, n = per_head - first < kQueryChunk ? per_head - first : kQueryChunk;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = (first + i) / G, hq = h * G + (first + i) % G;
+        qs[i] = q + b * sqb + t * sqt + hq * D;
+        masks[i] = mask + (b * T + t) * S;
+        outs[i] = out + ((b * T + t) * Hq + hq) * D;
+      }
+      attend_group(qs, masks, outs, n, k + b * skb + h * skh, v + b * skb + h * skh, S, D, scale, kt.data(),
+                   scores.data());
     }
   }
 }

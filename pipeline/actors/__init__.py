@@ -9,9 +9,15 @@ from pipeline.actors.base import Actor, ActorConfig, LogProbs, LossFn
 __all__ = ["Actor", "ActorConfig", "LogProbs", "LossFn", "build_actor"]
 
 
-def build_actor(cfg: ActorConfig, model_path: str | Path) -> Actor:
-    """The actor of cfg.backend over the Hugging Face folder model_path (collective under torch.distributed)."""
+def build_actor(cfg: ActorConfig, model_path: str | Path, group=None) -> Actor:
+    """The actor of cfg.backend over the Hugging Face folder model_path (collective under torch.distributed).
+
+    `group`: the data-parallel ranks (None: every rank of the job; a separated placement's actor
+    group, pipeline.placement). Only the torch backend trains on a subgroup."""
     cfg.validate()
+    if group is not None and cfg.backend != "torch":
+        raise ValueError(f"actor.backend={cfg.backend} trains on every rank of the job; pipeline.placement=separated "
+                         "needs actor.backend=torch (DDP over the actor ranks), or use pipeline.placement=colocated")
     if cfg.backend == "megatron":
         try:
             import megatron.core  # noqa: F401
@@ -27,4 +33,4 @@ def build_actor(cfg: ActorConfig, model_path: str | Path) -> Actor:
         return DeepSpeedActor(cfg, model_path)
     from pipeline.actors.torch_actor import TorchActor
 
-    return TorchActor(cfg, model_path)
+    return TorchActor(cfg, model_path, group)

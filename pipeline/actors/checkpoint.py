@@ -19,31 +19,33 @@ import torch.distributed as dist
 from common.atomic import atomic_folder
 
 
-def rank_and_world() -> tuple[int, int]:
+def rank_and_world(group=None) -> tuple[int, int]:
+    """This rank and the size of `group` (None: the default process group); (0, 1) alone."""
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
 
 
 @contextlib.contextmanager
-def collective_folder(path: str | Path) -> Iterator[Path]:
-    """Every rank enters with the same target; each gets the shared temporary folder to write into."""
-    rank, world = rank_and_world()
+def collective_folder(path: str | Path, group=None) -> Iterator[Path]:
+    """Every rank of `group` (None: all) enters with the same target; each gets the shared
+    temporary folder to write into. The group's rank 0 owns it."""
+    rank, world = rank_and_world(group)
     if world == 1:
         with atomic_folder(path) as tmp:
             yield tmp
         return
     if rank == 0:
         with atomic_folder(path) as tmp:
-            dist.broadcast_object_list([str(tmp)], src=0)
+            dist.broadcast_object_list([str(tmp)], group=group, group_src=0)
             yield tmp
-            dist.barrier()  # the others have written their files
+            dist.barrier(group=group)  # the others have written their files
     else:
         box = [None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, group=group, group_src=0)
         yield Path(box[0])
-        dist.barrier()
-    dist.barrier()  # the folder is in place before anyone reads it
+        dist.barrier(group=group)
+    dist.barrier(group=group)  # the folder is in place before anyone reads it
 
 
 def require_files(path: str | Path, names: list[str], what: str) -> Path:

@@ -131,10 +131,10 @@ def equal_count(groups: list[tuple[torch.Tensor, int]], n: int) -> list[tuple[to
 
 def accumulate(forward: Callable[..., LogProbs], batch: TrainBatch, loss_fn: LossFn, budget: int, *,
                context: Callable[[bool], contextlib.AbstractContextManager], backward: Callable[[torch.Tensor], None],
-               entropy: bool = False) -> dict[str, float]:
+               entropy: bool = False, group=None) -> dict[str, float]:
     """Forward and backward over the micro-batches, each inside the backend's context(is_last).
 
-    Under torch.distributed every rank runs the same number of micro-batches (the largest count
+    Under torch.distributed every rank of `group` (None: the default process group) runs the same number of micro-batches (the largest count
     of any rank), since ZeRO-2 / 3 reduce gradients in every backward: a rank with fewer splits
     its largest micro-batches, or runs zero-weight copies of a row when it has too few rows.
     Returns train/loss (the sum of the micro-batches' losses: this rank's mini-batch loss) and
@@ -142,9 +142,9 @@ def accumulate(forward: Callable[..., LogProbs], batch: TrainBatch, loss_fn: Los
     """
     groups = micro_batches(batch.attention_mask, budget)
     n = len(groups)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         count = torch.tensor([n])
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
         n = int(count)
     micros = [trimmed(batch, rows, length) for rows, length in equal_count(groups, n)]
     while len(micros) < n:

@@ -33,17 +33,19 @@ def actor_device(cfg: ActorConfig) -> torch.device:
 
 
 class TorchActor:
-    def __init__(self, cfg: ActorConfig, model_path: str | Path):
+    """`group`: the data-parallel ranks (None: the default process group, every rank)."""
+
+    def __init__(self, cfg: ActorConfig, model_path: str | Path, group=None):
         cfg.validate()
-        self.cfg = cfg
+        self.cfg, self.group = cfg, group
         self.device = actor_device(cfg)
-        self.rank, self.world = rank_and_world()
+        self.rank, self.world = rank_and_world(group)
         self.model = load_policy(model_path, cfg).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.ddp = None
         if self.world > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
-            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids, process_group=group)
         self.optimizer = make_adamw(self.params, cfg.lr, cfg.betas, cfg.weight_decay)
 
     @torch.no_grad()
@@ -63,7 +65,8 @@ class TorchActor:
 
         metrics = accumulate(functools.partial(policy_forward, self.ddp or self.model), batch.to(self.device), loss_fn,
                              self.cfg.micro_batch_tokens, context=context,
-                             backward=lambda loss: (loss * self.world).backward(), entropy=entropy)
+                             backward=lambda loss: (loss * self.world).backward(), entropy=entropy,
+                             group=self.group)
         metrics["train/grad_norm"] = clip_and_step(self.optimizer, self.params, self.cfg.grad_clip)
         return metrics
 
@@ -72,7 +75,7 @@ class TorchActor:
             yield name, p.detach()
 
     def save(self, path: str | Path) -> None:
-        with collective_folder(path) as tmp:
+        with collective_folder(path, self.group) as tmp:
             if self.rank == 0:
                 self.model.save_pretrained(tmp)
                 torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
@@ -89,4 +92,4 @@ class TorchActor:
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=self.device))
         load_rng(path, self.rank)
         if self.world > 1:
-            dist.barrier()
+            dist.barrier(group=self.group)

@@ -1,0 +1,118 @@
+"""`build_separated(...)`: the parts of a separated run on this rank (launch.run.build_run calls it).
+
+`pipeline.placement=separated pipeline.actor_ranks=K` under one torchrun: ranks 0..K-1 build the
+actor (DDP over the actor group), its reference policy and a loader sharded over K ranks (the
+colocated run's shards on K ranks); ranks K..W-1 build the rollout backend and a loader of the
+whole global step. The first rollout rank tells every rank what its backend can do (whether its
+log-probs are exactly the served policy's), which decides the PPO ratio's old log-probs on the
+actor ranks. Then actor rank 0 pushes the weights the rollout ranks serve first: the checkpoint's
+step on a resumed run, 0 on a fresh one. The placement and its groups: pipeline.placement; the
+two sides' loops: pipeline.separated_actor and pipeline.separated_rollout; choosing a placement:
+docs/PLACEMENT.md.
+
+With `spot.enabled` the rollout ranks train the drafter in all their idle time (spot.separated,
+on a process group of the rollout ranks made here on every rank), and actor rank 0 announces
+each weight push in the job's store (common.idle.update), which ends their update windows.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch.distributed as dist
+
+from common.idle import PushFlag
+from common.text import load_tokenizer, stop_tokens
+from engine.backends.factory import build_rollout_engine
+from launch.config import to_dict
+from launch.run import RankLog, Run, problems_for, resume_state
+from launch.run_config import TrainConfig
+from pipeline.data import PromptLoader
+from pipeline.dist import Ranks, job_store
+from pipeline.learner import Learner, uses_engine_logprobs
+from pipeline.metrics import MetricsLogger
+from pipeline.placement import Placement, build_placement
+from pipeline.rollouts import StepSampling
+from pipeline.shares import shard_shares
+
+_RUNS = itertools.count()  # runs built in this process: part of their push announcements' store scope
+
+
+def build_separated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: ExitStack) -> Run:
+    placement = build_placement(cfg.pipeline, r, cfg.pipeline.timeout_s)
+    K = len(placement.actor_ranks)
+    shard_shares(cfg.trainer.prompts_per_step, K)  # trainer.prompts_per_step must split over the actor ranks
+    log(f"separated placement: rank {r.rank} of {r.world} is {'an actor' if placement.role == 'actor' else 'a rollout'} "
+        f"rank ({K} actor, {len(placement.rollout_ranks)} rollout)")
+    tokenizer = load_tokenizer(cfg.model.path)
+    task, train_problems, held_out = problems_for(cfg)
+    resume, state = resume_state(cfg, r, run_dir, log)
+    engine = actor = None
+    push_flag = spot_group = None
+    if cfg.spot.enabled:  # collective: every rank makes the rollout ranks' spot group
+        push_flag = PushFlag(job_store(r), f"tailspec/{run_dir.name}/{next(_RUNS)}")
+        spot_group = dist.new_group(list(placement.rollout_ranks), timeout=datetime.timedelta(seconds=cfg.pipeline.timeout_s))
+    if placement.role == "actor":
+        from pipeline.actors import build_actor
+        from pipeline.separated_actor import SeparatedActor
+
+        loader = PromptLoader(train_problems, cfg.trainer.prompts_per_step, cfg.run.seed, world_size=K,
+                              rank=placement.actors.rank)
+        actor = build_actor(cfg.actor, cfg.model.path, group=placement.actors.group)
+        reference = None
+        if cfg.algorithm.kl_coef > 0:
+            from pipeline.reference import ReferencePolicy
+
+            reference = ReferencePolicy(cfg.actor, cfg.model.path)
+        if resume is not None:
+            actor.load(resume / "actor")
+            loader.load_state_dict(state.loader)
+        caps = _engine_caps(placement, None)
+        samples_policy = StepSampling.of(cfg.rollout, cfg.run.seed, ()).is_policy  # stop tokens change no distribution
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        learner = Learner(cfg, placement.actors, actor, pad_id,
+                          uses_engine_logprobs(cfg.trainer, samples_policy, caps.exact_logprobs), reference=reference)
+        driver = SeparatedActor(cfg, placement, learner, actor, loader, run_dir, state.step, push_flag=push_flag)
+        driver.push(state.step)
+    else:
+        from pipeline.separated_rollout import SeparatedRollout
+
+        loader = PromptLoader(train_problems, cfg.trainer.prompts_per_step, cfg.run.seed)  # the whole global step
+        engine = build_rollout_engine(cfg.model.path, cfg.engine, seed=cfg.run.seed)
+        resources.callback(engine.close)
+        if resume is not None:
+            loader.load_state_dict(state.loader)
+            if engine.policy is not None and "spec_policy" in state.components:
+                engine.policy.load_state_dict(state.components["spec_policy"])
+        _engine_caps(placement, engine)
+        stops = stop_tokens(engine.model_config, tokenizer)
+        sampling = StepSampling.of(cfg.rollout, cfg.run.seed, stops)
+        idle_work = None
+        if cfg.spot.enabled:
+            from spot.separated import build_separated_spot
+
+            spot = build_separated_spot(cfg.spot, engine, run_name=run_dir.name, group=spot_group, store=job_store(r),
+                                        seed=cfg.run.seed, max_new_tokens=cfg.rollout.max_new_tokens, resume=resume)
+            resources.callback(spot.close)
+            if "idle_work" in state.components:
+                spot.work.load_state_dict(state.components["idle_work"])
+            idle_work = spot.work
+            log(f"spot training on the rollout ranks' idle time: node buffer {spot.buffer.name} ({cfg.spot.buffer_mb} MiB)")
+        driver = SeparatedRollout(cfg, placement, engine, tokenizer, task, loader, held_out, sampling, stops, run_dir,
+                                  state.step, idle_work=idle_work, push_flag=push_flag)
+        driver.receive_policy(state.step)
+    logger = MetricsLogger.from_config(run_dir, cfg.metrics, rank=r.rank, run_name=run_dir.name,
+                                       resolved_config=to_dict(cfg), resume_after_step=state.step if resume is not None else -1)
+    return Run(cfg=cfg, ranks=r, run_dir=run_dir, log=log, task=task, held_out=held_out, loader=loader, engine=engine,
+               actor=actor, idle_work=None, trainer=driver, logger=logger, start_step=state.step, resources=resources)
+
+
+def _engine_caps(placement: Placement, engine):
+    """The first rollout rank's backend capabilities, on every rank (collective)."""
+    box = [engine.caps if engine is not None and placement.job.rank == placement.first_rollout else None]
+    dist.broadcast_object_list(box, src=placement.first_rollout)
+    return box[0]
+

@@ -1,0 +1,131 @@
+"""The actor's half of an RL step, the same in every placement: scored rollouts in, one update out.
+
+    rewards -> advantages (pipeline.algorithms) -> a TrainBatch (pipeline.train_batch)
+    -> old log-probs (the engine's, or the actor's forward) and reference log-probs
+    -> the asynchronous mode's truncated importance weight on the advantages
+    -> PPO epochs over mini-batches (the actor backend's update with the algorithm's loss)
+
+`ranks` are the data-parallel ranks of the actor (the whole job when colocated, the actor group
+when separated: pipeline.placement); loss weights are normalised over the mini-batch of all of
+them, as the actor backends expect. The learner knows nothing of engines, prompts or where the
+rollouts were made: the loop (pipeline.trainer, pipeline.separated_actor) hands it a rank's
+`ScoredRollouts` and pushes the weights afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pipeline.algorithms import build_algorithm, mismatch_kl
+from pipeline.dist import Ranks, all_sum
+from pipeline.records import TrainBatch
+from pipeline.rollouts import ScoredRollouts
+from pipeline.train_batch import pack_rollouts
+
+
+def uses_engine_logprobs(trainer_cfg, samples_policy: bool, exact_logprobs: bool) -> bool:
+    """Whether the PPO ratio's old log-probs are the engine's own (trainer.old_logprobs: engine, or
+    auto where they are exactly the old policy's: synchronous, sampling from the policy itself,
+    a backend with exact log-probs)."""
+    tc = trainer_cfg
+    if tc.old_logprobs == "engine" and not samples_policy:
+        raise ValueError("trainer.old_logprobs=engine needs rollout.temperature=1, top_p=1, top_k=0 (the engine's "
+                         "log-probs are those of the sampling distribution); use actor or auto")
+    return tc.old_logprobs == "engine" or (tc.old_logprobs == "auto" and samples_policy and not tc.async_steps
+                                           and exact_logprobs)
+
+
+class Learner:
+    def __init__(self, cfg, ranks: Ranks, actor, pad_id: int, engine_old_logprobs: bool, reference=None,
+                 actor_features=None) -> None:
+        self.cfg, self.r, self.actor, self.pad_id = cfg, ranks, actor, pad_id
+        self.engine_old_logprobs = engine_old_logprobs
+        self.reference = reference  # a ReferencePolicy when algorithm.kl_coef > 0
+        self.actor_features = actor_features  # a spot.actor_features.ActorFeatures: the buffer from the actor's forward
+        if cfg.algorithm.kl_coef > 0 and reference is None:
+            raise ValueError("algorithm.kl_coef > 0 needs a reference policy (pipeline.reference.ReferencePolicy)")
+        if actor_features is not None and engine_old_logprobs:
+            raise ValueError("spot training from the actor's forward needs trainer.old_logprobs=actor or auto (the "
+                             "engine's log-probs would skip the forward that fills the DataBuffer)")
+        self.algo = build_algorithm(cfg.algorithm, cfg.rollout.max_new_tokens)
+
+    def train(self, scored: ScoredRollouts, step: int) -> tuple[dict[str, float], float, float]:
+        """One update on this rank's rollouts of `step`; -> (metrics, seconds of log-probs, seconds of update)."""
+        batch, metrics = self.train_batch(scored)
+        t = time.perf_counter()
+        if self.engine_old_logprobs:
+            batch.old_logprobs = batch.engine_logprobs.clone()
+        else:
+            metrics.update(self._actor_old_logprobs(batch, scored, step))
+        if self.reference is not None:
+            batch.ref_logprobs = self.reference.logprobs(batch.input_ids, batch.attention_mask) * batch.response_mask
+        logprob_s = time.perf_counter() - t
+        if self.cfg.trainer.async_steps:
+            ratio = (batch.old_logprobs - batch.engine_logprobs).clamp(max=20).exp().clamp(max=self.cfg.trainer.is_cap)
+            batch.advantages = batch.advantages * torch.where(batch.response_mask.bool(), ratio, 0)
+        t = time.perf_counter()
+        metrics.update(self._update(batch))
+        return metrics, logprob_s, time.perf_counter() - t
+
+    def train_batch(self, scored: ScoredRollouts) -> tuple[TrainBatch, dict[str, float]]:
+        n = scored.n
+        rewards, metrics = self.algo.shape_rewards(scored.rewards, scored.lengths)
+        adv, m = self.algo.advantages(rewards.view(-1, n), None)
+        metrics.update(m)
+        batch = pack_rollouts(row_prompts(scored), [r.tokens for r in scored.batch], [r.logprobs for r in scored.batch],
+                              adv.reshape(-1), self.pad_id)
+        return batch, metrics
+
+    def _actor_old_logprobs(self, batch: TrainBatch, scored: ScoredRollouts, step: int) -> dict[str, float]:
+        """The actor's recomputed old log-probs into `batch`; the same forward's hidden states fill the
+        DataBuffer when spot training reads them from the actor (entries of step t, trained on from
+        step t + 1's idle window: spot.actor_features)."""
+        kw = self.actor_features.logprobs_kwargs if self.actor_features is not None else {}
+        out = self.actor.logprobs(batch.input_ids, batch.attention_mask, **kw)
+        batch.old_logprobs = out.logprobs.cpu() * batch.response_mask
+        metrics = mismatch_kl(batch.engine_logprobs, batch.old_logprobs, batch.response_mask)[1]
+        if self.actor_features is not None:
+            put = self.actor_features.put(scored.batch.rollouts, row_prompts(scored), batch.input_ids, out, step)
+            metrics["spot/entries_put"] = all_sum(self.r, float(put))  # over all ranks
+        return metrics
+
+    def _update(self, batch: TrainBatch) -> dict[str, float]:
+        tc = self.cfg.trainer
+        rows = torch.arange(batch.size)
+        sums: dict[str, float] = {}
+        count = 0
+        first: dict[str, float] = {}
+        for epoch in range(tc.ppo_epochs):
+            for chunk in rows.chunk(tc.mini_batches):
+                mb = batch.select(chunk)
+                mb.loss_weights = self._global_weights(mb.response_mask)
+                measure = self.engine_old_logprobs and count == 0
+
+                def loss_fn(lp, ent, micro, measure=measure):
+                    loss, m = self.algo.loss(lp, micro, ent)
+                    if measure:  # before any update: the actor's log-probs against the engine's
+                        m.update(mismatch_kl(micro.engine_logprobs, lp.detach(), micro.response_mask)[1])
+                    return loss, m
+
+                m = self.actor.update(mb, loss_fn)
+                for k in [k for k in m if k.startswith("train/mismatch")]:
+                    first[k] = m.pop(k)
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                count += 1
+        return {k: v / count for k, v in sums.items()} | first
+
+    def _global_weights(self, mask: torch.Tensor) -> torch.Tensor:
+        """The algorithm's aggregation weights for this rank's rows, rescaled so that they are
+        normalised over the mini-batch of all ranks (token counts for token-mean, rows otherwise)."""
+        local = self.algo.loss_weights(mask)
+        count = float(mask.sum()) if self.algo.aggregation == "token-mean" else float(mask.shape[0])
+        total = all_sum(self.r, count)
+        return local * (count / total) if total > 0 else local
+
+
+def row_prompts(scored: ScoredRollouts) -> list[list[int]]:
+    """The prompt of each rollout (row) of the batch: rollouts come n per prompt."""
+    return [scored.prompts[i // scored.n] for i in range(len(scored.batch))]

@@ -1,0 +1,155 @@
+"""The rollout ranks' loop of a separated placement (pipeline.placement): generate, send, load.
+
+One step on rollout rank j (of R), step t counted from 0:
+
+    the step's prompts (the loader's global step: every rank computes it, nothing is sent)
+    -> this rank's groups of it, `generation_shares(P, R)[j]`, rolled out and scored with the
+       step's sampling keys (run seed, step, prompt id, sample: the tokens colocated ranks make)
+    -> idle window (common.idle: the wait for the slowest rollout rank)
+    -> a shipment to every actor rank (pipeline.shipment) with this rank's RolloutReport
+    -> the weight push of version t+1 (pipeline.weight_sync), then its wait and load times to actor
+       rank 0, with the idle work's metrics of the step.
+
+A rollout rank is idle twice a step: in the tail (`windows`: common.idle's window, which runs an
+IdleWork when one is given, as colocated ranks' windows do) and through the actor's update, until
+the push begins. With idle work (spot training, spot.separated) it runs in both: through the
+update by `IdleWork.through_update`, which ends at actor rank 0's announcement of the push
+(common.idle.update); `settle()` after the push, before the next rollouts. The time until the
+push begins, worked or waited, is the rank's idle time through the update.
+
+`trainer.async_steps=1`: step t+1 is rolled out (with the policy before step t's update) and
+sent before the push of version t+1, so generation overlaps the actor's update. Before every
+generation the engine must serve the step's expected version (t, or t-1 in async mode, never
+before the run's start), or the rank stops with an error: it never rolls out a stale policy.
+
+The first rollout rank also evaluates held-out accuracy (greedy) and reports the engine's
+speculation policy state for checkpoints, both to actor rank 0. Decode step records stay here
+(pipeline.records_log logs them under this rank).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from common.idle import IdleWindows, IdleWork, PushFlag
+from engine.backend import RolloutBackend
+from engine.types import StepRecord
+from pipeline.data import PromptLoader
+from pipeline.dist import job_store, transfer
+from pipeline.placement import Placement
+from pipeline.rollouts import StepSampling, held_out_accuracy, roll_out
+from pipeline.run_state import checkpoint_dir
+from pipeline.shares import generation_shares, shard_shares
+from pipeline.shipment import pack_shipments, send_shipments
+from pipeline.step_metrics import RolloutReport
+from pipeline.tasks import Problem, Task
+from pipeline.trainer import StepResult, training_reward
+from pipeline.weight_sync import receive_weights
+
+_RUNS = itertools.count()  # runs made in this process: part of their idle windows' store scope
+
+
+class SeparatedRollout:
+    def __init__(self, cfg, placement: Placement, engine: RolloutBackend, tokenizer, task: Task, loader: PromptLoader,
+                 eval_problems: list[Problem], sampling: StepSampling, stops: tuple[int, ...], run_dir: Path,
+                 start_step: int, idle_work: IdleWork | None = None, push_flag: PushFlag | None = None) -> None:
+        assert placement.role == "rollout" and placement.rollouts is not None and loader.world_size == 1
+        assert (idle_work is None) == (push_flag is None), "idle work needs the push announcements that end its windows"
+        self.idle_work, self.push_flag = idle_work, push_flag
+        self.idle_metrics: dict[str, float] = {}  # the idle work's, of the step's idle windows
+        self.cfg, self.p, self.r, self.engine, self.tok, self.task = cfg, placement, placement.rollouts, engine, tokenizer, task
+        self.loader, self.eval_problems, self.sampling, self.stops = loader, eval_problems, sampling, stops
+        self.run_dir = Path(run_dir)
+        self.start_step = self.step_index = start_step
+        P = cfg.trainer.prompts_per_step
+        self.groups = generation_shares(P, self.r.world)[self.r.rank]
+        self.actor_shares = shard_shares(P, len(placement.actor_ranks))
+        self.reward = training_reward(cfg.task, task)
+        group = self.r.group
+        self.windows = IdleWindows(job_store(placement.job), self.r.rank, self.r.world,
+                                   f"tailspec/{Path(run_dir).name}/{next(_RUNS)}/rollout",
+                                   barrier=lambda: dist.barrier(group=group))
+        self.decode_steps: dict[int, list[StepRecord]] = {}  # by step: generated, not yet reported
+
+    @property
+    def first(self) -> bool:
+        return self.p.job.rank == self.p.first_rollout
+
+    def expected_version(self, step: int) -> int:
+        """The policy version step `step`'s rollouts are made with."""
+        if self.cfg.trainer.async_steps:
+            return max(step - 1, self.start_step)
+        return step
+
+    def receive_policy(self, version: int) -> dict[str, float]:
+        """Waits for the push of `version` and serves it (refusing any other version)."""
+        with transfer(f"receiving policy version {version} from actor rank 0"):
+            return receive_weights(lambda stream, v: self.engine.load_weights(stream, version=v), version,
+                                   src=self.p.push_source, group=self.p.push_group)
+
+    def _generate_and_send(self, step: int) -> None:
+        want = self.expected_version(step)
+        if self.engine.version != want:
+            raise ValueError(f"rollout rank {self.p.job.rank}: step {step + 1} must be rolled out with policy version "
+                             f"{want}, the engine serves version {self.engine.version}; refusing a stale policy")
+        problems = self.loader.next_step()  # the global step (this loader is not sharded)
+        if self.idle_work is not None:
+            self.idle_work.begin(step)
+        t = time.perf_counter()
+        scored = roll_out(self.engine, self.tok, self.task, [problems[g] for g in self.groups], self.sampling(step),
+                          self.cfg.rollout.n, self.cfg.task.chat, self.reward)
+        rollout_s = time.perf_counter() - t
+        if self.idle_work is not None:
+            self.idle_work.rollouts_done(step, scored.batch)
+        with transfer("waiting for the other rollout ranks"):
+            idle_s, metrics = self.windows.run(step, self.idle_work)
+        self.idle_metrics.update(metrics)
+        report = RolloutReport.of(scored, rollout_s, idle_s)
+        with transfer(f"sending step {step + 1}'s rollouts to the actor ranks"):
+            send_shipments(pack_shipments(scored, self.groups, self.actor_shares, step, self.p.job.rank, report),
+                           self.p.actor_ranks)
+        self.decode_steps[step] = scored.batch.steps
+
+    def step(self) -> StepResult:
+        step = self.step_index
+        if step not in self.decode_steps:  # synchronous, or the first step of an asynchronous run
+            self._generate_and_send(step)
+        if self.cfg.trainer.async_steps:
+            self._generate_and_send(step + 1)  # with the policy before this step's update, while the actors train
+        t = time.perf_counter()
+        if self.idle_work is not None:  # through the actor's update, until actor rank 0 announces the push
+            self.idle_work.through_update(self.push_flag.window(step + self.cfg.trainer.async_steps, step + 1))
+        worked_s = time.perf_counter() - t  # idle time too: the push had not begun (with what the work had in flight then)
+        m = self.receive_policy(step + 1)
+        if self.idle_work is not None:
+            self.idle_metrics.update(self.idle_work.settle())
+        self._send([worked_s + m["sync/wait_s"], m["timing/sync"], self.idle_metrics], "sending the wait for the push")
+        self.idle_metrics = {}
+        self.step_index = step + 1
+        return StepResult(metrics={}, lengths=[], rollouts=None, decode_steps=self.decode_steps.pop(step))
+
+    def evaluate(self) -> None:
+        """The first rollout rank sends actor rank 0 the held-out greedy accuracy of the served policy."""
+        if self.first:
+            acc = held_out_accuracy(self.engine, self.tok, self.task, self.eval_problems, self.cfg, self.stops)
+            self._send(acc, "sending the held-out accuracy")
+
+    def save(self) -> None:
+        """The first rollout rank sends actor rank 0 its speculation policy's state (a learning tuner's)
+        and its idle work's; it writes the idle work's files into the checkpoint first, so they are
+        there when actor rank 0 completes it."""
+        if self.first:
+            state = {"spec_policy": self.engine.policy.state_dict()} if self.engine.policy is not None else {}
+            if self.idle_work is not None:
+                for name, write in self.idle_work.checkpoint_files().items():
+                    write(checkpoint_dir(self.run_dir, self.step_index) / name)
+                state["idle_work"] = self.idle_work.state_dict()
+            self._send(state, "sending the engine's state for a checkpoint")
+
+    def _send(self, obj, what: str) -> None:
+        with transfer(f"{what} to actor rank 0"):
+            dist.send_object_list([obj], dst=self.p.push_source)

@@ -1,0 +1,154 @@
+"""A separated run (actor ranks + rollout ranks under one torchrun) learns exactly what the
+colocated run learns, and survives the loss of a rollout rank through its checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+LEARNED = ("reward/mean", "reward/std", "train/pg_loss", "train/loss", "train/grad_norm", "train/mismatch_kl",
+           "rollout/response_length/mean", "rollout/response_length/max")
+SPEC = {"off": ["engine.spec.enabled=false"],
+        "on": ["engine.spec.drafter=ngram", "engine.spec.depth=4", "engine.spec.verify_tokens=4"]}
+
+
+def base(run_dir: Path) -> list[str]:
+    return [f"run.dir={run_dir}", "task.train_problems=64", "task.eval_problems=4", "rollout.n=4",
+            "rollout.max_new_tokens=16", "engine.max_batch=16", "engine.max_len=96", "engine.spec.tuner_arms=[]",
+            "spot.enabled=false", "trainer.prompts_per_step=4", "trainer.mini_batches=2", "trainer.eval_every=0",
+            "actor.lr=1e-3", "actor.micro_batch_tokens=256", "metrics.wandb=false", "metrics.dashboard=false",
+            "metrics.console=false"]
+
+
+def torchrun(procs: int, run_dir: Path, *overrides: str, module: str = "launch.train", env: dict | None = None,
+             check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO),
+           "TAILSPEC_CPU_TUNE": "0", **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", "-m", module,
+           "--config", str(REPO / "configs" / "tiny.yaml"), *base(run_dir), *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def separated(actors: int) -> list[str]:
+    return ["pipeline.placement=separated", f"pipeline.actor_ranks={actors}"]
+
+
+def step_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "timing/step" in r]
+
+
+def rollouts(run_dir: Path, by_rank: bool = True) -> list[tuple]:
+    rows = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    keys = ("step", "rank", "prompt_id", "sample", "length", "finish_reason", "reward")
+    return sorted(tuple(r[k] for k in keys if by_rank or k != "rank") for r in rows)
+
+
+def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "checkpoints" / f"step-{step}" / "actor" / "model.safetensors"))
+
+
+def evals(run_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+
+
+def assert_same_run(a: Path, b: Path, steps: int) -> None:
+    rows_a, rows_b = step_rows(a), step_rows(b)
+    assert len(rows_a) == len(rows_b) == steps
+    for x, y in zip(rows_a, rows_b):
+        assert {k: x.get(k) for k in LEARNED} == {k: y.get(k) for k in LEARNED}, x["step"]
+    assert rollouts(a) == rollouts(b)
+    assert evals(a) == evals(b) and evals(a)
+    wa, wb = weights(a, steps), weights(b, steps)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.timeout(300)
+def test_one_actor_and_two_rollout_ranks_equal_the_one_rank_colocated_run_bit_for_bit(char_model_dir, tmp_path,
+                                                                                      monkeypatch):
+    from launch.config import load_config
+    from launch.run import run
+    from launch.run_config import TrainConfig
+    from pipeline.dist import Ranks
+
+    monkeypatch.setenv("TAILSPEC_CPU_TUNE", "0")
+    extra = [f"model.path={char_model_dir}", "trainer.steps=2", *SPEC["off"]]
+    run(load_config(TrainConfig, REPO / "configs" / "tiny.yaml", [*base(tmp_path / "colocated"), *extra]), Ranks())
+    torchrun(3, tmp_path / "separated", *extra, *separated(1))
+    assert_same_run(tmp_path / "colocated", tmp_path / "separated", steps=2)
+    row = step_rows(tmp_path / "separated")[-1]
+    # per-role timings: the rollout ranks (1, 2) generate and wait, the actor receives, updates and pushes
+    assert {"timing/rollout/rank1", "timing/rollout/rank2", "timing/update_idle/rank2", "timing/receive",
+            "timing/update", "timing/sync"} <= row.keys() and "timing/rollout/rank0" not in row
+    assert row["timing/idle/rank2"] >= row["timing/update_idle/rank2"] > 0 and row["sync/tensors"] > 0
+    assert row["engine/version"] == 2 and row["rollout/policy_version"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_two_actor_and_two_rollout_ranks_equal_the_two_rank_colocated_run_bit_for_bit(char_model_dir, tmp_path):
+    model = f"model.path={char_model_dir}"
+    torchrun(2, tmp_path / "colocated", model, "trainer.steps=2", *SPEC["off"])
+    torchrun(4, tmp_path / "separated", model, "trainer.steps=2", *SPEC["off"], *separated(2))
+    assert_same_run(tmp_path / "colocated", tmp_path / "separated", steps=2)
+    assert "timing/rollout/rank3" in step_rows(tmp_path / "separated")[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("spec, mode", [("on", "sync"), ("off", "async"), ("on", "async")])
+def test_separated_equals_colocated_with_speculation_and_one_step_asynchrony(char_model_dir, tmp_path, spec, mode):
+    extra = [f"model.path={char_model_dir}", "trainer.steps=3", *SPEC[spec],
+             *(["trainer.async_steps=1"] if mode == "async" else [])]
+    torchrun(2, tmp_path / "colocated", *extra)
+    torchrun(4, tmp_path / "separated", *extra, *separated(2))
+    assert_same_run(tmp_path / "colocated", tmp_path / "separated", steps=3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_one_actor_rank_trains_the_same_rollouts_with_losses_within_float32_reduction_order(char_model_dir, tmp_path):
+    extra = [f"model.path={char_model_dir}", "trainer.steps=3", *SPEC["off"]]
+    torchrun(2, tmp_path / "colocated", *extra)
+    torchrun(3, tmp_path / "one-actor", *extra, *separated(1))
+    two, one = tmp_path / "colocated", tmp_path / "one-actor"
+    assert rollouts(two, by_rank=False) == rollouts(one, by_rank=False)
+    for x, y in zip(step_rows(two), step_rows(one), strict=True):
+        assert x["reward/mean"] == y["reward/mean"]
+        assert y["train/grad_norm"] == pytest.approx(x["train/grad_norm"], rel=1e-5)
+    wa, wb = weights(two, 3), weights(one, 3)
+    assert all(torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-7) for k in wa)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_killed_rollout_rank_ends_the_job_and_a_resume_continues_as_if_uninterrupted(char_model_dir, tmp_path):
+    extra = [f"model.path={char_model_dir}", "trainer.steps=4", "trainer.save_every=1", *SPEC["off"], *separated(2)]
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    killed = torchrun(4, tmp_path / "run", *extra, module="tests.mp.killed_rank_train", check=False,
+                      env={"TAILSPEC_TEST_PIDS": str(pids), "TAILSPEC_TEST_KILL_RANK": "3", "TAILSPEC_TEST_KILL_STEP": "3"})
+    assert killed.returncode != 0
+    assert "rank      : 3" in killed.stderr and "SIGKILL" in killed.stderr, killed.stderr[-3000:]  # torchrun names it
+    for pid in (int(f.read_text()) for f in pids.iterdir()):  # every rank is gone (none left waiting on a peer)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert len(list(pids.iterdir())) == 4
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-1", "step-2"]
+
+    torchrun(4, tmp_path / "run", *extra, "trainer.resume=auto")
+    torchrun(4, tmp_path / "uninterrupted", *extra)
+    assert_same_run(tmp_path / "uninterrupted", tmp_path / "run", steps=4)
