@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--depth", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=896)
-    p.add_argument("--min-match", default="3,12", help="history_min_match values for history+eagle (comma-separated)")
+    p.add_argument("--min-match", default="3,12", help="history_min_match values, each for every history way (comma-separated)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     from common.text import load_tokenizer
