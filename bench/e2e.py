@@ -56,7 +56,7 @@ from launch.config import load_config
 from launch.run_config import TrainConfig
 
 ALL_OFF = ("engine.spec.enabled=false", "spot.enabled=false", "bubble.enabled=false")
-LEVERS = ("spec", "tuner", "spot", "bubble", "steal", "long_first")
+LEVERS = ("spec", "tuner", "spot", "bubble", "steal", "long_first", "history", "das")
 PARTS = ("rollout", "idle", "logprob", "update", "sync")  # a step's phases, in order (timing/<part>)
 
 
@@ -82,12 +82,35 @@ def default_arms(shape: DraftShape) -> list[str]:
     return arms
 
 
+def length_aware_arms(arms: list[str], top: int) -> list[str]:
+    """The arms, then a variant of each chain arm shallower than `top` that drafts long rows `top` deep."""
+    from engine.spec.tuner import parse_arm
+
+    extra = []
+    for label in arms:
+        arm = parse_arm(label)
+        if arm is not None and arm.topk == 1 and not arm.long_depth and min(arm.depth, arm.verify_tokens) < top:
+            extra.append(DraftShape(depth=arm.depth, topk=1, verify_tokens=arm.verify_tokens, long_depth=top,
+                                    min_confidence=arm.min_confidence).label)
+    return [*arms, *(a for a in extra if a not in arms)]
+
+
+def recurrence_note(cfg: TrainConfig) -> str:
+    """When the run's prompts first recur (history drafts need them to)."""
+    per_step, problems = cfg.trainer.prompts_per_step, cfg.task.train_problems
+    first = -(-problems // per_step) + 1 if not cfg.task.file else None
+    if first is None:
+        return "history drafts pay once prompts recur (a second epoch of task.file)"
+    return f"prompts recur from step {first} ({problems} problems, {per_step} a step); earlier steps draft from siblings only"
+
+
 def levers(cfg: TrainConfig, world: int) -> list[Lever]:
     """The levers of the config `cfg` (as shipped) on `world` ranks, in LEVERS' order. Each turns
     speculation on with the config's drafter less any bubble part; the rest of engine.spec is
     the config's unless the lever is that setting."""
     spec = cfg.engine.spec
     drafter = "+".join(p for p in spec.drafter_spec.parts if p != "pregenerated")
+    history = "+".join(["history", *(p for p in spec.drafter_spec.parts if p not in ("pregenerated", "history"))])
     arms, note = spec.tuner_arms, ""
     if not arms:
         arms = default_arms(DraftShape(depth=spec.depth, topk=spec.topk, verify_tokens=spec.verify_tokens))
@@ -97,6 +120,14 @@ def levers(cfg: TrainConfig, world: int) -> list[Lever]:
     learned = (None if spec.drafter_spec.learned
                else f"spot training trains a learned drafter; engine.spec.drafter={drafter} has none")
     on = lambda d: ("engine.spec.enabled=true", f"engine.spec.drafter={d}")  # noqa: E731
+    top = min(spec.limits()[0], spec.limits()[2])
+    # The length-aware budget on the config's speculation: a variant of each tuner arm, or the fixed shape's.
+    budget = ((f"engine.spec.tuner_arms={json.dumps(length_aware_arms(spec.tuner_arms, top))}", "engine.spec.max_active_batch=null")
+              if spec.tuner_arms else ("engine.spec.tuner_arms=[]", f"engine.spec.long_depth={top}"))
+    shallow = (length_aware_arms(spec.tuner_arms, top) != spec.tuner_arms if spec.tuner_arms
+               else spec.topk == 1 and min(spec.depth, spec.verify_tokens) < top)
+    deepest = None if shallow else (f"every arm already drafts to the engine's maximum depth {top} (engine.spec.max_depth, "
+                                    "max_verify_tokens), or none is a chain: nothing to budget")
     return [
         Lever("spec", (*on(drafter), "engine.spec.tuner_arms=[]")),
         # The tuner decides when to speculate ("off" is an arm): no max_active_batch beside it.
@@ -105,6 +136,9 @@ def levers(cfg: TrainConfig, world: int) -> list[Lever]:
         Lever("bubble", (*on(f"pregenerated+{drafter}"), "bubble.enabled=true"), skip=idle),
         Lever("steal", ("rollout.work_stealing=true", "rollout.long_first=true"), skip=ranks),
         Lever("long_first", ("rollout.long_first=true",)),
+        Lever("history", on(history), recurrence_note(cfg)),
+        Lever("das", (*on(drafter), *budget), f"long rows: engine.spec.long_row_tokens={spec.long_row_tokens} generated or "
+                                                 "predicted from the prompt's earlier responses", skip=deepest),
     ]
 
 
@@ -137,6 +171,8 @@ class WayTimes:
     exchange_s: float = 0.0  # handing rows to the ranks that train them (rollout.work_stealing): part of the generation phase
     busy_share: float | None = None  # the ranks' mean rollout / the slowest rank's
     idle_to_last_start: float | None = None  # idle share of rank-seconds until the step's last unit was taken (stealing)
+    history_coverage: float | None = None  # the share of speculative row-steps history drafted (None: no history part)
+    history_accept_len: float | None = None  # tokens emitted per row-step history drafted
 
     @property
     def gen_s(self) -> float:
@@ -149,13 +185,17 @@ class WayTimes:
         later = rows[1:]
         if not later:
             raise ValueError("a way's summary needs two or more steps (step 1 is excluded)")
-        accepts = [m["spec/accept_len"] for m in later if "spec/accept_len" in m]
-        optional = lambda key: mean([m[key] for m in later]) if all(key in m for m in later) else None  # noqa: E731
-        return cls(exchange_s=optional("timing/exchange") or 0.0, busy_share=optional("rollout/busy_share"),
-                   idle_to_last_start=optional("rollout/idle_to_last_start"),
+
+        def mean_of(key: str) -> float | None:  # over the steps that report it
+            values = [m[key] for m in later if key in m]
+            return mean(values) if values else None
+
+        return cls(exchange_s=mean_of("timing/exchange") or 0.0, busy_share=mean_of("rollout/busy_share"),
+                   idle_to_last_start=mean_of("rollout/idle_to_last_start"),
                    step_s=mean([m["timing/step"] for m in later]),
                    **{f"{part}_s": mean([m[f"timing/{part}"] for m in later]) for part in PARTS},
-                   accept_len=mean(accepts) if accepts else None,
+                   accept_len=mean_of("spec/accept_len"), history_coverage=mean_of("spec/history_coverage"),
+                   history_accept_len=mean_of("spec/history_accept_len"),
                    r_gen=mean([(m["timing/rollout"] + m["timing/idle"]) / m["timing/step"] for m in later]),
                    idle_share=mean([m["timing/idle"] / m["timing/step"] for m in later]))
 
@@ -243,6 +283,10 @@ def report(result: dict, chosen: list[Lever]) -> None:
         f"{fmt(result['accept_len'], '.3f')}; ceiling {result['ceiling']:.2f}x ({result['of_ceiling']:.0%} of it)")
     for name, lever in result["levers"].items():
         err(f"  + {name}: step ratio {lever['step_ratio']:.3f}x, rollout {lever['rollout_ratio']:.3f}x")
+    for name, w in result["ways"].items():
+        if w["history_coverage"] is not None:
+            err(f"  {name}: history drafts on {w['history_coverage']:.0%} of speculative row-steps, accept length "
+                f"{fmt(w['history_accept_len'])} there")
     for lever in chosen:
         if lever.skip:
             err(f"  + {lever.name}: skipped: {lever.skip}")

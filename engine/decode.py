@@ -180,6 +180,7 @@ class GenerateRun:
         key = torch.full((c.count,), prompt_key(r.prompt_id), dtype=torch.long, device=self.device)
         state.keys[slots] = row_keys(self.params.seed, self.params.step, key, samples)
         state.generated[slots] = 0
+        state.predicted[slots] = r.predicted_len or 0
         state.limit[slots] = min(self.params.max_new_tokens, e.max_len - n + 1)
         state.sample[slots] = samples
         state.stopped[slots] = False
@@ -202,10 +203,14 @@ class GenerateRun:
             shape.check_within(e.limits)
         context = float(e.cache.lengths[:b].float().mean())
         td = time.perf_counter()
-        ahead = self._noise_ahead(b, shape) if shape is not None else None
-        tree = self._propose(b, shape, ahead) if shape is not None else None
-        draft_s = time.perf_counter() - td
+        long = self._long_rows(b, shape)
+        drafting = shape.for_long_rows() if long is not None else shape  # long rows in the batch: draft deep, then cut
+        ahead = self._noise_ahead(b, drafting) if shape is not None else None
+        tree = self._propose(b, drafting, ahead) if shape is not None else None
         pt = tree.padded() if tree is not None else None
+        if long is not None:
+            pt = pt.cut_chains(torch.where(long, drafting.depth, min(shape.depth, shape.verify_tokens)))
+        draft_s = time.perf_counter() - td
         if pt is None or pt.width == 0:
             forward_s, verdict, drafted, emitted = self._plain_step(b)
         elif pt.chain and not self._rejection(pt):
@@ -326,6 +331,15 @@ class GenerateRun:
             prompt_ids=state.prompt_ids[:b], samples=state.sample[:b], rollouts=state.rollout[:b], row=rows,  # views: valid during the call
             position=position, tokens=tokens, features=feats, policy_version=self.e.version, every_row=every_row,
         ))
+
+    def _long_rows(self, b: int, shape: DraftShape | None) -> torch.Tensor | None:
+        """[b] bool: the rows a length-aware shape drafts deeper (engine.spec.long_row_tokens generated
+        or predicted); None when the shape has no budget or no row is long."""
+        if shape is None or not shape.long_depth:
+            return None
+        state, at = self.state, self.e.cfg.spec.long_row_tokens
+        long = (state.generated[:b] >= at) | (state.predicted[:b] >= at)
+        return long if bool(long.any()) else None
 
     def _noise_ahead(self, b: int, shape: DraftShape) -> torch.Tensor | None:
         """[b, D + 1, V] the Gumbel noise a chain's verify pass samples with (response positions

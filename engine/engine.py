@@ -59,9 +59,10 @@ class RolloutEngine(RolloutBackend):
         spec = self.cfg.spec
         iid = spec.verify == "rejection"
         self.shape = DraftShape(depth=spec.depth, topk=spec.topk, verify_tokens=spec.verify_tokens, iid_children=iid,
-                                min_confidence=spec.min_confidence)
+                                min_confidence=spec.min_confidence, long_depth=spec.long_depth)
         depth, topk, verify = spec.limits()
         self.limits = DraftShape(depth=depth, topk=topk, verify_tokens=verify, iid_children=iid)
+        self.shape.check_within(self.limits)
         self.policy: SpecPolicy = policy or self._config_policy()
         self.sink = sink
         self.max_len = min(self.cfg.max_len, model.config.max_position_embeddings)
@@ -91,12 +92,13 @@ class RolloutEngine(RolloutBackend):
         return FixedPolicy(self.shape)
 
     @classmethod
-    def from_pretrained(cls, path, cfg: EngineConfig | None = None, **kw) -> RolloutEngine:
+    def from_pretrained(cls, path, cfg: EngineConfig | None = None, history=None, **kw) -> RolloutEngine:
+        """`history`: the run's engine.spec.history_index.HistoryStore for a `history` drafter part."""
         from engine.spec.factory import build_drafter
 
         cfg = cfg or EngineConfig()
         model = load_checkpoint(path, parse_dtype(cfg.dtype), cfg.device)
-        return cls(model, cfg, build_drafter(cfg.spec, model), **kw)
+        return cls(model, cfg, build_drafter(cfg.spec, model, history), **kw)
 
     @property
     def device(self) -> torch.device:

@@ -21,6 +21,7 @@ class SlotState:
         self.stopped = z(torch.bool)
         self.done = z(torch.bool)
         self.preempted = z(torch.bool)  # ended by generate's should_stop (the run ends with this step)
+        self.predicted = z()  # the request's predicted response length (Request.predicted_len), 0: none
         self.tokens = torch.zeros(max_batch, max_new, dtype=torch.long, device=device)
         self.logprobs = torch.zeros(max_batch, max_new, dtype=torch.float32, device=device)
         self.prompt_ids: list[str] = [""] * max_batch
@@ -31,7 +32,7 @@ class SlotState:
 
     def _tensors(self) -> list[torch.Tensor]:
         return [self.keys, self.generated, self.limit, self.rollout, self.sample, self.stopped, self.done, self.preempted,
-                self.tokens, self.logprobs]
+                self.predicted, self.tokens, self.logprobs]
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for t in self._tensors():

@@ -25,12 +25,17 @@ class Request:
     n: int = 1  # samples (a GRPO group)
     # Pre-generated responses by sample index (bubble drafts): the drafter proposes from them.
     drafts: dict[int, list[int]] | None = None
+    # The response length expected from the prompt's earlier responses (pipeline.history), or None;
+    # the length-aware budget drafts deeper for rows predicted long. It changes no token.
+    predicted_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"request {self.prompt_id!r}: n must be >= 1, got {self.n}")
         if not self.prompt:
             raise ValueError(f"request {self.prompt_id!r}: the prompt is empty")
+        if self.predicted_len is not None and self.predicted_len < 0:
+            raise ValueError(f"request {self.prompt_id!r}: predicted_len must be >= 0 (or None), got {self.predicted_len}")
         if self.drafts is not None and any(not 0 <= k < self.n for k in self.drafts):
             raise ValueError(f"request {self.prompt_id!r}: drafts are keyed by sample index 0..{self.n - 1}, got {sorted(self.drafts)}")
 

@@ -30,12 +30,14 @@ from common.idle import ControlPlane, IdleSchedule, IdleWork, ScheduledIdle
 from common.text import load_tokenizer, stop_tokens
 from engine.backend import RolloutBackend
 from engine.backends.factory import build_rollout_engine
+from engine.spec.factory import history_store
 from engine.types import Request
 from launch.config import save_config, to_dict
 from launch.run_config import TrainConfig
 from pipeline.actors import build_actor
 from pipeline.data import PromptLoader
 from pipeline.dist import Ranks, job_store
+from pipeline.history import RunHistory
 from pipeline.metrics import MetricsLogger
 from pipeline.records_log import log_step, truncate_after
 from pipeline.rollouts import StepSampling, encode_problem
@@ -153,7 +155,9 @@ def _build(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: E
     tokenizer = load_tokenizer(cfg.model.path)
     task, train_problems, held_out = problems_for(cfg)
     loader = PromptLoader(train_problems, cfg.trainer.prompts_per_step, cfg.run.seed, world_size=r.world, rank=r.rank)
-    engine = build_rollout_engine(cfg.model.path, cfg.engine, seed=cfg.run.seed)
+    history = _history(cfg, r)
+    engine = build_rollout_engine(cfg.model.path, cfg.engine, seed=cfg.run.seed,
+                                  history=history.store if history is not None else None)
     resources.callback(engine.close)
     sampling = StepSampling.of(cfg.rollout, cfg.run.seed, stop_tokens(engine.model_config, tokenizer))
     actor = build_actor(cfg.actor, cfg.model.path)
@@ -168,13 +172,15 @@ def _build(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: E
         loader.load_state_dict(state.loader)
         if engine.policy is not None and "spec_policy" in state.components:
             engine.policy.load_state_dict(state.components["spec_policy"])
+        if history is not None and "history" in state.components:
+            history.load_state_dict(state.components["history"])
     idle_work, bubbles, spot = _build_idle(cfg, r, run_dir, log, resources, engine, tokenizer, loader, sampling, resume)
     if idle_work is not None and "idle_work" in state.components:
         idle_work.load_state_dict(state.components["idle_work"])
 
     trainer = Trainer(cfg, r, engine, actor, tokenizer, task, loader, held_out, run_dir, idle_work=idle_work,
                       start_step=state.step, reference=reference, bubbles=bubbles,
-                      actor_features=spot.actor_features if spot is not None else None, sampling=sampling)
+                      actor_features=spot.actor_features if spot is not None else None, sampling=sampling, history=history)
     if "length_predictor" in state.components:
         trainer.schedule.load_state_dict(state.components["length_predictor"])
     trainer.sync(version=state.step)  # the engine serves exactly the actor's weights (a resumed run's too)
@@ -183,6 +189,14 @@ def _build(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: E
                                        resume_after_step=state.step if resume is not None else -1)  # -1: a fresh start drops an earlier attempt's lines
     return Run(cfg=cfg, ranks=r, run_dir=run_dir, log=log, task=task, held_out=held_out, loader=loader, engine=engine,
                actor=actor, idle_work=idle_work, trainer=trainer, logger=logger, start_step=state.step, resources=resources)
+
+
+def _history(cfg: TrainConfig, r: Ranks) -> RunHistory | None:
+    """The history drafter's store, kept across steps by the run, when engine.spec.drafter has a history part."""
+    spec = cfg.engine.spec
+    if not spec.enabled or spec.drafter_spec.history is None:
+        return None
+    return RunHistory(history_store(spec), r, spec.drafter_spec.history)
 
 
 def _build_idle(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: ExitStack, engine: RolloutBackend,

@@ -85,6 +85,15 @@ def gather_floats(r: Ranks, values: list[float]) -> list[list[float]]:
     return [o.tolist() for o in out]
 
 
+def gather_objects(r: Ranks, value) -> list:
+    """Every rank's picklable `value`, indexed by rank (small values: token lists of a step)."""
+    if r.world == 1:
+        return [value]
+    out = [None] * r.world
+    dist.all_gather_object(out, value, group=r.group)
+    return out
+
+
 def all_sum(r: Ranks, value: float) -> float:
     if r.world == 1:
         return value

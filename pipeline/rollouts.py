@@ -70,18 +70,23 @@ def encode_problem(tokenizer, problem: Problem, chat: bool) -> list[int]:
 
 
 def requests_for(tokenizer, problems: list[Problem], n: int, chat: bool,
-                 drafts: dict[str, dict[int, list[int]]] | None = None) -> list[Request]:
-    """One request of n samples per problem (its bubble drafts, if any: they change no token)."""
-    return [Request(prompt_id=p.id, prompt=encode_problem(tokenizer, p, chat), n=n, drafts=(drafts or {}).get(p.id))
+                 drafts: dict[str, dict[int, list[int]]] | None = None,
+                 predicted: dict[str, int] | None = None) -> list[Request]:
+    """One request of n samples per problem, with its bubble drafts and predicted response length
+    if any (neither changes a token)."""
+    return [Request(prompt_id=p.id, prompt=encode_problem(tokenizer, p, chat), n=n, drafts=(drafts or {}).get(p.id),
+                    predicted_len=(predicted or {}).get(p.id))
             for p in problems]
 
 
 def roll_out(engine: RolloutBackend, tokenizer, task: Task, problems: list[Problem], params: SamplingParams, n: int,
-             chat: bool, reward=None, drafts: dict[str, dict[int, list[int]]] | None = None) -> ScoredRollouts:
+             chat: bool, reward=None, drafts: dict[str, dict[int, list[int]]] | None = None,
+             predicted: dict[str, int] | None = None) -> ScoredRollouts:
     """`reward(text, answer) -> float`: the training reward (default: the task's own, correctness).
     `drafts`: pre-generated responses by prompt id and sample (bubble drafts), for the engine's
-    `pregenerated` drafter; they change no token."""
-    requests = requests_for(tokenizer, problems, n, chat, drafts)
+    `pregenerated` drafter; `predicted`: response lengths by prompt id (the length-aware draft
+    budget). Neither changes a token."""
+    requests = requests_for(tokenizer, problems, n, chat, drafts, predicted)
     return score(task, tokenizer, problems, [r.prompt for r in requests], engine.generate(requests, params), n, reward)
 
 

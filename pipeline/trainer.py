@@ -8,6 +8,7 @@ placement runs the same stages on separate ranks: pipeline.separated_actor, pipe
        queue, pipeline.rollouts: noise keyed by run seed, RL step, prompt, sample)
     -> idle window (common.idle: wait for the slowest rank, or pre-generate / train the drafter)
     -> the rows this rank trains (pipeline.schedule.share: its shard, exchanged if made elsewhere)
+    -> history (pipeline.history: every rank's responses into the history drafter's store)
     -> rewards -> advantages -> old (and reference) log-probs -> PPO epochs (pipeline.learner);
        DAPO's dynamic sampling refills the batch first
     -> weight sync (engine.load_weights(actor.named_weights(), version=step))
@@ -82,7 +83,7 @@ class Trainer:
     def __init__(self, cfg, ranks: Ranks, engine: RolloutBackend, actor, tokenizer, task: Task, loader: PromptLoader,
                  eval_problems: list[Problem], run_dir, idle_work: IdleWork | None = None, start_step: int = 0,
                  reference=None, bubbles=None, actor_features=None, sampling: StepSampling | None = None,
-                 windows: IdleWindows | None = None) -> None:
+                 windows: IdleWindows | None = None, history=None) -> None:
         self.cfg, self.r, self.engine, self.actor, self.tok, self.task = cfg, ranks, engine, actor, tokenizer, task
         self.loader, self.eval_problems, self.run_dir, self.idle_work = loader, eval_problems, run_dir, idle_work
         # Store keys of this run's idle windows and work queues: the same on every rank (they make their
@@ -96,6 +97,7 @@ class Trainer:
                                         mini_batches=cfg.trainer.mini_batches)
         self.bubbles = bubbles  # a pipeline.bubble.BubbleStore: drafts pre-generated for the coming steps
         self.bubble_metrics: dict[str, float] = {}
+        self.history = history  # a pipeline.history.RunHistory: the history drafter's store, kept across steps
         self.actor_features = actor_features  # a spot.actor_features.ActorFeatures: the buffer from the actor's forward
         self.step_index = start_step
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -115,8 +117,10 @@ class Trainer:
     # -- one RL step -----------------------------------------------------------------------
     def _roll_out(self, step: int) -> ScoredRollouts:
         drafts = self.bubbles.take(step) if self.bubbles is not None else None
+        problems = self.loader.global_step()
+        predicted = self.history.predicted([p.id for p in problems]) if self.history is not None else None
         scored = self.schedule.generate(step, self.engine, self.tok, self.task, self.loader, self.sampling(step),
-                                        self.cfg.task.chat, self.reward, drafts)
+                                        self.cfg.task.chat, self.reward, drafts, predicted=predicted)
         if drafts is not None:
             from pipeline.bubble import coverage_metrics, draft_metrics
 
@@ -137,6 +141,8 @@ class Trainer:
             scored = self._fill(step)
         rollout_s = time.perf_counter() - t
         idle_s, idle_metrics = self.windows.run(step, self.idle_work)
+        if self.history is not None:  # every rank is done: gathering the responses makes no rank wait
+            self.history.remember(scored.batch.rollouts)
         t = time.perf_counter()
         scored, schedule_metrics = self.schedule.share(scored)  # the rows this rank trains on (an exchange, if any)
         exchange_s = time.perf_counter() - t
@@ -160,6 +166,8 @@ class Trainer:
         metrics["engine/version"] = float(self.engine.version)
         metrics.update(self._mean_over_ranks(self.bubble_metrics))
         metrics.update(scored.fill_metrics)
+        if self.history is not None:
+            metrics.update(self.history.metrics(scored.batch.steps))
         if self.engine.policy is not None:
             metrics.update(self.engine.policy.metrics())
         lengths = [int(x) for row in gather_floats(self.r, [float(x) for x in scored.lengths.tolist()]) for x in row]
@@ -230,6 +238,8 @@ class Trainer:
             components["spec_policy"] = self.engine.policy.state_dict()
         if self.schedule.lengths is not None:  # long-first's predictions resume from the lengths seen
             components["length_predictor"] = self.schedule.state_dict()
+        if self.history is not None:  # equal on every rank (RunHistory.remember): rank 0's is saved
+            components["history"] = self.history.state_dict()
         extras = {}
         if self.idle_work is not None:  # spot training: its trainer's folder and state
             components["idle_work"] = self.idle_work.state_dict()

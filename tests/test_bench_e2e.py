@@ -71,14 +71,22 @@ def test_the_headline_divides_all_off_by_each_way_and_is_identical_only_if_every
 def test_each_lever_is_added_alone_to_all_off_and_those_that_cannot_run_say_why():
     cfg = load_config(TrainConfig, TINY, ["engine.spec.drafter=pregenerated+eagle", "engine.spec.tuner_arms=[]"])
     by_name = {lever.name: lever for lever in levers(cfg, world=2)}
-    assert list(by_name) == ["spec", "tuner", "spot", "bubble", "steal", "long_first"]
-    assert not any(lever.skip for lever in by_name.values())
+    assert list(by_name) == ["spec", "tuner", "spot", "bubble", "steal", "long_first", "history", "das"]
+    assert not any(lever.skip for lever in by_name.values() if lever.name != "das")
     assert set(by_name["steal"].overrides) == {"rollout.work_stealing=true", "rollout.long_first=true"}
+    assert "maximum depth 16" in by_name["das"].skip  # the fixed depth-16 chain has no deeper budget
     assert "engine.spec.drafter=eagle" in by_name["spec"].overrides and "engine.spec.tuner_arms=[]" in by_name["spec"].overrides
     assert 'engine.spec.tuner_arms=["off", "d4k1v4", "d8k1v8", "d16k1v16"]' in by_name["tuner"].overrides
     assert "default set" in by_name["tuner"].note
     assert {"engine.spec.drafter=eagle", "spot.enabled=true"} <= set(by_name["spot"].overrides)
     assert {"engine.spec.drafter=pregenerated+eagle", "bubble.enabled=true"} <= set(by_name["bubble"].overrides)
+    assert "engine.spec.drafter=history+eagle" in by_name["history"].overrides
+    assert "prompts recur from step 17" in by_name["history"].note  # 256 problems, 16 a step
+    shipped = {lever.name: lever for lever in levers(load_config(TrainConfig, TINY, []), world=2)}
+    assert 'engine.spec.tuner_arms=["off", "d4k1v4", "d8k1v8", "d16k1v16", "d4k1v4L16", "d8k1v8L16"]' in shipped["das"].overrides
+    fixed8 = load_config(TrainConfig, TINY, ["engine.spec.tuner_arms=[]", "engine.spec.depth=8", "engine.spec.verify_tokens=8"])
+    das8 = next(lever for lever in levers(fixed8, world=2) if lever.name == "das")
+    assert das8.skip is None and "engine.spec.long_depth=16" in das8.overrides
     alone = {lever.name: lever.skip for lever in levers(cfg, world=1)}
     assert alone["spec"] is None and alone["tuner"] is None and "two or more ranks" in alone["spot"] and alone["bubble"]
     assert "two or more ranks" in alone["steal"] and alone["long_first"] is None

@@ -29,9 +29,10 @@ def test_a_drafter_string_parses_into_its_ordered_parts(text, parts, learned, pr
 
 def test_every_listed_drafter_parses_back_to_itself_and_the_learned_parts_are_the_network_kinds():
     assert set(LEARNED) == set(KINDS)
-    for name in ("eagle", "eagle3", "eagle3_vllm", "mtp", "ngram", "ngram+eagle", "pregenerated+ngram+eagle3"):
+    for name in ("eagle", "eagle3", "eagle3_vllm", "mtp", "ngram", "ngram+eagle", "pregenerated+ngram+eagle3", "history",
+                 "history+eagle", "pregenerated+history+ngram+eagle"):
         assert name in DRAFTERS
-    assert len(set(DRAFTERS)) == len(DRAFTERS) == 18
+    assert len(set(DRAFTERS)) == len(DRAFTERS) == 38
     for name in DRAFTERS:
         assert DrafterSpec.parse(name).name == name
 
@@ -43,7 +44,8 @@ def test_every_listed_drafter_parses_back_to_itself_and_the_learned_parts_are_th
                  + ", ".join(PARTS)),
         ("ngram+foo", r"unknown part 'foo'; the parts are pregenerated"),
         ("", "unknown part ''"),
-        ("eagle+ngram", "parts go in the order pregenerated, ngram, then at most one learned drafter"),
+        ("eagle+ngram", "parts go in the order pregenerated, history, ngram, then at most one learned drafter"),
+        ("ngram+history", "parts go in the order"),
         ("ngram+ngram", "each at most once"),
         ("eagle+eagle3", "at most one learned drafter"),
         ("ngram+pregenerated", "parts go in the order"),

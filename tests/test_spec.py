@@ -13,6 +13,8 @@ from engine.spec.compose import FallbackDrafter
 from engine.spec.config import SpecConfig
 from engine.spec.eagle import EagleConfig, EagleModel
 from engine.spec.eagle_drafter import EagleDrafter
+from engine.spec.history import HistoryDrafter
+from engine.spec.history_index import HistoryStore
 from engine.spec.ngram import NgramDrafter
 from engine.types import Request
 from tests.spec_drafters import OracleDrafter, RandomDrafter
@@ -43,6 +45,14 @@ def eagle(target, kind: str) -> EagleDrafter:
     return EagleDrafter(EagleModel(EagleConfig.for_target(target.config, kind), target).double())
 
 
+def history(reference) -> HistoryDrafter:
+    """History drafts from the reference rollouts themselves, truncated (the rest is the target's to find)."""
+    store = HistoryStore(min_match=2)
+    for r in reference:
+        store.add(r.prompt_id, [r.tokens[: len(r.tokens) // 2]])
+    return HistoryDrafter(store)
+
+
 DRAFTERS = {
     "ngram": lambda t, ref: NgramDrafter(),
     "oracle": lambda t, ref: OracleDrafter(ref),
@@ -52,6 +62,7 @@ DRAFTERS = {
     "mtp": lambda t, ref: eagle(t, "mtp"),
     "eagle3_vllm": lambda t, ref: eagle(t, "eagle3_vllm"),
     "ngram+eagle": lambda t, ref: FallbackDrafter([NgramDrafter(), eagle(t, "eagle")]),
+    "history+eagle": lambda t, ref: FallbackDrafter([history(ref), eagle(t, "eagle")]),
 }
 
 

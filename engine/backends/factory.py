@@ -12,13 +12,14 @@ from pathlib import Path
 from engine.config import EngineConfig
 
 
-def build_rollout_engine(path: str | Path, cfg: EngineConfig, *, seed: int = 0):
+def build_rollout_engine(path: str | Path, cfg: EngineConfig, *, seed: int = 0, history=None):
     """The engine serving the model folder `path`; `seed` keys vLLM's sampling (the native engine's
-    noise is keyed per request by SamplingParams instead)."""
+    noise is keyed per request by SamplingParams instead); `history`: the run's HistoryStore for a
+    `history` drafter part (the native engine's; vLLM refuses that drafter)."""
     if cfg.backend == "native":
         from engine.engine import RolloutEngine
 
-        return RolloutEngine.from_pretrained(path, cfg)
+        return RolloutEngine.from_pretrained(path, cfg, history=history)
     if cfg.backend == "vllm":
         try:
             import vllm  # noqa: F401

@@ -44,6 +44,7 @@ from engine.backends.vllm_schedule import arm_tokens, vllm_schedule
 from engine.checkpoint import read_config
 from engine.config import EngineConfig
 from engine.sampling import SamplingParams
+from engine.spec.tuner import parse_arm
 from engine.types import FinishReason, Request, Rollout, RolloutBatch
 
 WORKER = "engine.backends.vllm_worker.TailSpecWorkerExtension"
@@ -58,6 +59,10 @@ def speculative_config(cfg: EngineConfig, export_dir: Path) -> dict | None:
     if not spec.enabled:
         return None
     if spec.tuner_arms:
+        budget = [a for a in spec.tuner_arms if a != "off" and parse_arm(a).long_depth]
+        if budget:
+            raise ValueError(f"engine.spec.tuner_arms {budget}: a length-aware budget (L<n>) is the native engine's; vLLM "
+                             "drafts one depth for every row: drop the L variants with engine.backend=vllm")
         k = max(arm_tokens(a) for a in spec.tuner_arms)
         schedule = vllm_schedule(spec.tuner_arms, spec.tuner_buckets, [None] * len(spec.tuner_buckets), cfg.max_batch, k)
     else:

@@ -75,7 +75,7 @@ class FallbackDrafter(DrafterBase):
 
 
 def merge_rows(trees: list[DraftTree], choice: torch.Tensor) -> DraftTree:
-    """Row b of the result is row b of trees[choice[b]]."""
+    """Row b of the result is row b of trees[choice[b]] (a chain when every tree is one or has no node)."""
     tokens, parents, q, counts = [], [], [], []
     use_q = all(t.q_logits is not None for t in trees)
     for b, i in enumerate(choice.tolist()):
@@ -89,4 +89,5 @@ def merge_rows(trees: list[DraftTree], choice: torch.Tensor) -> DraftTree:
     device = trees[0].tokens.device
     offsets = torch.zeros(len(counts) + 1, dtype=torch.long, device=device)
     offsets[1:] = torch.tensor(counts, device=device).cumsum(0)
-    return DraftTree(torch.cat(tokens), torch.cat(parents), offsets, torch.cat(q) if use_q else None)
+    return DraftTree(torch.cat(tokens), torch.cat(parents), offsets, torch.cat(q) if use_q else None,
+                     chain=all(t.chain or t.tokens.numel() == 0 for t in trees))

@@ -17,7 +17,8 @@ class SpecConfig:
     # eagle3_vllm: EAGLE-3 in vLLM's network, mtp: a MiMo-style multi-token-prediction head, which
     # vLLM serves with its mtp method), ngram (model-free), or a
     # fallback composition "ngram+eagle": n-gram drafts where a match exists, eagle elsewhere;
-    # "pregenerated+...": a row's pre-generated response first (bubble drafts, pipeline.bubble).
+    # "pregenerated+...": a row's pre-generated response first (bubble drafts, pipeline.bubble);
+    # "history+...": the prompt's earlier responses and finished siblings (engine.spec.history).
     # Read it parsed: `drafter_spec` (engine.spec.drafter_spec).
     drafter: str = "eagle"
     drafter_path: str | None = None
@@ -40,6 +41,25 @@ class SpecConfig:
     tuner_window: int = 300
     # Explore (epsilon) only arms whose median reward in the bucket is >= this x the best's; 0: all.
     tuner_explore_within: float = 0.0
+    # The history drafter's store (engine.spec.history_index), kept across RL steps by the run:
+    # at most this many prompts (least recently used evicted first), corpus tokens in all, and
+    # responses per prompt (oldest dropped); a row's draft needs a match of history_min_match
+    # tokens, extended backwards up to history_max_match over history_max_candidates occurrences.
+    # None: 12 with a learned drafter after history (a long match leaves the rows at a branch
+    # point to the coupled drafter, where another sample's branch is the worse guess), else 3
+    # (docs/BENCHMARKS.md, "History drafts"); `history_match()` resolves it.
+    history_max_prompts: int = 4096
+    history_max_tokens: int = 2_000_000
+    history_max_responses: int = 16
+    history_min_match: int | None = None
+    history_max_match: int = 32
+    history_max_candidates: int = 8
+    # Length-aware budget: an arm "d8k1v8L16" drafts 16 deep for *long* rows (at least this many
+    # tokens generated, or predicted from the prompt's earlier responses) and 8 for the others.
+    long_row_tokens: int = 256
+    # The fixed shape's length-aware budget: long rows draft chains this deep (<= max_depth and
+    # max_verify_tokens); 0: off. Tuner arms carry their own (the L<n> suffix).
+    long_depth: int = 0
     # The engine's maximum sizes (cache margin, RoPE reach, drafter buffers): a speculation
     # policy may pick any shape within them on any step. None: the fixed shape above.
     max_depth: int | None = None
@@ -68,6 +88,16 @@ class SpecConfig:
                 parse_arm(label)
             Bandit(len(self.tuner_arms), self.tuner_buckets, epsilon=self.tuner_epsilon, window=self.tuner_window,
                    explore_within=self.tuner_explore_within)
+        for key in ("history_max_prompts", "history_max_tokens", "history_max_responses", "history_max_candidates",
+                    "long_row_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"engine.spec.{key} must be >= 1, got {getattr(self, key)}")
+        if self.history_min_match is not None and self.history_min_match < 1:
+            raise ValueError(f"engine.spec.history_min_match must be >= 1 (or null: chosen by the drafter), got "
+                             f"{self.history_min_match}")
+        if self.history_max_match < self.history_match():
+            raise ValueError(f"engine.spec.history_max_match={self.history_max_match} is below the minimum match "
+                             f"{self.history_match()} (engine.spec.history_min_match); raise it")
         if self.max_active_batch is not None and self.max_active_batch < 1:
             raise ValueError(f"engine.spec.max_active_batch must be >= 1 (or null: every step), got {self.max_active_batch}")
         for key in ("depth", "topk", "verify_tokens"):
@@ -77,6 +107,12 @@ class SpecConfig:
             top = getattr(self, f"max_{key}")
             if top is not None and top < getattr(self, key):
                 raise ValueError(f"engine.spec.max_{key}={top} is below engine.spec.{key}={getattr(self, key)}")
+        if self.long_depth:
+            top = min(self.limits()[0], self.limits()[2])
+            if self.topk != 1 or not min(self.depth, self.verify_tokens) < self.long_depth <= top:
+                raise ValueError(f"engine.spec.long_depth={self.long_depth} needs a chain (topk=1) and a value above "
+                                 f"engine.spec.depth and verify_tokens, at most {top} (engine.spec.max_depth and "
+                                 "max_verify_tokens); 0 turns it off")
         if not 0.0 <= self.min_confidence < 1.0:
             raise ValueError(f"engine.spec.min_confidence must be in [0, 1) (0: off), got {self.min_confidence}")
         if self.min_confidence > 0 and self.topk != 1:
@@ -91,6 +127,13 @@ class SpecConfig:
                 f"engine.spec.drafter={self.drafter} needs engine.spec.drafter_path (a folder from "
                 "`python -m spot.warmstart` or `make drafters`)"
             )
+
+    def history_match(self) -> int:
+        """The history drafter's minimum match: history_min_match, or by default 12 when a learned
+        drafter follows history in the composition and 3 when none does."""
+        if self.history_min_match is not None:
+            return self.history_min_match
+        return 12 if self.drafter_spec.learned is not None else 3
 
     def limits(self) -> tuple[int, int, int]:
         """(depth, topk, verify_tokens): the largest shape the engine is built for."""

@@ -35,13 +35,24 @@ class DraftShape:
     # of the drafter's probability of its own token falls below this (EAGLE-2's confidence,
     # arXiv 2406.16858); 0: always `depth` levels. Lossless: verification decides every token.
     min_confidence: float = 0.0
+    # Length-aware budget (DAS, chains only): *long* rows (engine.spec.long_row_tokens generated or
+    # predicted) draft chains this deep, the others `depth`; 0: every row `depth`.
+    long_depth: int = 0
 
     @property
     def label(self) -> str:
         """"d6k1v8": depth, top-k, verify tokens (the name step records and the tuner use);
-        "d16k1v16c0.1" with a confidence stop."""
+        "d8k1v8L16" with a length-aware budget; "d16k1v16c0.1" with a confidence stop."""
+        budget = f"L{self.long_depth}" if self.long_depth else ""
         stop = f"c{self.min_confidence:g}" if self.min_confidence > 0 else ""
-        return f"d{self.depth}k{self.topk}v{self.verify_tokens}{stop}"
+        return f"d{self.depth}k{self.topk}v{self.verify_tokens}{budget}{stop}"
+
+    def for_long_rows(self) -> DraftShape:
+        """The shape long rows draft with: a chain `long_depth` deep (this shape without a budget)."""
+        if not self.long_depth:
+            return self
+        return DraftShape(depth=self.long_depth, topk=1, verify_tokens=max(self.verify_tokens, self.long_depth),
+                          iid_children=self.iid_children, min_confidence=self.min_confidence)
 
     def check_within(self, limits: DraftShape) -> None:
         """Raises ValueError unless this shape fits the engine's maximum sizes and verify mode."""
@@ -55,6 +66,11 @@ class DraftShape:
             raise ValueError(f"draft shape {self.label}: min_confidence={self.min_confidence} is outside [0, 1)")
         if self.min_confidence > 0 and self.topk != 1:
             raise ValueError(f"draft shape {self.label}: min_confidence stops chains only; use topk=1 or min_confidence=0")
+        if self.long_depth and not (self.topk == 1 and min(self.depth, self.verify_tokens) < self.long_depth
+                                    <= min(limits.depth, limits.verify_tokens)):
+            raise ValueError(f"draft shape {self.label}: a length-aware budget L<n> needs a chain (k1) and n between its "
+                             f"depth and the engine's maximum ({min(limits.depth, limits.verify_tokens)}: engine.spec.max_depth "
+                             "and max_verify_tokens)")
         if self.iid_children != limits.iid_children:
             raise ValueError(f"draft shape {self.label}: iid_children must be {limits.iid_children} (fixed by engine.spec.verify)")
 

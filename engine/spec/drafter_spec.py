@@ -2,11 +2,13 @@
 
 A drafter is one part, or a fallback composition of parts joined by '+' that are asked in order
 per row (engine.spec.compose.FallbackDrafter): `pregenerated` (a row's pre-generated response,
-pipeline.bubble), `ngram` (suffix match over the prompt and its sibling responses), and at most
-one *learned* drafter, a network at `engine.spec.drafter_path` of one of engine.spec.eagle's
-kinds (eagle, eagle3, mtp, eagle3_vllm). The order is fixed: pregenerated, ngram, learned; a
-pre-generated part needs another part after it for the rows that have no pre-generated draft.
-So "eagle", "ngram+eagle3" and "pregenerated+ngram+eagle" are drafters; "eagle+ngram" is not.
+pipeline.bubble), `history` (suffix match over the prompt's responses of earlier steps and its
+finished siblings, engine.spec.history), `ngram` (suffix match over the prompt and its sibling
+responses), and at most one *learned* drafter, a network at `engine.spec.drafter_path` of one of
+engine.spec.eagle's kinds (eagle, eagle3, mtp, eagle3_vllm). The order is fixed: pregenerated,
+history, ngram, learned; a pre-generated part needs another part after it for the rows that have
+no pre-generated draft. So "eagle", "ngram+eagle3", "history+eagle" and
+"pregenerated+history+ngram+eagle" are drafters; "eagle+ngram" is not.
 
 Callers read the parsed record (`SpecConfig.drafter_spec`) instead of testing the string. This
 module knows nothing of how the parts are built (engine.spec.factory) or which backend serves
@@ -19,8 +21,8 @@ import difflib
 from dataclasses import dataclass
 
 LEARNED = ("eagle", "eagle3", "mtp", "eagle3_vllm")  # engine.spec.eagle's network kinds
-PARTS = ("pregenerated", "ngram", *LEARNED)  # in the order a composition lists them
-_RANK = {"pregenerated": 0, "ngram": 1, **{k: 2 for k in LEARNED}}
+PARTS = ("pregenerated", "history", "ngram", *LEARNED)  # in the order a composition lists them
+_RANK = {"pregenerated": 0, "history": 1, "ngram": 2, **{k: 3 for k in LEARNED}}
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,8 @@ class DrafterSpec:
                                  "with '+' in that order, e.g. pregenerated+ngram+eagle")
         ranks = [_RANK[p] for p in parts]
         if any(b <= a for a, b in zip(ranks, ranks[1:])):
-            raise ValueError(f"{key}={text!r}: parts go in the order pregenerated, ngram, then at most one learned "
-                             f"drafter ({', '.join(LEARNED)}), each at most once, e.g. pregenerated+ngram+eagle")
+            raise ValueError(f"{key}={text!r}: parts go in the order pregenerated, history, ngram, then at most one "
+                             f"learned drafter ({', '.join(LEARNED)}), each at most once, e.g. pregenerated+history+eagle")
         if parts == ("pregenerated",):
             raise ValueError(f"{key}={text!r}: pre-generated drafts need a drafter after them for the rows without one, "
                              "e.g. pregenerated+eagle or pregenerated+ngram")
@@ -50,7 +52,7 @@ class DrafterSpec:
     @staticmethod
     def names() -> tuple[str, ...]:
         """Every valid drafter string: single parts first, then the compositions."""
-        heads = [(), ("ngram",)]
+        heads = [(), ("history",), ("ngram",), ("history", "ngram")]
         tails = [(), *((k,) for k in LEARNED)]
         bodies = [h + t for h in heads for t in tails if h + t]
         specs = bodies + [("pregenerated", *b) for b in bodies]
@@ -69,6 +71,11 @@ class DrafterSpec:
     def pregenerated(self) -> bool:
         """Whether a row's pre-generated response is proposed first (bubble drafts)."""
         return self.parts[0] == "pregenerated"
+
+    @property
+    def history(self) -> int | None:
+        """The history part's index in the composition (StepRecord.source), or None without one."""
+        return self.parts.index("history") if "history" in self.parts else None
 
     @property
     def ngram(self) -> bool:

@@ -1,13 +1,24 @@
-"""Builds the drafter named by the `engine.spec` config section."""
+"""Builds the drafter named by the `engine.spec` config section.
+
+A `history` part drafts from a HistoryStore: the run's (kept across steps, in its checkpoints),
+when the caller passes one, else a fresh one sized by the config (for engine-only use).
+"""
 
 from __future__ import annotations
 
 from engine.model import Transformer
 from engine.spec.config import SpecConfig
 from engine.spec.drafter import Drafter
+from engine.spec.history_index import HistoryStore
 
 
-def build_drafter(cfg: SpecConfig, target: Transformer) -> Drafter | None:
+def history_store(cfg: SpecConfig) -> HistoryStore:
+    """An empty store with the limits of `engine.spec.history_*`."""
+    return HistoryStore(max_prompts=cfg.history_max_prompts, max_tokens=cfg.history_max_tokens,
+                        max_responses=cfg.history_max_responses, min_match=cfg.history_match())
+
+
+def build_drafter(cfg: SpecConfig, target: Transformer, history: HistoryStore | None = None) -> Drafter | None:
     cfg.validate()
     if not cfg.enabled:
         return None
@@ -17,6 +28,11 @@ def build_drafter(cfg: SpecConfig, target: Transformer) -> Drafter | None:
             from engine.spec.ngram import NgramDrafter
 
             parts.append(NgramDrafter())
+        elif name == "history":
+            from engine.spec.history import HistoryDrafter
+
+            parts.append(HistoryDrafter(history if history is not None else history_store(cfg),
+                                        max_candidates=cfg.history_max_candidates, max_match=cfg.history_max_match))
         elif name == "pregenerated":
             from engine.spec.pregenerated import PregeneratedDrafter
 

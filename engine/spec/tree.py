@@ -30,6 +30,16 @@ class PaddedTree:
     def width(self) -> int:
         return self.tokens.shape[1]
 
+    def cut_chains(self, limit: torch.Tensor) -> PaddedTree:
+        """Chains only: row b keeps its first limit[b] nodes ([B]); the width shrinks to the longest kept."""
+        assert self.chain, "cut_chains cuts chains (node i at depth i + 1)"
+        keep = self.valid & (torch.arange(self.width, device=limit.device) < limit.unsqueeze(1))  # [B, N]
+        W = int(keep.sum(1).max()) if keep.numel() else 0
+        keep = keep[:, :W]
+        q = None if self.q_logits is None else torch.where(keep.unsqueeze(-1), self.q_logits[:, :W], 0.0)
+        return PaddedTree(torch.where(keep, self.tokens[:, :W], 0), torch.where(keep, self.parents[:, :W], -1),
+                          torch.where(keep, self.depth[:, :W], 0), keep, q, True)
+
 
 @dataclass
 class DraftTree:

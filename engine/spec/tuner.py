@@ -30,22 +30,26 @@ from engine.spec.drafter import DraftShape
 from engine.spec.policy import SpecPolicy
 from engine.types import StepRecord
 
-_LABEL = re.compile(r"^d(\d+)k(\d+)v(\d+)(?:c(0?\.\d+))?$")
+_LABEL = re.compile(r"^d(\d+)k(\d+)v(\d+)(?:L(\d+))?(?:c(0?\.\d+))?$")
 
 
 def parse_arm(label: str, iid_children: bool = False) -> DraftShape | None:
-    """"off" or "d<depth>k<topk>v<verify_tokens>[c<min_confidence>]" (DraftShape.label) -> the arm."""
+    """"off" or "d<depth>k<topk>v<verify_tokens>[L<long_depth>][c<min_confidence>]" (DraftShape.label) -> the arm."""
     if label == "off":
         return None
     m = _LABEL.match(label)
     if m is None:
         raise ValueError(f"tuner arm {label!r} is neither 'off' nor of the form d<depth>k<topk>v<verify_tokens>, e.g. d6k1v8 "
-                         "(a chain with a confidence stop: d16k1v16c0.1)")
+                         "(a chain with a confidence stop: d16k1v16c0.1; deeper for long rows: d8k1v8L16)")
     d, k, v = (int(x) for x in m.groups()[:3])
-    conf = float(m.group(4)) if m.group(4) else 0.0
+    long_depth = int(m.group(4)) if m.group(4) else 0
+    conf = float(m.group(5)) if m.group(5) else 0.0
     if conf and k != 1:
         raise ValueError(f"tuner arm {label!r}: a confidence stop (c...) applies to chains only (k1)")
-    return DraftShape(depth=d, topk=k, verify_tokens=v, iid_children=iid_children, min_confidence=conf)
+    if long_depth and (k != 1 or long_depth <= min(d, v)):
+        raise ValueError(f"tuner arm {label!r}: a length-aware budget L<n> applies to chains (k1) and needs n above the "
+                         f"arm's depth {min(d, v)}, e.g. d8k1v8L16")
+    return DraftShape(depth=d, topk=k, verify_tokens=v, iid_children=iid_children, min_confidence=conf, long_depth=long_depth)
 
 
 class Bandit:

@@ -1,0 +1,110 @@
+"""`python -m bench.history [--model M] [--drafter D] [--prompts 16] [--n 4] [--min-match 3,12] [--json]`:
+history drafts on a recurring step, against EAGLE and n-gram drafts, at the engine.
+
+The task's first `--prompts` training problems, `--n` samples each, are rolled out at RL step 1
+(the history: the prompt's responses of an earlier epoch, other noise) and then at step 2 by each
+way, with a fixed chain (`--depth`, verify tokens the same): `eagle` (the drafter at --drafter),
+`ngram`, and `history` alone, `history+ngram` and `history+eagle` at each `--min-match`. The
+policy does not move between the two steps, so this is history's best case in that respect; the
+noise differs, as between epochs. Counts are exact and repeatable (decode steps, accept length:
+tokens emitted per row per speculative step, target tokens verified, the history drafter's share
+of speculative row-steps and its accept length there); seconds are wall time on whatever shares
+the machine. Every way's tokens must equal autoregressive decoding's (exit 2 otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from bench.common import cpu_model, finish
+from engine.checkpoint import load_checkpoint
+from engine.config import EngineConfig
+from engine.engine import RolloutEngine
+from engine.sampling import SamplingParams
+from engine.spec.compose import FallbackDrafter
+from engine.spec.config import SpecConfig
+from engine.spec.history import HistoryDrafter, history_counts, history_metrics
+from engine.spec.history_index import HistoryStore
+from engine.spec.ngram import NgramDrafter
+from engine.types import Request, RolloutBatch
+
+
+def ways(model, drafter_path: str, history: list, min_matches: list[int]) -> dict:
+    """name -> (a function building the drafter, the history part's index or None)."""
+    from engine.spec.eagle_drafter import EagleDrafter
+
+    def store(k: int) -> HistoryStore:
+        s = HistoryStore(min_match=k)
+        for r in history:
+            s.add(r.prompt_id, [r.tokens])
+        return s
+
+    eagle = lambda: EagleDrafter.load(drafter_path, model, expect="eagle")  # noqa: E731
+    history = lambda k: HistoryDrafter(store(k), max_match=max(32, k))  # noqa: E731
+    out = {"eagle": (eagle, None), "ngram": (NgramDrafter, None)}
+    for k in min_matches:
+        out[f"history k{k}"] = (lambda k=k: history(k), 0)
+        out[f"history+ngram k{k}"] = (lambda k=k: FallbackDrafter([history(k), NgramDrafter()]), 0)
+        out[f"history+eagle k{k}"] = (lambda k=k: FallbackDrafter([history(k), eagle()]), 0)
+    return out
+
+
+def summary(batch: RolloutBatch, seconds: float, source: int | None) -> dict:
+    out = {"decode_steps": len(batch.steps), "accept_len": round(batch.stats.accept_len, 3),
+           "target_tokens": sum(s.batch_size + sum(s.drafted) for s in batch.steps), "seconds": round(seconds, 2)}
+    if source is not None:
+        out |= {k.split("/")[1]: round(v, 3) for k, v in history_metrics(history_counts(batch.steps, source)).items()}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.history", description=__doc__.splitlines()[1])
+    p.add_argument("--model", default="checkpoints/tiny-reason")
+    p.add_argument("--drafter", default="checkpoints/tiny-reason-drafter")
+    p.add_argument("--task", default="mult")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--depth", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=896)
+    p.add_argument("--min-match", default="3,12", help="history_min_match values, each for every history way (comma-separated)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    from common.text import load_tokenizer
+    from pipeline.tasks import get_task
+
+    try:
+        min_matches = [int(k) for k in args.min_match.split(",")]
+        tok = load_tokenizer(args.model)
+        model = load_checkpoint(args.model, torch.float32, "cpu")
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    problems = get_task(args.task).make_problems("train", args.prompts, 0)
+    requests = lambda: [Request(prompt_id=q.id, prompt=list(tok(q.prompt)["input_ids"]), n=args.n) for q in problems]  # noqa: E731
+    cfg = EngineConfig(max_batch=args.prompts * args.n, max_len=1024, spec=SpecConfig(depth=args.depth, verify_tokens=args.depth))
+    params = lambda step: SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0, step=step,  # noqa: E731
+                                         stop_token_ids=(tok.eos_token_id,))
+    plain = RolloutEngine(model, cfg)
+    history = plain.generate(requests(), params(1))
+    t = time.perf_counter()
+    reference = plain.generate(requests(), params(2))
+    results = {"autoregressive": summary(reference, time.perf_counter() - t, None)}
+    identical = True
+    for name, (make, source) in ways(model, args.drafter, list(history), min_matches).items():
+        engine = RolloutEngine(model, cfg, make())
+        t = time.perf_counter()
+        batch = engine.generate(requests(), params(2))
+        results[name] = summary(batch, time.perf_counter() - t, source)
+        identical &= [r.tokens for r in batch] == [r.tokens for r in reference]
+        print(f"{name:<20} " + "  ".join(f"{k} {v}" for k, v in results[name].items()), file=sys.stderr, flush=True)
+    finish({"ways": results, "identical": identical, "cpu": cpu_model(), "prompts": args.prompts, "n": args.n,
+            "depth": args.depth}, args.json)
+    return 0 if identical else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
