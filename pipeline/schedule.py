@@ -63,16 +63,16 @@ class RolloutSchedule:
         self.plan: _Plan | None = None
 
     def generate(self, step: int, engine: RolloutBackend, tokenizer, task, loader, params: SamplingParams, chat: bool,
-                 reward, drafts=None, predicted: dict[str, int] | None = None) -> ScoredRollouts:
+                 reward, drafts=None, predicted_len: dict[str, int] | None = None) -> ScoredRollouts:
         """This rank's rollouts of the step (its shard, or the units it took); advances the loader.
-        `predicted`: response lengths by prompt id for the length-aware draft budget (engine.spec)."""
+        `predicted_len`: response lengths by prompt id for the length-aware draft budget (engine.spec)."""
         problems = loader.global_step()
         mine = loader.next_step()
         predicted = [self.lengths.predict(p.id) for p in problems] if self.lengths is not None else None
         self.plan = plan = _Plan(problems, predicted)
         if self.stealing:
             plans = plan_units(predicted or [1.0] * len(problems), self.n, self.r.world)
-            requests = requests_for(tokenizer, problems, self.n, chat, drafts, predicted)
+            requests = requests_for(tokenizer, problems, self.n, chat, drafts, predicted_len)
             queue = UnitQueue(self.store, f"{self.scope}/steal/{step}", plans, self.r.rank)
             plan.source = StealingSource(queue, requests, self._inflight(len(problems)))
             batch = engine.generate([], params, source=plan.source)
@@ -81,7 +81,7 @@ class RolloutSchedule:
                           _grouped(batch, taken, self.n), self.n, reward)
         else:
             order = long_first([self.lengths.predict(p.id) for p in mine]) if self.lengths is not None else None
-            requests = requests_for(tokenizer, mine, self.n, chat, drafts, predicted)
+            requests = requests_for(tokenizer, mine, self.n, chat, drafts, predicted_len)
             if order is None:
                 batch = engine.generate(requests, params)
             else:  # admitted longest first, returned in the loader's order

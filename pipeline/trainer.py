@@ -120,7 +120,7 @@ class Trainer:
         problems = self.loader.global_step()
         predicted = self.history.predicted([p.id for p in problems]) if self.history is not None else None
         scored = self.schedule.generate(step, self.engine, self.tok, self.task, self.loader, self.sampling(step),
-                                        self.cfg.task.chat, self.reward, drafts, predicted=predicted)
+                                        self.cfg.task.chat, self.reward, drafts, predicted_len=predicted)
         if drafts is not None:
             from pipeline.bubble import coverage_metrics, draft_metrics
 

@@ -8,6 +8,9 @@
 // call: a verify pass over [root, draft tree] gives bit for bit the values sequential decoding
 // gives. The queries of one row and KV head (its GQA group x its new tokens) share each tile of
 // keys, so a verify pass of T tokens reads the cache once, not T times.
+// This file alone is compiled without trapping math: GCC then vectorises the compare-and-select in
+// exp and the softmax (it changes no value; the other kernels keep the default codegen).
+#pragma GCC optimize("no-trapping-math")
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -177,13 +180,10 @@ static void attend_group(const float* const* qs, const bool* const* masks, float
     // Weights: exp(s - max) on visible slots, exact zeros elsewhere (adding a zero changes no sum).
     for (int64_t j = 0; j < end; ++j) sc[j] = tailspec::fast_expf(sc[j] - mx);
     for (int64_t j = 0; j < end; ++j) sc[j] = sc[j] * (float)m[j];
-    for (int64_t j = end; j < padded; ++j) sc[j] = 0.f;
-    float lanes[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // the total, by slot mod kLanes
-    for (int64_t j0 = 0; j0 < padded; j0 += kLanes) {
-#pragma omp simd
-      for (int64_t l = 0; l < kLanes; ++l) lanes[l] += sc[j0 + l];
-    }
-    const float total = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+    // The total in slot order, one add at a time: the visible slots' order is what decoding sees, but
+    // not their positions (a tree's ancestors sit at scattered tentative slots), so no lanes by slot.
+    float total = 0.f;
+    for (int64_t j = 0; j < end; ++j) total += sc[j];
     weigh_values(sc, end, v, D, out);
     const float inv = 1.f / total;
 #pragma omp simd

@@ -1,8 +1,8 @@
 """Build, load and describe the project's compiled CPU kernels (engine/kernels/*.cpp).
 
 The sources are compiled on first use with the machine's compiler (`g++ -O3 -march=native
--fopenmp -fno-trapping-math`, a few seconds; the last flag lets GCC vectorise the compare-and-select
-in exp and the softmax, and changes no value) into one library in engine/kernels/build/, keyed by a hash of the
+-fopenmp`, a few seconds; decode_ops.cpp adds no-trapping-math by pragma so that GCC vectorises
+the compare-and-select in its exp and softmax) into one library in engine/kernels/build/, keyed by a hash of the
 sources, flags and host, and loaded with ctypes; their OpenMP threads come from the runtime
 torch already loaded (same soname). Where they cannot be built (no compiler, not x86-64 Linux),
 `available()` says why and the engine uses torch's ops: the same results up to float summation
@@ -35,7 +35,7 @@ HERE = Path(__file__).parent
 SOURCES = ("skinny.cpp", "decode_ops.cpp", "eagle_chain.cpp", "noise.cpp", "fingerprint.cpp")
 BUILD_DIR = HERE / "build"  # or, where the package is read-only, ~/.cache/tailspec/kernels
 # TAILSPEC_CPU_MARCH picks another target (e.g. x86-64-v3 to test the AVX2 code path on an AVX-512 machine).
-FLAGS = ["-O3", "-fno-trapping-math", f"-march={os.environ.get('TAILSPEC_CPU_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+FLAGS = ["-O3", f"-march={os.environ.get('TAILSPEC_CPU_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
 class KernelUnavailable(RuntimeError):
