@@ -77,7 +77,7 @@ class BucketedBroadcast:
     def _send(self) -> Iterator[tuple[str, torch.Tensor]]:
         device = _device(self.group)
         for bucket in buckets_of(self.named, self.bucket_bytes):
-            self._header([(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in bucket])
+            self._header([(name, tuple(t.shape), t.dtype) for name, t in bucket])
             flat = torch.cat([t.detach().reshape(-1).to(device) for _, t in bucket])  # [sum numel]
             dist.broadcast(flat, src=self.src, group=self.group)
             self._count(flat, len(bucket))
@@ -88,7 +88,7 @@ class BucketedBroadcast:
         device = _device(self.group)
         while (header := self._header(None)) is not None:
             sizes = [torch.Size(shape).numel() for _, shape, _ in header]
-            flat = torch.empty(sum(sizes), dtype=getattr(torch, header[0][2]), device=device)  # [sum numel]
+            flat = torch.empty(sum(sizes), dtype=header[0][2], device=device)  # [sum numel]
             dist.broadcast(flat, src=self.src, group=self.group)
             self._count(flat, len(header))
             for (name, shape, _), part in zip(header, flat.split(sizes)):

@@ -118,7 +118,25 @@ class SpotSettings:
     seed: int = 0
 
 
-class SpotWork(IdleWork):
+class ServedDrafterState:
+    """Checkpoint methods of a spot work whose `trainer` (a SpotTrainer) trains the drafter that its
+    `engine` serves as `drafter_version`: the trainer's folder and the served version go into the
+    run's checkpoint, and a resumed run serves the checkpoint's drafter as that version again."""
+
+    def checkpoint_files(self):
+        return {"spot": self.trainer.save}
+
+    def state_dict(self) -> dict:
+        return {"drafter_version": self.drafter_version}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A resumed run's: the engine serves the checkpoint's drafter (the trainer's copy, loaded
+        from the checkpoint's spot/ folder) as the version the stopped run served."""
+        self.drafter_version = int(state["drafter_version"])
+        self.engine.load_drafter_weights(self.trainer.named_weights(), version=self.drafter_version)
+
+
+class SpotWork(ServedDrafterState, IdleWork):
     """Spot training in the idle window, on one rank (common.idle.IdleWork)."""
 
     name = "spot"
@@ -132,21 +150,9 @@ class SpotWork(IdleWork):
         self.drafter_version = 0
         self.generator = torch.Generator().manual_seed(settings.seed * 1000 + (control.rank if control else 0))
 
-    # -- checkpoints (pipeline.run_state: rank 0 writes, every rank resumes from it) ----------
-    def checkpoint_files(self):
-        return {"spot": self.trainer.save}
-
+    # -- checkpoints: ServedDrafterState (rank 0 writes them, every rank resumes from them) ------
     def drafter(self):
         return self.trainer.model
-
-    def state_dict(self) -> dict:
-        return {"drafter_version": self.drafter_version}
-
-    def load_state_dict(self, state: dict) -> None:
-        """A resumed run's: the engine serves the checkpoint's drafter (the trainer's copy, loaded
-        from the checkpoint's spot/ folder) as the version the stopped run served."""
-        self.drafter_version = int(state["drafter_version"])
-        self.engine.load_drafter_weights(self.trainer.named_weights(), version=self.drafter_version)
 
     def _state(self, step: int, state: RankState) -> None:
         if self.control is not None:

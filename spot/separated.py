@@ -45,7 +45,7 @@ from engine.spec.eagle import EagleModel
 from spot.buffer import DataBuffer
 from spot.colocated import SpotRun, drafter_copy, node_buffer, spot_trainer
 from spot.config import SpotConfig
-from spot.coordinator import FilledTime, PendingAverage, SpotSettings, post_average
+from spot.coordinator import FilledTime, PendingAverage, ServedDrafterState, SpotSettings, post_average
 from spot.segment import segment_name
 from spot.sink import DataBufferSink, put_as_window_opens
 from spot.trainer import SpotTrainer
@@ -56,7 +56,7 @@ STATS = ("micro_steps", "train_s", "idle_s", "loss_sum", "top1_sum", "aborted", 
 _AT = {k: i for i, k in enumerate(STATS)}
 
 
-class SeparatedSpotWork(IdleWork):
+class SeparatedSpotWork(ServedDrafterState, IdleWork):
     """Spot training on one rollout rank of a separated placement (common.idle.IdleWork)."""
 
     name = "spot"
@@ -70,18 +70,8 @@ class SeparatedSpotWork(IdleWork):
         self.drafter_version = 0
         self.generator = torch.Generator().manual_seed(settings.seed * 1000 + control.rank)
 
-    # -- checkpoints: the first rollout rank writes them into the run's, every rollout rank resumes from it
-    def checkpoint_files(self):
-        return {"spot": self.trainer.save}
-
-    def state_dict(self) -> dict:
-        return {"drafter_version": self.drafter_version}
-
-    def load_state_dict(self, state: dict) -> None:
-        """A resumed run's: the engine serves the checkpoint's drafter (the trainer's copy, loaded
-        from the checkpoint's spot/ folder) as the version the stopped run served."""
-        self.drafter_version = int(state["drafter_version"])
-        self.engine.load_drafter_weights(self.trainer.named_weights(), version=self.drafter_version)
+    # checkpoints (ServedDrafterState): the first rollout rank writes them into the run's, every
+    # rollout rank resumes from them
 
     def _state(self, step: int, state: RankState) -> None:
         self.control.set(step, state)
