@@ -37,8 +37,9 @@ class Ranks:
 
 
 def init_ranks(device: str = "cpu", timeout_s: float = 1800.0) -> Ranks:
-    """Collectives wait at most `timeout_s` (gloo raises after it): a dead peer ends the job."""
-    """Joins the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR...); alone without it."""
+    """Joins the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR...); alone without it.
+
+    Collectives wait at most `timeout_s` (gloo raises after it): a dead peer ends the job."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return Ranks()

@@ -163,3 +163,21 @@ def test_the_minimum_match_defaults_long_before_a_learned_drafter_and_short_with
     assert history_store(SpecConfig(drafter="history+eagle", history_min_match=5)).min_match == 5
     with pytest.raises(ValueError, match="engine.spec.history_max_match"):
         SpecConfig(drafter="history", history_min_match=40).validate()
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_hold_equal_stores_with_every_ranks_responses_in_rank_order_and_summed_metrics(tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.mp import free_port
+    from tests.mp.history_worker import worker
+
+    mp.start_processes(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert r0["state"] == r1["state"]  # whichever rank a prompt lands on next epoch drafts from the same store
+    prompts = dict((pid, responses) for pid, responses in r0["state"]["prompts"])
+    assert prompts["p0"] == [[1] * 4] and prompts["p1"] == [[2] * 6]
+    assert prompts["both"] == [[7, 0, 7, 0, 9], [7, 1, 7, 1, 9]]  # rank 0's sample first, then rank 1's
+    assert r0["predicted"] == r1["predicted"] == {"p0": 4, "p1": 6, "both": 5}
+    # rank 0's history part drafted 1 of 2 rows, rank 1's both: 3 of 4 row-steps, 3 tokens each
+    assert r0["metrics"] == r1["metrics"] == {"spec/history_coverage": 0.75, "spec/history_accept_len": 3.0}
