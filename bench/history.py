@@ -44,12 +44,12 @@ def ways(model, drafter_path: str, history: list, min_matches: list[int]) -> dic
         return s
 
     eagle = lambda: EagleDrafter.load(drafter_path, model, expect="eagle")  # noqa: E731
-    history = lambda k: HistoryDrafter(store(k), max_match=max(32, k))  # noqa: E731
+    drafter = lambda k: HistoryDrafter(store(k), max_match=max(32, k))  # noqa: E731
     out = {"eagle": (eagle, None), "ngram": (NgramDrafter, None)}
     for k in min_matches:
-        out[f"history k{k}"] = (lambda k=k: history(k), 0)
-        out[f"history+ngram k{k}"] = (lambda k=k: FallbackDrafter([history(k), NgramDrafter()]), 0)
-        out[f"history+eagle k{k}"] = (lambda k=k: FallbackDrafter([history(k), eagle()]), 0)
+        out[f"history k{k}"] = (lambda k=k: drafter(k), 0)
+        out[f"history+ngram k{k}"] = (lambda k=k: FallbackDrafter([drafter(k), NgramDrafter()]), 0)
+        out[f"history+eagle k{k}"] = (lambda k=k: FallbackDrafter([drafter(k), eagle()]), 0)
     return out
 
 
