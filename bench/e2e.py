@@ -1,8 +1,10 @@
-"""`python -m bench.e2e --config configs/tiny.yaml --steps N [--levers spec,tuner,spot,bubble] [--plot F.png] [--json]`:
+"""`python -m bench.e2e --config configs/tiny.yaml --steps N [--levers spec,tuner,...] [--repeats K] [--plot F.png] [--json]`:
 the product's headline: the same RL steps with every lever off, as shipped, and with each lever alone.
 
 Runs the same N RL steps (same seeds, same data) several ways in this process group, one after
-another (bench.runs):
+another (bench.runs), `--repeats K` rounds of them (every way once a round; the times are pooled
+over rounds and the step ratio of each round is printed too, so a machine whose speed drifts
+over the bench shows it):
 
 - all-off: autoregressive rollouts, no spot training, no bubble drafts (ALL_OFF);
 - as-shipped: the config as given;
@@ -181,8 +183,9 @@ class WayTimes:
         return self.rollout_s + self.idle_s + self.exchange_s
 
     @classmethod
-    def of(cls, rows: list[dict]) -> WayTimes:
-        later = rows[1:]
+    def of(cls, *rounds: list[dict]) -> WayTimes:
+        """Means over steps 2..N of each round's rows (one run of the way per round, `--repeats`)."""
+        later = [m for rows in rounds for m in rows[1:]]
         if not later:
             raise ValueError("a way's summary needs two or more steps (step 1 is excluded)")
 
@@ -226,6 +229,11 @@ def headline(ways: dict[str, WayTimes], identical: dict[str, bool]) -> dict:
             "identical": all(identical.values()), "identical_ways": identical,
             "levers": {name: v for name, v in vs.items() if name != "as-shipped"},
             "ways": {name: {k: None if v is None else round(v, 4) for k, v in asdict(w).items()} for name, w in ways.items()}}
+
+
+def round_name(way: str, k: int) -> str:
+    """The run folder of round k (from 0) of a way: the way's name, then `way@2`, `way@3`..."""
+    return way if k == 0 else f"{way}@{k + 1}"
 
 
 def runnable(config: str, common: list[str], lever: Lever, out: Path) -> Lever:
@@ -303,11 +311,17 @@ def main(argv: list[str] | None = None) -> int:
                                                   "and as-shipped always run)")
     p.add_argument("--out", default=None, help="folder for the runs (default: a temporary one)")
     p.add_argument("--plot", default=None, help="write each step's time split, all-off beside as-shipped, to this PNG")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every way this many times, in rounds (all-off, as-shipped, levers; again), and average: "
+                        "a drift of the machine's speed over the bench then weighs on every way alike")
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*", help="section.key=value, applied to every run (before the ways' own)")
     args = p.parse_args(argv)
     if args.steps < 2:
         print(f"error: --steps must be >= 2 (step 1 is excluded from the timing), got {args.steps}", file=sys.stderr)
+        return 1
+    if args.repeats < 1:
+        print(f"error: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
         return 1
     out = Path(args.out or tempfile.mkdtemp(prefix="tailspec-e2e-"))
     common = bench_overrides(args.steps, args.overrides)
@@ -315,8 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         shipped = load_config(TrainConfig, args.config, common)
         chosen = [runnable(args.config, common, lever, out) for lever in choose(levers(shipped, world), args.levers)]
-        plan = [("all-off", list(ALL_OFF)), ("as-shipped", []),
+        ways = [("all-off", list(ALL_OFF)), ("as-shipped", []),
                 *((lever.name, [*ALL_OFF, *lever.overrides]) for lever in chosen if lever.skip is None)]
+        plan = [(round_name(name, k), extra) for k in range(args.repeats) for name, extra in ways]
         runs, r = train_runs(args.config, plan, common, out, "e2e")
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -324,14 +339,22 @@ def main(argv: list[str] | None = None) -> int:
     if not r.main:
         return 0
     rows = {name: read_metrics(folder) for name, folder in runs.items()}
-    identical = {name: same_steps(rows["all-off"], rows[name]) and same_weights(runs["all-off"], runs[name], args.steps)
-                 for name in runs if name != "all-off"}
-    result = {**headline({name: WayTimes.of(rows[name]) for name in runs}, identical),
+    rounds = {name: [round_name(name, k) for k in range(args.repeats)] for name, _ in ways}
+    # Every run of every way must be the same run as all-off's first.
+    identical = {name: all(same_steps(rows["all-off"], rows[run]) and same_weights(runs["all-off"], runs[run], args.steps)
+                           for run in rounds[name] if run != "all-off")
+                 for name in rounds if name != "all-off" or args.repeats > 1}
+    times = {name: WayTimes.of(*(rows[run] for run in rounds[name])) for name in rounds}
+    by_round = [round(WayTimes.of(rows[round_name("all-off", k)]).step_s / WayTimes.of(rows[round_name("as-shipped", k)]).step_s, 3)
+                for k in range(args.repeats)]
+    result = {**headline(times, identical), "repeats": args.repeats, "step_ratio_by_round": by_round,
               "skipped": {lever.name: lever.skip for lever in chosen if lever.skip},
               "notes": {lever.name: lever.note for lever in chosen if lever.note and not lever.skip},
               "steps": args.steps, "world_size": r.world, "config": args.config, "overrides": args.overrides,
               "cpu": cpu_model(), "runs": {k: str(v) for k, v in runs.items()}}
     report(result, chosen)
+    if args.repeats > 1:
+        print(f"step ratio all-off / as-shipped by round: {', '.join(f'{x:.3f}x' for x in by_round)}", file=sys.stderr)
     if args.plot:
         plot(Path(args.plot), rows["all-off"], rows["as-shipped"], f"{args.config}: each step's time, {result['cpu']}")
         print(f"wrote {args.plot}", file=sys.stderr)

@@ -56,6 +56,12 @@ def test_a_way_is_summarised_over_steps_two_to_n_with_per_step_shares():
         WayTimes.of([row(1.0, 0.5)])
 
 
+def test_rounds_of_a_way_are_pooled_step_by_step_each_without_its_first_step():
+    first, second = [row(50.0, 40.0), row(2.0, 1.0)], [row(60.0, 50.0), row(4.0, 1.0), row(6.0, 3.0)]
+    w = WayTimes.of(first, second)
+    assert w.step_s == pytest.approx((2.0 + 4.0 + 6.0) / 3) and w.rollout_s == pytest.approx(5.0 / 3)
+
+
 def test_the_headline_divides_all_off_by_each_way_and_is_identical_only_if_every_pair_is():
     ways = {"all-off": times(10.0, 6.0), "as-shipped": times(8.0, 4.0, accept=3.0), "spec": times(5.0, 2.0, accept=3.0)}
     out = headline(ways, {"as-shipped": True, "spec": True})
@@ -100,6 +106,7 @@ def test_each_lever_is_added_alone_to_all_off_and_those_that_cannot_run_say_why(
 @pytest.mark.parametrize("argv, message", [
     (["--levers", "spec,spto"], "unknown lever 'spto' (did you mean 'spot'?)"),
     (["--steps", "1"], "--steps must be >= 2"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
     (["--config", "configs/nope.yaml"], "config file not found"),
     (["trainer.stepz=3"], "trainer.stepz"),
 ])
@@ -137,6 +144,21 @@ def test_every_lever_alone_and_as_shipped_is_the_all_off_run_and_the_json_says_s
     assert "default set off,d1k1v1,d2k1v2,d4k1v4" in out["notes"]["tuner"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "identical runs: True" in captured.err
+
+
+@pytest.mark.slow
+def test_repeated_rounds_are_each_the_all_off_run_and_report_the_ratio_of_every_round(char_model_dir, char_drafter_dir,
+                                                                                       tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(TASKS, "digits", Task(name="digits", make_problems=arith.make_problems, reward=digit_share))
+    rc = e2e.main(["--config", TINY, "--steps", "2", "--levers", "spec", "--repeats", "2", "--out", str(tmp_path), "--json",
+                   *small(char_model_dir, char_drafter_dir, "digits")])
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert rc == 0, captured.err[-3000:]
+    assert out["identical_ways"] == {"all-off": True, "as-shipped": True, "spec": True}  # all-off's second round too
+    assert set(out["runs"]) == {"all-off", "as-shipped", "spec", "all-off@2", "as-shipped@2", "spec@2"}
+    assert out["repeats"] == 2 and len(out["step_ratio_by_round"]) == 2 and all(x > 0 for x in out["step_ratio_by_round"])
+    assert "by round" in captured.err
 
 
 @pytest.mark.slow
