@@ -182,8 +182,9 @@ def confine_job_collectives(group) -> None:
             raise RuntimeError("a DeepSpeed actor on another process group was built in this process: DeepSpeed's "
                                "job-wide collectives can be confined to one group only")
         return
-    if dist.get_rank(group) == 0 and dist.get_rank() != 0:
-        raise ValueError("a DeepSpeed actor on a process group needs global rank 0 in it (its broadcasts from rank 0)")
+    if 0 not in dist.get_process_group_ranks(group):
+        raise ValueError("a DeepSpeed actor on a process group needs global rank 0 in it (ZeRO-3 broadcasts from "
+                         "rank 0); pipeline.placement=separated puts the actor ranks first")
 
     def on_group(fn, position: int):  # `position`: the index of fn's `group` parameter
         @functools.wraps(fn)
@@ -211,7 +212,9 @@ def partitioned_construction(ds_config: dict, mpu: DataParallelGroup | None, mod
     context, so the partitions are the group's. transformers' `prevent_arange_dtype_change` is
     entered before it, as transformers does before its own (it keeps RoPE's arange in its dtype).
     The model's class is imported first: zero.Init replaces torch.Tensor.__new__, and a module
-    first imported under it can fail (torch._dynamo checks that signature at import).
+    first imported under it can fail (torch._dynamo checks that signature at import). Not confined
+    to the group: transformers broadcasts the buffers a checkpoint holds over the whole job, with
+    torch.distributed; the decoder LMs trained here (Llama, Qwen2) hold none.
     transformers keeps only a weak reference to the HfDeepSpeedConfig, so this holds it; on exit
     the global is cleared, so no later from_pretrained in the process is partitioned by surprise.
     """

@@ -13,7 +13,8 @@ DeepSpeed's gather of every parameter at once to gathered-zero3-rank{r}.pt.
 With --bystanders N the job has 2 + N processes: the actors train on a process group of ranks 0
 and 1 (a separated placement's actor ranks) while the others only wait in the job's store for
 the end, joining no collective; a collective over the whole job would leave the actor ranks
-waiting until the process group's timeout.
+waiting until the process group's timeout. DeepSpeed actors also report the error of loading a
+checkpoint whose files say another number of ranks saved it.
 """
 
 from __future__ import annotations
@@ -115,7 +116,30 @@ def run(backend: str, model: str, out: Path, steps: int, budget: int, group=None
         result["malformed"] = ""
     except FileNotFoundError as e:
         result["malformed"] = str(e)
+    if cfg.backend == "deepspeed":
+        result["other_world"] = load_as_if_saved_by_three(resumed, ckpt, out.parent / f"{backend}-three", group)
     return {"losses": losses, **result}
+
+
+def load_as_if_saved_by_three(actor, ckpt: Path, copy: Path, group) -> str:
+    """The error a DeepSpeed actor's load gives for a checkpoint its files say 3 ranks saved."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from pipeline.actors.deepspeed_actor import optimizer_file
+
+    rank = dist.get_rank(group)
+    if rank == 0:
+        shutil.copytree(ckpt, copy)
+    dist.barrier(group=group)
+    state = torch.load(copy / optimizer_file(rank), weights_only=False)
+    torch.save({**state, "world": 3}, copy / optimizer_file(rank))
+    try:
+        actor.load(copy)
+        return ""
+    except ValueError as e:
+        return str(e)
 
 
 def gathered_at_once(actor) -> dict[str, torch.Tensor]:
