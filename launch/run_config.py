@@ -205,8 +205,9 @@ class TrainConfig:
                                   "bubble.enabled=false"),
             (bool(self.algorithm.dynamic_sampling), "algorithm.dynamic_sampling (DAPO's refill rounds) is not supported "
                                                    "by the separated placement; set algorithm.dynamic_sampling=false"),
-            (self.actor.backend != "torch", f"actor.backend={self.actor.backend}: the separated placement trains with "
-                                            "actor.backend=torch (DDP over the actor ranks)"),
+            (self.actor.backend == "megatron", "actor.backend=megatron builds its parallel groups over every rank of "
+                                               "the job; train the actor ranks with actor.backend=deepspeed (ZeRO) or "
+                                               "torch (DDP)"),
         ]
         for bad, why in unsupported:
             if bad:

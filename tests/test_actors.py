@@ -150,7 +150,7 @@ def test_config_errors_name_the_key():
 def test_deepspeed_config_renders_the_actor_section():
     cfg = ActorConfig(backend="deepspeed", lr=2e-5, betas=(0.9, 0.95), weight_decay=0.1, grad_clip=1.0,
                       zero_stage=3, offload_optimizer=True, offload_params=True, dtype="bfloat16")
-    ds = deepspeed_config(cfg, world_size=4, hidden_size=4096)  # a 7B's hidden size
+    ds = deepspeed_config(cfg, hidden_size=4096)  # a 7B's hidden size
     # transformers' "auto" values: H^2, 0.9 H^2, 10 H.
     assert ds["zero_optimization"] == {
         "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
@@ -162,15 +162,17 @@ def test_deepspeed_config_renders_the_actor_section():
     assert ds["optimizer"]["params"] == {"lr": 2e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
                                          "torch_adam": True}
     assert ds["gradient_clipping"] == 1.0 and ds["bf16"] == {"enabled": True}
-    assert ds["train_batch_size"] == 4 * ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
-    big = deepspeed_config(ActorConfig(backend="deepspeed", device="cuda", zero_stage=3), 64, hidden_size=5120)
+    # DeepSpeed derives the train batch from its data-parallel world size (the job's or the actor group's)
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (1, 1)
+    assert "train_batch_size" not in ds
+    big = deepspeed_config(ActorConfig(backend="deepspeed", device="cuda", zero_stage=3), hidden_size=5120)
     z = big["zero_optimization"]  # a 32B's (Qwen2.5-32B: H = 5120)
     assert (z["reduce_bucket_size"], z["stage3_prefetch_bucket_size"], z["stage3_param_persistence_threshold"]) \
         == (26_214_400, 23_592_960, 51_200)
-    gpu = deepspeed_config(ActorConfig(backend="deepspeed", device="cuda", zero_stage=1), world_size=8)
+    gpu = deepspeed_config(ActorConfig(backend="deepspeed", device="cuda", zero_stage=1))
     assert gpu["zero_optimization"] == {"stage": 1} and gpu["optimizer"]["params"]["torch_adam"] is False
     with pytest.raises(ValueError, match="hidden_size"):
-        deepspeed_config(cfg, world_size=4)
+        deepspeed_config(cfg)
 
 
 def test_deepspeed_reads_every_rendered_key_and_rejects_an_unknown_zero_key():
@@ -180,7 +182,7 @@ def test_deepspeed_reads_every_rendered_key_and_rejects_an_unknown_zero_key():
 
     cfg = ActorConfig(backend="deepspeed", device="cuda", zero_stage=3, offload_optimizer=True, offload_params=True,
                       dtype="bfloat16", grad_clip=0.7, lr=3e-6)
-    ds = deepspeed_config(cfg, world_size=1, hidden_size=5120)  # world size 1: DeepSpeedConfig checks the batch sizes
+    ds = deepspeed_config(cfg, hidden_size=5120)  # outside torch.distributed: DeepSpeedConfig's world size is 1
     parsed = DeepSpeedConfig(ds)
     # DeepSpeed ignores unknown top-level keys silently, so each one is checked to have landed.
     batch = (parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps, parsed.train_batch_size)
@@ -237,18 +239,23 @@ def free_port() -> int:
 STEPS = 3  # steps before the save; the worker takes RESUMED more after it
 
 
+def run_actor_worker(model_dir: Path, folder: Path, procs: int, *args: str) -> dict:
+    """tests/mp/actor_worker.py under torchrun with `procs` processes: its results (rank 0's --out)."""
+    out = folder / "out.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={procs}", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", str(REPO / "tests/mp/actor_worker.py"), "--model", str(model_dir),
+           "--out", str(out), "--steps", str(STEPS), "--budget", "28", *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
 def world_size_2(model_dir, tmp_path_factory) -> Iterator[tuple[dict, Path]]:
     """tests/mp/actor_worker.py's results at world size 2, and the folder with its weight files and checkpoints."""
     folder = tmp_path_factory.mktemp("world-size-2")
-    out = folder / "out.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", str(REPO / "tests/mp/actor_worker.py"), "--model", str(model_dir),
-           "--out", str(out), "--steps", str(STEPS), "--budget", "28"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    yield json.loads(out.read_text()), folder
+    yield run_actor_worker(model_dir, folder, 2), folder
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -280,18 +287,19 @@ def test_ddp_zero2_and_zero3_at_world_size_2_give_the_single_process_losses_and_
         assert r["losses"] == pytest.approx(single, rel=1e-5, abs=1e-7), backend
         assert r["resumed"] == r["losses"][-RESUMED:], backend  # resume is bit for bit, optimizer state included
         assert f"{backend}-malformed is malformed: missing" in r["malformed"], backend
+        if backend != "torch":
+            assert "saved by 3 data-parallel ranks, this run has 2" in r["other_world"], backend
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_zero3_weights_after_training_agree_across_ranks_with_the_consolidated_checkpoint_and_one_process(
+def test_zero3_weights_after_training_agree_across_ranks_with_deepspeeds_gather_the_checkpoint_and_one_process(
         world_size_2, single_process):
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
     _, folder = world_size_2
     _, single = single_process
     rank0, rank1 = (torch.load(folder / f"weights-zero3-rank{r}.pt") for r in (0, 1))
-    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(folder / "ckpt-zero3"), tag="actor")
+    at_once = torch.load(folder / "gathered-zero3-rank0.pt")
+    loaded = [torch.load(folder / f"loaded-zero3-rank{r}.pt") for r in (0, 1)]
     initial = {k: p.detach() for k, p in make_hf_model("llama").named_parameters()}
     assert rank0.keys() == rank1.keys() == single.keys() == initial.keys()
     # Adam moves a weight by up to ~lr per step whatever its gradient's size, so float noise in a tiny
@@ -301,7 +309,8 @@ def test_zero3_weights_after_training_agree_across_ranks_with_the_consolidated_c
     assert max(float((single[k] - initial[k]).abs().max()) for k in single) > 100 * atol
     for k in rank0:
         assert torch.equal(rank0[k], rank1[k]), k
-        assert torch.equal(rank0[k], consolidated[k]), k  # DeepSpeed's own gather of the saved partitions
+        assert torch.equal(rank0[k], at_once[k]), k  # layer by layer = DeepSpeed gathering every parameter at once
+        assert all(torch.equal(rank0[k], w[k]) for w in loaded), k  # the checkpoint restores the partitions
         torch.testing.assert_close(rank0[k], single[k], atol=atol, rtol=0, msg=k)
 
 
@@ -320,3 +329,25 @@ def test_zero3_is_partitioned_and_weight_sync_materialises_one_decoder_layer_at_
     assert [name for name, _, _ in z["trace"]] == list(hf)
     for name, key, live in z["trace"]:  # at each yield after training: which layers are materialised
         assert live == ([key] if key in gathered else []), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_zero3_on_two_ranks_of_a_three_rank_job_trains_and_resumes_exactly_as_on_a_two_rank_job(
+        model_dir, world_size_2, tmp_path):
+    # A separated placement's actor ranks: ZeRO-3 partitions, reduces, checks its module order and
+    # checkpoints on their process group; the third rank joins nothing (a collective over the
+    # whole job would end the run with a timeout). Same partitions, same reduction order: bit for bit.
+    on_group = run_actor_worker(model_dir, tmp_path, 3, "--backends", "zero3", "--bystanders", "1")["zero3"]
+    whole, folder = world_size_2
+    assert on_group["losses"] == whole["zero3"]["losses"]
+    assert on_group["resumed"] == whole["zero3"]["resumed"] == on_group["losses"][-RESUMED:]
+    assert on_group["partitioned"] and on_group["weights_match"] and on_group["trace"] == whole["zero3"]["trace"]
+    for r in (0, 1):
+        a, b = torch.load(tmp_path / f"weights-zero3-rank{r}.pt"), torch.load(folder / f"weights-zero3-rank{r}.pt")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_megatron_trains_on_every_rank_of_the_job_and_refuses_a_process_group(model_dir):
+    with pytest.raises(ValueError, match="actor.backend=megatron .* cannot train on the actor ranks"):
+        build_actor(ActorConfig(backend="megatron", device="cuda"), model_dir, group=object())

@@ -33,15 +33,23 @@ def test_separated_ranks_are_actors_first_then_rollouts_and_a_bad_count_names_th
         load_config(TrainConfig, REPO / "configs" / "tiny.yaml", ["pipeline.actor_ranks=2"])
 
 
-@pytest.mark.parametrize("override, key", [("spot.mode=pool", "spot.mode=pool"),
-                                           ("engine.backend=vllm", "spot.enabled trains from the rollout engine's features"),
-                                           ("algorithm.name=dapo", "algorithm.dynamic_sampling"),
-                                           ("actor.backend=deepspeed", "actor.backend=deepspeed")])
-def test_what_separated_does_not_run_is_a_config_error_naming_the_key(override, key):
+@pytest.mark.parametrize("overrides, key", [(["spot.mode=pool"], "spot.mode=pool"),
+                                            (["engine.backend=vllm"], "spot.enabled trains from the rollout engine's features"),
+                                            (["algorithm.name=dapo"], "algorithm.dynamic_sampling"),
+                                            (["actor.backend=megatron", "actor.device=cuda"], "actor.backend=megatron")])
+def test_what_separated_does_not_run_is_a_config_error_naming_the_key(overrides, key):
     with pytest.raises(ValueError, match=f"pipeline.placement=separated: {key}"):
         load_config(TrainConfig, REPO / "configs" / "tiny.yaml",
                     ["pipeline.placement=separated", "pipeline.actor_ranks=1", "spot.enabled=true", "spot.pool_dir=pool",
-                     override])
+                     *overrides])
+
+
+@pytest.mark.parametrize("backend", ["torch", "deepspeed"])
+def test_separated_trains_with_ddp_or_deepspeed_zero(backend):
+    cfg = load_config(TrainConfig, REPO / "configs" / "tiny.yaml",
+                      ["pipeline.placement=separated", "pipeline.actor_ranks=1", f"actor.backend={backend}",
+                       "actor.zero_stage=3"])
+    assert (cfg.pipeline.placement, cfg.actor.backend) == ("separated", backend)
 
 
 def test_generation_shares_are_contiguous_cover_every_group_and_differ_by_at_most_one():

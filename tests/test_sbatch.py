@@ -177,9 +177,9 @@ def test_resume_auto_takes_the_latest_complete_checkpoint(tmp_path):
 
 
 def test_a_separated_placement_renders_one_torchrun_whose_config_gives_the_roles_by_node():
-    # The separated placement trains with actor.backend=torch (DeepSpeed is refused there by name).
-    overrides = ["pipeline.placement=separated", "pipeline.actor_ranks=12", "actor.backend=torch"]
+    overrides = ["pipeline.placement=separated", "pipeline.actor_ranks=12"]  # the 7B config's DeepSpeed ZeRO-3 actor
     cfg = load_config(TrainConfig, REPO / "configs/7b.yaml", overrides)
+    assert (cfg.actor.backend, cfg.actor.zero_stage) == ("deepspeed", 3)
     script = render(cfg, "configs/7b.yaml", overrides)
     assert script.count("-m torch.distributed.run") == 1 and script.count("#SBATCH --nodes=4") == 1
     assert "# placement: separated: ranks 0-11 train (pipeline.actor_ranks=12), ranks 12-31 roll out (20 ranks)" in script
@@ -203,7 +203,7 @@ def test_a_colocated_placement_says_every_rank_rolls_out_and_trains():
 
 
 def test_a_separated_job_without_a_rollout_rank_is_refused_naming_the_key():
-    overrides = ["pipeline.placement=separated", "pipeline.actor_ranks=32", "actor.backend=torch"]
+    overrides = ["pipeline.placement=separated", "pipeline.actor_ranks=32"]
     cfg = load_config(TrainConfig, REPO / "configs/7b.yaml", overrides)
     with pytest.raises(ValueError, match=r"pipeline.actor_ranks=32 leaves no rollout rank"):
         render(cfg, "configs/7b.yaml", overrides)

@@ -13,11 +13,13 @@ def build_actor(cfg: ActorConfig, model_path: str | Path, group=None) -> Actor:
     """The actor of cfg.backend over the Hugging Face folder model_path (collective under torch.distributed).
 
     `group`: the data-parallel ranks (None: every rank of the job; a separated placement's actor
-    group, pipeline.placement). Only the torch backend trains on a subgroup."""
+    group, pipeline.placement). The torch (DDP) and deepspeed (ZeRO) backends train on a subgroup;
+    megatron trains on every rank of the job."""
     cfg.validate()
-    if group is not None and cfg.backend != "torch":
-        raise ValueError(f"actor.backend={cfg.backend} trains on every rank of the job; pipeline.placement=separated "
-                         "needs actor.backend=torch (DDP over the actor ranks), or use pipeline.placement=colocated")
+    if group is not None and cfg.backend == "megatron":
+        raise ValueError("actor.backend=megatron builds its tensor- / pipeline- / data-parallel groups over every rank "
+                         "of the job, so it cannot train on the actor ranks of pipeline.placement=separated: use "
+                         "actor.backend=deepspeed or torch there, or pipeline.placement=colocated")
     if cfg.backend == "megatron":
         try:
             import megatron.core  # noqa: F401
@@ -30,7 +32,7 @@ def build_actor(cfg: ActorConfig, model_path: str | Path, group=None) -> Actor:
     if cfg.backend == "deepspeed":
         from pipeline.actors.deepspeed_actor import DeepSpeedActor
 
-        return DeepSpeedActor(cfg, model_path)
+        return DeepSpeedActor(cfg, model_path, group)
     from pipeline.actors.torch_actor import TorchActor
 
     return TorchActor(cfg, model_path, group)

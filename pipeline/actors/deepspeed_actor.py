@@ -10,11 +10,22 @@ once; `accumulate` makes every rank run the same number of micro-batches, since 
 reduce gradients in every backward. On CPU the optimizer is torch's AdamW (`torch_adam`), which
 needs no compiled DeepSpeed ops.
 
-ZeRO-3 never holds the full model on one rank: the model is built under deepspeed.zero.Init
-(transformers does so while an HfDeepSpeedConfig is alive), so each rank loads only its shard,
-and `named_weights` gathers one decoder layer at a time (deepspeed.zero.GatheredParameters).
+The data-parallel ranks are the job's (`group` None) or a process group of it (a separated
+placement's actor ranks, pipeline.placement): DeepSpeed learns the group through its `mpu`
+interface (`DataParallelGroup`), and the engine, ZeRO's reductions and partitions, the gradient
+norm and the model's initial broadcast all run on it. Nothing here runs a collective over the
+whole job, since ranks outside the group (rollout ranks) never join one.
+
+ZeRO-3 never holds the full model on one rank: the model is built under deepspeed.zero.Init over
+the group (transformers' from_pretrained loads each rank's shard while an HfDeepSpeedConfig is
+alive), and `named_weights` gathers one decoder layer at a time (deepspeed.zero.GatheredParameters).
 Parameters under the persistence threshold (norms, biases) stay whole on every rank by design.
-A checkpoint is DeepSpeed's own (tag `actor`: each rank's partitions) plus each rank's RNG state.
+
+A checkpoint is each rank's ZeRO optimizer state (`engine.optimizer.state_dict()`: its partition
+of the float32 master weights and of Adam's moments), its RNG state and, under ZeRO-1 / 2, the
+model as a Hugging Face folder (every rank holds the whole model; ZeRO-3's weights are the master
+partitions). DeepSpeed's own `save_checkpoint` is not used: it runs barriers over the whole job.
+A checkpoint resumes on the same number of data-parallel ranks only.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from pipeline.actors.base import ActorConfig, LogProbs, LossFn
 from pipeline.actors.checkpoint import collective_folder, load_rng, rank_and_world, require_files, rng_file, save_rng
@@ -35,7 +47,6 @@ from common.optim import param_groups
 from pipeline.actors.torch_actor import actor_device
 from pipeline.records import TrainBatch
 
-TAG = "actor"
 _LAYER = re.compile(r"^(.*?\.\d+)\.")  # "model.layers.3.mlp.up_proj.weight" -> "model.layers.3"
 
 
@@ -63,8 +74,8 @@ def zero3_settings(hidden_size: int) -> dict:
     }
 
 
-def deepspeed_config(cfg: ActorConfig, world_size: int, *, hidden_size: int | None = None) -> dict:
-    """DeepSpeed's config dict for this actor section at this data-parallel world size.
+def deepspeed_config(cfg: ActorConfig, *, hidden_size: int | None = None) -> dict:
+    """DeepSpeed's config dict for this actor section.
 
     hidden_size (the model's; needed for ZeRO-3 only) sizes ZeRO-3's buckets: see zero3_settings.
     """
@@ -79,10 +90,11 @@ def deepspeed_config(cfg: ActorConfig, world_size: int, *, hidden_size: int | No
     if cfg.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": not cpu}
     return {
-        # Rows per micro-batch vary (token budget); DeepSpeed only checks these three agree.
+        # Rows per micro-batch vary (token budget): these only satisfy DeepSpeed's batch arithmetic,
+        # which derives train_batch_size from its data-parallel world size. That size is the job's
+        # for transformers' zero.Init and the group's for the engine, so it is left out.
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "train_batch_size": world_size,
         "gradient_clipping": cfg.grad_clip,
         "optimizer": {
             "type": "AdamW",
@@ -114,18 +126,110 @@ def hidden_size_of(model_path: str | Path) -> int:
                      "actor sizes ZeRO-3's buckets from it; use actor.zero_stage=1 or 2 for this model")
 
 
-@contextlib.contextmanager
-def partitioned_construction(ds_config: dict) -> Iterator[None]:
-    """While open, transformers' from_pretrained builds a model under deepspeed.zero.Init (ZeRO-3 configs).
+class DataParallelGroup:
+    """DeepSpeed's `mpu` (model-parallel unit) for plain data parallelism over `group`.
 
+    deepspeed.initialize and zero.Init take it to run every data-parallel collective on `group`
+    instead of the whole job; model parallelism is one rank (this one). The model-parallel group
+    is a group of this rank alone, made locally (no other rank joins its creation), because some
+    of DeepSpeed's norm reductions call all_reduce on it whatever its size.
+    """
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+
+    def get_data_parallel_group(self):
+        return self.group
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def get_model_parallel_group(self):
+        return self.alone
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+
+_CONFINED: list = []  # the group deepspeed.comm's job-wide calls go to in this process, once set
+
+
+def confine_job_collectives(group) -> None:
+    """From now on in this process, DeepSpeed's barriers and broadcasts without a group run on `group`.
+
+    DeepSpeed 0.19.8's ZeRO-3 runs a few collectives over the whole job even when given an mpu:
+    three barriers while its optimizer is built (stage3.py) and, whenever it records the order in
+    which modules fetch their parameters, broadcasts from global rank 0 that check every rank
+    recorded the same order (zero/utils.py `assert_ints_same_as_other_ranks`). Ranks outside the
+    data-parallel group never join them, so on a subgroup they would wait until the timeout.
+    Confined to the group (whose rank 0 is global rank 0: pipeline.placement puts the actor ranks
+    first), they synchronise and check exactly the ranks that train. DeepSpeed calls them through
+    the `deepspeed.comm` module, whose two functions are wrapped here; nothing else in the
+    process calls them, and a process holds one actor, so this is done once and never undone.
+    The one place this backend replaces DeepSpeed functions.
+    """
+    import deepspeed.comm as ds_comm
+
+    if _CONFINED:
+        if _CONFINED[0] is not group:
+            raise RuntimeError("a DeepSpeed actor on another process group was built in this process: DeepSpeed's "
+                               "job-wide collectives can be confined to one group only")
+        return
+    if 0 not in dist.get_process_group_ranks(group):
+        raise ValueError("a DeepSpeed actor on a process group needs global rank 0 in it (ZeRO-3 broadcasts from "
+                         "rank 0); pipeline.placement=separated puts the actor ranks first")
+
+    def on_group(fn, position: int):  # `position`: the index of fn's `group` parameter
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if len(args) > position:
+                args = (*args[:position], group if args[position] is None else args[position], *args[position + 1:])
+            elif kwargs.get("group") is None:
+                kwargs["group"] = group
+            return fn(*args, **kwargs)
+
+        return call
+
+    ds_comm.barrier, ds_comm.broadcast = on_group(ds_comm.barrier, 0), on_group(ds_comm.broadcast, 2)
+    _CONFINED.append(group)
+
+
+@contextlib.contextmanager
+def partitioned_construction(ds_config: dict, mpu: DataParallelGroup | None, model_path: str | Path) -> Iterator[None]:
+    """While open, transformers' from_pretrained builds folder model_path's model partitioned over
+    mpu's group (None: the job).
+
+    transformers builds under its own deepspeed.zero.Init (over the whole job) while an
+    HfDeepSpeedConfig is alive and loads each layer's weights into the partitions; the
+    zero.Init opened here first is the outermost one, and DeepSpeed partitions by the outermost
+    context, so the partitions are the group's. transformers' `prevent_arange_dtype_change` is
+    entered before it, as transformers does before its own (it keeps RoPE's arange in its dtype).
+    The model's class is imported first: zero.Init replaces torch.Tensor.__new__, and a module
+    first imported under it can fail (torch._dynamo checks that signature at import). Not confined
+    to the group: transformers broadcasts the buffers a checkpoint holds over the whole job, with
+    torch.distributed; the decoder LMs trained here (Llama, Qwen2) hold none.
     transformers keeps only a weak reference to the HfDeepSpeedConfig, so this holds it; on exit
     the global is cleared, so no later from_pretrained in the process is partitioned by surprise.
     """
-    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+    import deepspeed
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+    from transformers.integrations.deepspeed import (HfDeepSpeedConfig, prevent_arange_dtype_change,
+                                                     unset_hf_deepspeed_config)
 
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_path))]
     held = HfDeepSpeedConfig(ds_config)
+    group = None if mpu is None else mpu.get_data_parallel_group()
     try:
-        yield
+        with prevent_arange_dtype_change(), deepspeed.zero.Init(data_parallel_group=group, mpu=mpu,
+                                                                config_dict_or_path=ds_config):
+            yield
     finally:
         unset_hf_deepspeed_config()
         del held
@@ -137,23 +241,35 @@ def layer_key(name: str) -> str:
     return m.group(1) if m else name
 
 
+def optimizer_file(rank: int) -> str:
+    return f"zero_rank{rank}.pt"
+
+
 class DeepSpeedActor:
-    def __init__(self, cfg: ActorConfig, model_path: str | Path):
+    """`group`: the data-parallel ranks (None: the default process group, every rank)."""
+
+    def __init__(self, cfg: ActorConfig, model_path: str | Path, group=None):
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
         cfg.validate()
-        self.cfg = cfg
+        self.cfg, self.group = cfg, group
         self.device = actor_device(cfg)
-        self.rank, self.world = rank_and_world()
-        # zero.Init reads the world size from deepspeed.comm, which deepspeed.initialize would set up too late.
+        self.rank, self.world = rank_and_world(group)
+        # zero.Init reads deepspeed.comm, which deepspeed.initialize would set up too late. With the
+        # job's process group already made (torchrun), this only wraps it: no new group, no barrier.
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        self.mpu = None
+        if group is not None:
+            confine_job_collectives(group)
+            self.mpu = DataParallelGroup(group)
         hidden = hidden_size_of(model_path) if cfg.zero_stage == 3 else None
-        config = deepspeed_config(cfg, self.world, hidden_size=hidden)
-        with partitioned_construction(config) if cfg.zero_stage == 3 else contextlib.nullcontext():
+        config = deepspeed_config(cfg, hidden_size=hidden)
+        with partitioned_construction(config, self.mpu, model_path) if cfg.zero_stage == 3 else contextlib.nullcontext():
             model = load_policy(model_path, cfg)
         self.engine, *_ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model.parameters(), cfg.weight_decay), config=config,
+            mpu=self.mpu,
         )
 
     @torch.no_grad()
@@ -174,7 +290,8 @@ class DeepSpeedActor:
 
         metrics = accumulate(functools.partial(policy_forward, self.engine), batch.to(self.device), loss_fn,
                              self.cfg.micro_batch_tokens, context=boundary,
-                             backward=lambda loss: self.engine.backward(loss * self.world), entropy=entropy)
+                             backward=lambda loss: self.engine.backward(loss * self.world), entropy=entropy,
+                             group=self.group)
         self.engine.step()
         metrics["train/grad_norm"] = float(self.engine.get_global_grad_norm())
         return metrics
@@ -194,16 +311,37 @@ class DeepSpeedActor:
                     yield name, p.detach().clone()
 
     def save(self, path: str | Path) -> None:
-        with collective_folder(path) as tmp:
-            self.engine.save_checkpoint(str(tmp), tag=TAG)
+        with collective_folder(path, self.group) as tmp:
+            if self.cfg.zero_stage != 3 and self.rank == 0:
+                # ZeRO-1 / 2 keep the parameters as views of one flat buffer: copies, so that
+                # safetensors sees separate tensors.
+                self.engine.module.save_pretrained(tmp, state_dict={n: w.clone() for n, w in self.named_weights()})
+            torch.save({"world": self.world, "optimizer": self.engine.optimizer.state_dict()},
+                       tmp / optimizer_file(self.rank))
             save_rng(tmp, self.rank)
 
     def load(self, path: str | Path) -> None:
         r = self.rank
-        model_file = f"{TAG}/mp_rank_00_model_states.pt|{TAG}/zero_pp_rank_{r}_mp_rank_00_model_states.pt"
-        optim_file = f"{TAG}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt|{TAG}/bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
-        path = require_files(path, [model_file, optim_file, rng_file(r)], "deepspeed actor")
-        load_path, _ = self.engine.load_checkpoint(str(path), tag=TAG)
-        if load_path is None:
-            raise FileNotFoundError(f"deepspeed actor checkpoint folder {path}: DeepSpeed could not load tag {TAG!r}")
+        model = ["config.json", "model.safetensors|model.safetensors.index.json"] if self.cfg.zero_stage != 3 else []
+        path = require_files(path, [*model, optimizer_file(r), rng_file(r)], "deepspeed actor")
+        saved = torch.load(path / optimizer_file(r), weights_only=False, map_location=self.device)
+        if saved["world"] != self.world:
+            raise ValueError(f"deepspeed actor checkpoint {path} was saved by {saved['world']} data-parallel ranks, "
+                             f"this run has {self.world}: resume with as many actor ranks (torchrun --nproc-per-node, "
+                             "pipeline.actor_ranks)")
+        if model:
+            from transformers import AutoModelForCausalLM
+
+            weights = AutoModelForCausalLM.from_pretrained(path, dtype=self.engine.module.dtype).state_dict()
+            with torch.no_grad():
+                self.engine.module.load_state_dict(weights)
+        # ZeRO's load takes every rank's state by data-parallel rank and, on as many ranks as saved
+        # them, reads its own only; it restores the float32 masters and, under ZeRO-3, the partitions.
+        states = [saved["optimizer"] if i == r else None for i in range(self.world)]
+        optimizer = self.engine.optimizer
+        if self.cfg.zero_stage == 3:
+            optimizer.checkpoint_event_prologue()  # partitions every parameter, as engine.load_checkpoint does
+        optimizer.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)
+        if self.cfg.zero_stage == 3:
+            optimizer.checkpoint_event_epilogue()  # gathers the persistent parameters back
         load_rng(path, r)

@@ -4,9 +4,17 @@ Each rank trains on its rows of one global batch (5 rows and 1: a long tail) wit
 normalised over the whole batch. Per backend, rank 0 writes to --out the summed loss of every step
 (--steps steps, a save, then RESUMED more), the losses of a fresh actor that loads the save and
 takes the same RESUMED steps, and the error a malformed folder gives. At the save point every rank
-writes its named_weights to weights-{backend}-rank{r}.pt beside --out. ZeRO-3 also reports whether
-a fresh actor's parameters are partitioned and gather back to the folder's, and, at each
-named_weights yield after training, which layers have a non-persistent parameter materialised.
+writes its named_weights to weights-{backend}-rank{r}.pt beside --out, and the resumed actor's, right
+after its load, to loaded-{backend}-rank{r}.pt. ZeRO-3 also reports whether a fresh actor's
+parameters are partitioned and gather back to the folder's, and, at each named_weights yield after
+training, which layers have a non-persistent parameter materialised; at the save point it writes
+DeepSpeed's gather of every parameter at once to gathered-zero3-rank{r}.pt.
+
+With --bystanders N the job has 2 + N processes: the actors train on a process group of ranks 0
+and 1 (a separated placement's actor ranks) while the others only wait in the job's store for
+the end, joining no collective; a collective over the whole job would leave the actor ranks
+waiting until the process group's timeout. DeepSpeed actors also report the error of loading a
+checkpoint whose files say another number of ranks saved it.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.dist import Ranks, job_store
 from pipeline.records import TrainBatch
 
 VOCAB = 101
@@ -69,12 +78,12 @@ def gathered_weights(actor) -> tuple[dict[str, torch.Tensor], list]:
     return weights, trace
 
 
-def run(backend: str, model: str, out: Path, steps: int, budget: int) -> dict:
+def run(backend: str, model: str, out: Path, steps: int, budget: int, group=None) -> dict:
     import torch.distributed as dist
 
     from pipeline.actors import ActorConfig, build_actor
 
-    rank = dist.get_rank()
+    rank = dist.get_rank(group)
     cfg = ActorConfig(**TRAIN, **BACKENDS[backend], micro_batch_tokens=budget)
     # Unequal shards (5 rows and 1): rank 1 runs zero-weight micro-batches to match rank 0's count.
     local = make_batch().select(slice(0, 5) if rank == 0 else slice(5, 6))
@@ -82,29 +91,64 @@ def run(backend: str, model: str, out: Path, steps: int, budget: int) -> dict:
 
     def step(actor) -> float:
         loss = torch.tensor(actor.update(local, pg_loss)["train/loss"], dtype=torch.float64)
-        dist.all_reduce(loss)
+        dist.all_reduce(loss, group=group)
         return float(loss)
 
-    actor = build_actor(cfg, model)
+    actor = build_actor(cfg, model, group)
     result = fresh_zero3(actor, model) if backend == "zero3" else {}
     losses = [step(actor) for _ in range(steps)]
     actor.save(ckpt)
     weights, result["trace"] = gathered_weights(actor)
     torch.save(weights, out.parent / f"weights-{backend}-rank{rank}.pt")
+    if backend == "zero3":
+        torch.save(gathered_at_once(actor), out.parent / f"gathered-zero3-rank{rank}.pt")
     losses += [step(actor) for _ in range(RESUMED)]
-    resumed = build_actor(cfg, model)
+    resumed = build_actor(cfg, model, group)
     resumed.load(ckpt)
+    torch.save(gathered_weights(resumed)[0], out.parent / f"loaded-{backend}-rank{rank}.pt")
     result["resumed"] = [step(resumed) for _ in range(RESUMED)]
     malformed_dir = out.parent / f"{backend}-malformed"
     if rank == 0:
         malformed_dir.mkdir()
-    dist.barrier()
+    dist.barrier(group=group)
     try:
         resumed.load(malformed_dir)
         result["malformed"] = ""
     except FileNotFoundError as e:
         result["malformed"] = str(e)
+    if cfg.backend == "deepspeed":
+        result["other_world"] = load_as_if_saved_by_three(resumed, ckpt, out.parent / f"{backend}-three", group)
     return {"losses": losses, **result}
+
+
+def load_as_if_saved_by_three(actor, ckpt: Path, copy: Path, group) -> str:
+    """The error a DeepSpeed actor's load gives for a checkpoint its files say 3 ranks saved."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from pipeline.actors.deepspeed_actor import optimizer_file
+
+    rank = dist.get_rank(group)
+    if rank == 0:
+        shutil.copytree(ckpt, copy)
+    dist.barrier(group=group)
+    state = torch.load(copy / optimizer_file(rank), weights_only=False)
+    torch.save({**state, "world": 3}, copy / optimizer_file(rank))
+    try:
+        actor.load(copy)
+        return ""
+    except ValueError as e:
+        return str(e)
+
+
+def gathered_at_once(actor) -> dict[str, torch.Tensor]:
+    """Every parameter, gathered in one deepspeed.zero.GatheredParameters (DeepSpeed's own gather, not named_weights')."""
+    import deepspeed
+
+    params = dict(actor.engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        return {name: p.detach().clone() for name, p in params.items()}
 
 
 def fresh_zero3(actor, model: str) -> dict:
@@ -127,14 +171,24 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--budget", type=int, default=28)
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    p.add_argument("--bystanders", type=int, default=0)
     args = p.parse_args()
+    import datetime
+
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    results = {b: run(b, args.model, args.out, args.steps, args.budget) for b in BACKENDS}
-    if dist.get_rank() == 0:
-        args.out.write_text(json.dumps(results))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    group = dist.new_group([0, 1]) if args.bystanders else None
+    store = job_store(Ranks(rank=dist.get_rank(), world=dist.get_world_size()))
+    if dist.get_rank() >= 2:
+        store.wait(["actors-done"], datetime.timedelta(seconds=600))
+    else:
+        results = {b: run(b, args.model, args.out, args.steps, args.budget, group) for b in args.backends}
+        if dist.get_rank() == 0:
+            args.out.write_text(json.dumps(results))
+            store.set("actors-done", "1")
     dist.destroy_process_group()
 
 
