@@ -33,8 +33,7 @@ def test_separated_ranks_are_actors_first_then_rollouts_and_a_bad_count_names_th
         load_config(TrainConfig, REPO / "configs" / "tiny.yaml", ["pipeline.actor_ranks=2"])
 
 
-@pytest.mark.parametrize("override, key", [("spot.mode=pool", "spot.mode=pool"),
-                                           ("engine.backend=vllm", "spot.enabled trains from the rollout engine's features"),
+@pytest.mark.parametrize("override, key", [("engine.backend=vllm", "spot.enabled trains from the rollout engine's features"),
                                            ("algorithm.name=dapo", "algorithm.dynamic_sampling"),
                                            ("actor.backend=deepspeed", "actor.backend=deepspeed")])
 def test_what_separated_does_not_run_is_a_config_error_naming_the_key(override, key):

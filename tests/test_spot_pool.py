@@ -21,11 +21,13 @@ import torch
 from engine.checkpoint import load_checkpoint
 from engine.spec.eagle import EagleConfig, EagleModel
 from pipeline.dist import Ranks
+from common.idle import RankState
 from spot.buffer import BufferEntry, DataBuffer
+from spot.gate import NodeGate
 from spot.segment import segment_name
 from spot.features import TokenSequence, capture_features
 from spot.pool import LATEST, PUBLISHED, STOP, PoolConfig, latest_published, published_weights, run_pool
-from spot.trainer import latest_checkpoint
+from spot.trainer import SpotTrainer, latest_checkpoint
 from tests.conftest import REPO
 
 
@@ -43,26 +45,42 @@ class Inputs:
         return PoolConfig(**(base | kw))
 
 
-@pytest.fixture
-def inputs(char_model_dir, tmp_path):
-    """A warm (random) drafter for the tiny target and a DataBuffer of 12 rows of its features (step 1)."""
-    target = load_checkpoint(char_model_dir)
-    torch.manual_seed(0)
-    EagleModel(EagleConfig.for_target(target.config), target).save(tmp_path / "drafter")
+def filled_buffer(target, gate_ranks: int = 0) -> DataBuffer:
+    """A new DataBuffer of 12 rows of the target's features (step 1), gated by `gate_ranks` ranks."""
     g = torch.Generator().manual_seed(0)
     V = target.config.vocab_size
     seqs = [TokenSequence(f"p{i}", 0, [1] + torch.randint(3, V, (20 + 3 * i,), generator=g).tolist(), 5)
             for i in range(12)]
     rows = capture_features(target, seqs)
-    name = segment_name(f"pooltest-{uuid.uuid4().hex[:8]}")
-    buf = DataBuffer.create(name, capacity_bytes=4 << 20, feature_size=rows[0].features.shape[1])
+    buf = DataBuffer.create(segment_name(f"pooltest-{uuid.uuid4().hex[:8]}"), capacity_bytes=4 << 20,
+                            feature_size=rows[0].features.shape[1], gate_ranks=gate_ranks)
+    for i, row in enumerate(rows):
+        buf.put(BufferEntry(key=f"p{i}/0", step=1, policy_version=1, finished=True, prompt_len=row.prompt_len,
+                            tokens=row.tokens, features=row.features))
+    return buf
+
+
+def make_inputs(char_model_dir, tmp_path, gate_ranks: int = 0):
+    """A warm (random) drafter for the tiny target and a filled buffer (filled_buffer), unlinked after."""
+    target = load_checkpoint(char_model_dir)
+    torch.manual_seed(0)
+    EagleModel(EagleConfig.for_target(target.config), target).save(tmp_path / "drafter")
+    buf = filled_buffer(target, gate_ranks)
     try:
-        for i, row in enumerate(rows):
-            buf.put(BufferEntry(key=f"p{i}/0", step=1, policy_version=1, finished=True, prompt_len=row.prompt_len,
-                                tokens=row.tokens, features=row.features))
-        yield Inputs(char_model_dir, tmp_path / "drafter", name, tmp_path / "out", rows[0].features.shape[1])
+        yield Inputs(char_model_dir, tmp_path / "drafter", buf.name, tmp_path / "out", buf.feature_size), buf
     finally:
         buf.unlink()
+
+
+@pytest.fixture
+def inputs(char_model_dir, tmp_path):
+    yield from (i for i, _ in make_inputs(char_model_dir, tmp_path))
+
+
+@pytest.fixture
+def gated(char_model_dir, tmp_path):
+    """inputs whose buffer is gated by one rollout rank, and that buffer (the run's side of the gate)."""
+    yield from make_inputs(char_model_dir, tmp_path, gate_ranks=1)
 
 
 def never() -> bool:
@@ -150,6 +168,41 @@ def test_latest_published_is_none_before_the_first_and_refuses_a_dangling_latest
     (tmp_path / PUBLISHED / LATEST).write_text("v7\n")
     with pytest.raises(ValueError, match="v7"):
         latest_published(tmp_path)
+
+
+# -- the node gate ---------------------------------------------------------------------------------
+
+def test_a_member_trains_only_while_its_node_is_idle_and_stops_at_the_micro_step_boundary_after_a_flip(
+        gated, monkeypatch):
+    inputs, buf = gated
+    gate, events = NodeGate(buf), []
+    micro_step = SpotTrainer.micro_step
+
+    def micro_step_observed(self, rows, **kw):
+        events.append(("train", gate.idle()))
+        out = micro_step(self, rows, **kw)
+        if self.micro_steps == 3:  # generation resumes while micro-step 3 is in flight
+            gate.set(0, 2, RankState.GENERATING)
+        if self.micro_steps == 5:
+            inputs.out.mkdir(parents=True, exist_ok=True)
+            (inputs.out / STOP).touch()
+        return out
+
+    def preempted() -> bool:  # asked at every meeting and at every look while waiting
+        if not gate.idle():
+            events.append(("look", False))
+            if sum(e == ("look", False) for e in events) in (2, 5):  # a tail window opens after 2 looks, then 3
+                gate.set(0, 1 if len(events) < 4 else 2, RankState.IDLE)
+        return False
+
+    monkeypatch.setattr(SpotTrainer, "micro_step", micro_step_observed)
+    res = run_pool(inputs.config(poll_s=5.0, gate_poll_s=0.001), Ranks(), preempted)
+    assert (res.outcome, res.micro_steps, res.trained) == ("finished", 5, 5)
+    # before the first IDLE: looks only; micro-steps 1-3 while idle; the flip during 3 stops it at the
+    # boundary; it waits (3 looks) until the node is idle again, then trains 4 and 5
+    assert events == [("look", False)] * 2 + [("train", True)] * 3 + [("look", False)] * 3 + [("train", True)] * 2
+    c = gate.counters()
+    assert c.micro_steps == 5 and c.train_s > 0 and c.idle_s >= c.train_s
 
 
 # -- three agents under torchrun -------------------------------------------------------------------
