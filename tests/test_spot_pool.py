@@ -205,6 +205,32 @@ def test_a_member_trains_only_while_its_node_is_idle_and_stops_at_the_micro_step
     assert c.micro_steps == 5 and c.train_s > 0 and c.idle_s >= c.train_s
 
 
+def test_members_whose_node_generates_add_zero_weight_the_average_is_exactly_the_training_members(
+        gated, char_model_dir, tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.mp import free_port
+    from tests.mp.pool_member import worker
+
+    inputs, busy = gated  # member 2's buffer: gated by a rank that is generating
+    NodeGate(busy).set(0, 1, RankState.GENERATING)
+    with filled_buffer(load_checkpoint(char_model_dir)) as idle:  # members 0 and 1: ungated, rows
+        kw = dict(target=str(inputs.target), drafter=str(inputs.drafter), rows_per_step=4, window=64, log_every=1,
+                  warmup_steps=0)
+        mp.start_processes(worker, args=(3, free_port(), str(tmp_path), kw, idle.name, busy.name), nprocs=3, join=True,
+                           start_method="spawn")
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    assert [g["trained"] for g in got] == [1, 1, 0]
+    ref = torch.load(tmp_path / "reference.pt")
+    assert len(ref["grads"]) == len(ref["weights"]) > 0
+    for g in got:  # every member stepped the two training members' mean gradient, bit for bit
+        assert g["grads"].keys() == ref["grads"].keys()
+        assert all(torch.equal(g["grads"][i], ref["grads"][i]) for i in ref["grads"])
+        assert g["weights"].keys() == ref["weights"].keys()
+        assert all(torch.equal(g["weights"][k], ref["weights"][k]) for k in ref["weights"])
+    assert not torch.equal(ref["weights"]["fc.weight"], published_weights(inputs.drafter)["fc.weight"])
+
+
 # -- three agents under torchrun -------------------------------------------------------------------
 
 PROGRESS = re.compile(r"\[spot-pool (\d+)/(\d+)\] micro-step (\d+) loss ([\d.]+) .* members (\d+)")
