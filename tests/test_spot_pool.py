@@ -244,8 +244,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_agent(port: int, inputs: Inputs, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2:3", "--nproc-per-node=1",
+def start_agent(port: int, inputs: Inputs, log: Path, nnodes: str = "2:3") -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=pooltest",
            "--rdzv-conf=join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=20",
            "--max-restarts=5", "--monitor-interval=0.5",
@@ -286,6 +286,11 @@ def kill_node(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
+def store_up(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def wait_for(what: str, check, deadline: float, logs: list[Path]) -> None:
     while not check():
         if time.monotonic() > deadline:
@@ -310,12 +315,7 @@ def test_three_members_one_late_one_killed_end_with_a_loadable_drafter(inputs, t
     agents: list[subprocess.Popen] = []
     try:
         agents.append(start_agent(port, inputs, logs[0]))  # a hosts the rendezvous store: it is never killed
-
-        def store_up() -> bool:
-            with socket.socket() as s:
-                return s.connect_ex(("127.0.0.1", port)) == 0
-
-        wait_for("agent a's rendezvous store", store_up, deadline, logs)
+        wait_for("agent a's rendezvous store", lambda: store_up(port), deadline, logs)
         agents.append(start_agent(port, inputs, logs[1]))
         wait_for("two members to publish v1", lambda: version(inputs.out) >= 1, deadline, logs)
         agents.append(start_agent(port, inputs, logs[2]))
