@@ -97,6 +97,7 @@ class PoolConfig:
     seed: int = 0
     poll_s: float = 0.5  # the longest wait before the members meet again when none can train
     gate_poll_s: float = 0.01  # between looks at the node's gate while waiting (a load from shared memory)
+    buffer_wait_s: float = 0.0  # how long to wait for the run to create the buffer (0: it must exist at start)
     log_every: int = 10
     device: str = "cpu"
 
@@ -109,6 +110,8 @@ class PoolConfig:
             raise ValueError(f"spot pool: micro_steps must be >= 1 (or None: until {self.out}/{STOP}), got {self.micro_steps}")
         if not 0.0 <= self.offset_ratio <= 1.0:
             raise ValueError(f"spot pool: offset_ratio must be in [0, 1], got {self.offset_ratio}")
+        if self.buffer_wait_s < 0:
+            raise ValueError(f"spot pool: buffer_wait_s must be >= 0, got {self.buffer_wait_s}")
         for key in ("poll_s", "gate_poll_s"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"spot pool: {key} must be > 0, got {getattr(self, key)}")
@@ -295,16 +298,26 @@ def open_inputs(cfg: PoolConfig) -> tuple[EagleModel, DataBuffer]:
         raise FileNotFoundError(f"spot pool: target model folder {cfg.target} does not exist (--target)")
     target = load_checkpoint(cfg.target, device=cfg.device)
     model = EagleModel.load(cfg.drafter, target).to(cfg.device)
-    try:
-        buf = DataBuffer.attach(cfg.buffer)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"spot pool: {e} (--buffer {cfg.buffer}: start the rollout job that creates it on "
-                                "this node first, or pass the name it prints)") from None
+    buf = attach_buffer(cfg)
     if buf.feature_size != model.config.feature_size:
         buf.close()
         raise ValueError(f"spot pool: buffer {cfg.buffer} holds features of size {buf.feature_size}, the drafter "
                          f"{cfg.drafter} reads {model.config.feature_size}: the buffer is another target's or kind's")
     return model, buf
+
+
+def attach_buffer(cfg: PoolConfig) -> DataBuffer:
+    """The node's buffer, waited for up to `buffer_wait_s` (the run creates it as it starts), checking every `poll_s`."""
+    deadline = time.monotonic() + cfg.buffer_wait_s
+    while True:
+        try:
+            return DataBuffer.attach(cfg.buffer)
+        except FileNotFoundError as e:
+            if time.monotonic() >= deadline:
+                raise FileNotFoundError(f"spot pool: {e} (--buffer {cfg.buffer}, waited {cfg.buffer_wait_s:g}s: start "
+                                        "the rollout job that creates it on this node first, pass the name it prints, "
+                                        "or wait longer with --buffer-wait-s)") from None
+        time.sleep(cfg.poll_s)
 
 
 def make_trainer(cfg: PoolConfig, r: Ranks, model: EagleModel) -> SpotTrainer:

@@ -43,6 +43,14 @@ def test_what_separated_does_not_run_is_a_config_error_naming_the_key(override, 
                      override])
 
 
+def test_a_separated_run_takes_an_elastic_pool_that_names_its_folder():
+    base = ["pipeline.placement=separated", "pipeline.actor_ranks=1", "spot.enabled=true", "spot.mode=pool"]
+    cfg = load_config(TrainConfig, REPO / "configs" / "tiny.yaml", [*base, "spot.pool_dir=pool"])
+    assert (cfg.pipeline.placement, cfg.spot.mode, cfg.spot.pool_dir) == ("separated", "pool", "pool")
+    with pytest.raises(ValueError, match="spot.pool_dir"):
+        load_config(TrainConfig, REPO / "configs" / "tiny.yaml", base)
+
+
 def test_generation_shares_are_contiguous_cover_every_group_and_differ_by_at_most_one():
     assert generation_shares(7, 3) == [[0, 1, 2], [3, 4], [5, 6]]
     assert generation_shares(2, 3) == [[0], [1], []]

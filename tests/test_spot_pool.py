@@ -146,6 +146,11 @@ def test_a_missing_input_is_named(inputs, tmp_path, which):
         run_pool(cfg, Ranks(), never)
 
 
+def test_a_buffer_that_does_not_appear_within_the_wait_is_named_with_the_flag_to_wait_longer(inputs):
+    with pytest.raises(FileNotFoundError, match=r"tailspec-no-such-buffer.*waited 0.05s.*--buffer-wait-s"):
+        run_pool(inputs.config(buffer="tailspec-no-such-buffer", buffer_wait_s=0.05, poll_s=0.01), Ranks(), never)
+
+
 def test_the_cli_names_a_missing_buffer_and_exits_1_without_a_traceback(inputs):
     res = subprocess.run([sys.executable, "-m", "launch.spot_pool", "--target", str(inputs.target), "--drafter",
                           str(inputs.drafter), "--buffer", "tailspec-no-such-buffer", "--out", str(inputs.out)],
