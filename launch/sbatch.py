@@ -114,13 +114,16 @@ def pool_step_lines(cfg: TrainConfig) -> list[str]:
     q = shlex.quote
     pool_args = ["--target", cfg.model.path, "--drafter", str(cfg.engine.spec.drafter_path),
                  "--device", "cuda" if c.gpus_per_node else "cpu", "--buffer-wait-s", str(cfg.pipeline.timeout_s),
-                 "--rows-per-step", str(s.rows_per_step), "--window", str(s.window), "--offset-ratio", str(s.offset_ratio),
+                 "--rows-per-step", str(s.rows_per_step), "--window", str(s.window),
+                 "--offset-ratio", str(s.offset_ratio),
                  "--lr", str(s.lr), "--warmup-steps", str(s.warmup_steps), "--weight-decay", str(s.weight_decay),
                  "--grad-clip", str(s.grad_clip), "--ce-weight", str(s.ce_weight), "--seed", str(cfg.run.seed)]
     return [
-        f'srun --overlap --nodes={nodes} --ntasks-per-node=1 --nodelist="$POOL_NODES" --output="$RUN_DIR/spot-pool-%N.log" \\',
+        f'srun --overlap --nodes={nodes} --ntasks-per-node=1 --nodelist="$POOL_NODES" \\',
+        '    --output="$RUN_DIR/spot-pool-%N.log" \\',
         '    env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "$PY" -m torch.distributed.run --nproc-per-node=1 \\',
-        f'    --nnodes=1:{nodes} --rdzv-backend=c10d --rdzv-endpoint="$POOL_HEAD:$(( PORT + 1 ))" --rdzv-id="$SLURM_JOB_ID-pool" \\',
+        f'    --nnodes=1:{nodes} --rdzv-backend=c10d --rdzv-endpoint="$POOL_HEAD:$(( PORT + 1 ))" \\',
+        '    --rdzv-id="$SLURM_JOB_ID-pool" \\',
         "    --max-restarts=100 --monitor-interval=5 \\",
         f'    -m launch.spot_pool {" ".join(q(a) for a in pool_args)} --buffer "$POOL_BUFFER" --out "$POOL_DIR" &',
         "POOL=$!",

@@ -307,7 +307,8 @@ def open_inputs(cfg: PoolConfig) -> tuple[EagleModel, DataBuffer]:
 
 
 def attach_buffer(cfg: PoolConfig) -> DataBuffer:
-    """The node's buffer, waited for up to `buffer_wait_s` (the run creates it as it starts), checking every `poll_s`."""
+    """The node's buffer, waited for up to `buffer_wait_s` (the run creates it as it starts),
+    looking every `poll_s`."""
     deadline = time.monotonic() + cfg.buffer_wait_s
     while True:
         try:

@@ -16,8 +16,8 @@ import pytest
 from spot.segment import SHM, segment_name
 from tests.test_separated import REPO, assert_same_run, base, separated, step_rows, torchrun
 from tests.test_separated_spot import spot
-from tests.test_spot_pool import (PROGRESS, START, STOP, Inputs, descendants, free_port, kill_node, matches, start_agent,
-                                  store_up, version, wait_for)
+from tests.test_spot_pool import (PROGRESS, START, STOP, Inputs, descendants, free_port, kill_node, matches,
+                                  start_agent, store_up, version, wait_for)
 
 
 def start_run(procs: int, run_dir, hold, *overrides: str) -> subprocess.Popen:
