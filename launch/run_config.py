@@ -197,8 +197,6 @@ class TrainConfig:
     def _validate_separated(self) -> None:
         """What a separated placement does not run (yet): each named by its key."""
         unsupported = [
-            (self.spot.enabled and self.spot.mode == "pool", "spot.mode=pool: the rollout ranks train the drafter in "
-                                                             "their idle time themselves; set spot.mode=colocated"),
             (self.spot.enabled and self.engine.backend != "native", "spot.enabled trains from the rollout engine's "
                                                                    "features: set engine.backend=native or spot.enabled=false"),
             (self.bubble.enabled, "bubble.enabled: pre-generation fills a colocated rank's idle window; set "

@@ -15,6 +15,14 @@ torchrun numbers the nodes in the sorted order of their host names and gives eac
 `procs_per_node` consecutive ranks, so with K a multiple of it whole nodes take one role; the
 script names the split (a job with no rollout rank is refused at rendering).
 
+A separated placement with `spot.mode: pool` also starts the elastic spot pool (launch.spot_pool,
+docs/SPOT_POOL.md) as a second job step beside the run: one torchrun agent on each node that has
+rollout ranks (`srun --overlap`: it shares the node with the run's step, its one member on the
+node's first GPU), meeting in a rendezvous of its own on the first of those nodes, attaching to
+the node's DataBuffer (`spot.buffer_name`, `tailspec-<job id>` unless set) once the run has made
+it. When the run's step ends, the script writes `<spot.pool_dir>/STOP` and waits for the pool;
+a requeued job removes STOP first, so its pool resumes from its checkpoints.
+
 The ranks' process group is the control plane (pipeline.dist, common.idle.states): its store is the
 rendezvous's, at HEAD:PORT. RUN_DIR is `run.out_dir/<run.name>-<job id>`, stable across requeues,
 so a requeued job resumes the latest checkpoint there (`trainer.resume=auto`). Requeue policy:
@@ -78,6 +86,50 @@ def placement_lines(cfg: TrainConfig) -> list[str]:
     return lines
 
 
+def pool_agents(cfg: TrainConfig) -> bool:
+    """The job starts an elastic spot pool beside the run (a separated run with spot.mode=pool)."""
+    return cfg.pipeline.placement == "separated" and cfg.spot.enabled and cfg.spot.mode == "pool"
+
+
+def pool_start_lines(cfg: TrainConfig) -> list[str]:
+    """Variables of the spot pool's step, set before the run starts (the run names its buffer after them)."""
+    c = cfg.cluster
+    actors, _ = cfg.pipeline.roles(c.world_size)
+    first = actors // c.ranks_per_node  # the first node with a rollout rank
+    buffer = shlex.quote(cfg.spot.buffer_name) if cfg.spot.buffer_name else 'tailspec-"$SLURM_JOB_ID"'
+    return [f"# spot.mode=pool: one elastic spot-pool agent on each node with rollout ranks (nodes {first}-{c.nodes - 1})",
+            f"POOL_DIR={shlex.quote(cfg.spot.pool_dir)}",
+            f"POOL_BUFFER={buffer}",
+            f'POOL_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n +{first + 1} | paste -sd, -)',
+            'POOL_HEAD="${POOL_NODES%%,*}"',
+            'rm -f "$POOL_DIR/STOP"  # a requeued job: the pool resumes from its checkpoints',
+            'mkdir -p "$RUN_DIR"']
+
+
+def pool_step_lines(cfg: TrainConfig) -> list[str]:
+    """The spot pool's job step (in the background, `POOL`): one agent per rollout node."""
+    c, s = cfg.cluster, cfg.spot
+    actors, _ = cfg.pipeline.roles(c.world_size)
+    nodes = c.nodes - actors // c.ranks_per_node
+    q = shlex.quote
+    pool_args = ["--target", cfg.model.path, "--drafter", str(cfg.engine.spec.drafter_path),
+                 "--device", "cuda" if c.gpus_per_node else "cpu", "--buffer-wait-s", str(cfg.pipeline.timeout_s),
+                 "--rows-per-step", str(s.rows_per_step), "--window", str(s.window),
+                 "--offset-ratio", str(s.offset_ratio),
+                 "--lr", str(s.lr), "--warmup-steps", str(s.warmup_steps), "--weight-decay", str(s.weight_decay),
+                 "--grad-clip", str(s.grad_clip), "--ce-weight", str(s.ce_weight), "--seed", str(cfg.run.seed)]
+    return [
+        f'srun --overlap --nodes={nodes} --ntasks-per-node=1 --nodelist="$POOL_NODES" \\',
+        '    --output="$RUN_DIR/spot-pool-%N.log" \\',
+        '    env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "$PY" -m torch.distributed.run --nproc-per-node=1 \\',
+        f'    --nnodes=1:{nodes} --rdzv-backend=c10d --rdzv-endpoint="$POOL_HEAD:$(( PORT + 1 ))" \\',
+        '    --rdzv-id="$SLURM_JOB_ID-pool" \\',
+        "    --max-restarts=100 --monitor-interval=5 \\",
+        f'    -m launch.spot_pool {" ".join(q(a) for a in pool_args)} --buffer "$POOL_BUFFER" --out "$POOL_DIR" &',
+        "POOL=$!",
+    ]
+
+
 def render_sbatch(cfg: TrainConfig, config_path: str, overrides: list[str], repo: Path, *, job_name: str) -> str:
     """The batch script for `python -m launch.train --config config_path overrides` under cfg.cluster.
 
@@ -110,6 +162,7 @@ def render_sbatch(cfg: TrainConfig, config_path: str, overrides: list[str], repo
              'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
              f"PORT=$(( {c.rdzv_port} + SLURM_JOB_ID % 1000 ))  # two jobs sharing a node do not collide",
              *placement_lines(cfg),
+             *(pool_start_lines(cfg) if pool_agents(cfg) else []),
              'echo "job $SLURM_JOB_ID restart $RESTARTS on $SLURM_JOB_NODELIST: run folder $RUN_DIR; '
              'rendezvous and control-plane store at $HEAD_NODE:$PORT"',
              ]
@@ -132,14 +185,19 @@ def render_sbatch(cfg: TrainConfig, config_path: str, overrides: list[str], repo
         f"{srun} \"$PY\" -m torch.distributed.run --nnodes=\"$SLURM_JOB_NUM_NODES\" --nproc-per-node={c.ranks_per_node} \\",
         '    --rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:$PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0 \\',
         '    --log-dir="$RUN_DIR/torchrun" --tee=3 --local-ranks-filter=0 \\',
-        f'    -m launch.train {train_args} run.dir="$RUN_DIR" trainer.resume=auto &',
+        f'    -m launch.train {train_args} run.dir="$RUN_DIR" trainer.resume=auto'
+        + (' spot.buffer_name="$POOL_BUFFER"' if pool_agents(cfg) else "") + " &",
         "STEP=$!",
+        *(pool_step_lines(cfg) if pool_agents(cfg) else []),
         "while true; do  # a USR1 interrupts wait; the step goes on until it ends or Slurm stops it",
         '  set +e; wait "$STEP"; rc=$?; set -e',
         '  if [ "$rc" -gt 128 ] && kill -0 "$STEP" 2>/dev/null; then continue; fi',
         "  break",
         "done",
         'echo "job $SLURM_JOB_ID: the run exited with status $rc"',
-        'exit "$rc"',
     ]
+    if pool_agents(cfg):
+        lines += ['touch "$POOL_DIR/STOP"  # the pool checkpoints, publishes and exits',
+                  'set +e; wait "$POOL"; echo "job $SLURM_JOB_ID: the spot pool exited with status $?"; set -e']
+    lines += ['exit "$rc"']
     return "\n".join(lines) + "\n"

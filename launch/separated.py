@@ -12,7 +12,10 @@ docs/PLACEMENT.md.
 
 With `spot.enabled` the rollout ranks train the drafter in all their idle time (spot.separated,
 on a process group of the rollout ranks made here on every rank), and actor rank 0 announces
-each weight push in the job's store (common.idle.update), which ends their update windows.
+each weight push in the job's store (common.idle.update), which ends their update windows. With
+`spot.mode: pool` an elastic pool (launch.spot_pool, another job on the rollout ranks' nodes)
+trains it instead: the rollout ranks fill and gate its buffers and load its publications
+(spot.separated_pool, on the same group).
 """
 
 from __future__ import annotations
@@ -91,7 +94,16 @@ def build_separated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
         stops = stop_tokens(engine.model_config, tokenizer)
         sampling = StepSampling.of(cfg.rollout, cfg.run.seed, stops)
         idle_work = None
-        if cfg.spot.enabled:
+        if cfg.spot.enabled and cfg.spot.mode == "pool":
+            from spot.separated_pool import build_separated_pool
+
+            spot = build_separated_pool(cfg.spot, engine, run_name=run_dir.name, group=spot_group,
+                                        max_new_tokens=cfg.rollout.max_new_tokens)
+            resources.callback(spot.close)
+            idle_work = spot.work
+            log(f"spot pool: node buffer {spot.buffer.name} ({cfg.spot.buffer_mb} MiB) gated by this node's rollout "
+                f"ranks; drafters from {cfg.spot.pool_dir}")
+        elif cfg.spot.enabled:
             from spot.separated import build_separated_spot
 
             spot = build_separated_spot(cfg.spot, engine, run_name=run_dir.name, group=spot_group, store=job_store(r),

@@ -42,7 +42,9 @@ into mapped pages instead of faulting them in one by one on the producer's criti
 
 Sampling (`sample`) mixes step s's finished entries with step s-1's longest ones (TLT's one-step
 offset): the responses that finish early in a step are the short ones, so training only on them
-would teach the drafter short answers. This module knows nothing about drafters or training.
+would teach the drafter short answers. The header page also holds the node gate (spot.gate), which a
+separated run's rollout ranks set and its spot-pool members read. This module knows nothing about
+drafters or training.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ import os
 import platform
 import re
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,8 +66,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from spot.gate import GATE, GATE_OFFSET, initial_gate
 from spot.records import HiddenStateRows
-from spot.segment import _HEADER, _MAGIC, SHM, _reclaim_if_dead, _start_time
+from spot.segment import _HEADER, _MAGIC, SHM, _alive, _reclaim_if_dead, _start_time
 
 _VERSION = 1
 _PAGE = 4096
@@ -153,6 +157,7 @@ class DataBuffer:
         size, self._file_id = st.st_size, (st.st_dev, st.st_ino)
         self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         self._header = np.ndarray((), _HEADER, buffer=self._mm)
+        self._gate = np.ndarray((), GATE, buffer=self._mm, offset=GATE_OFFSET)  # spot.gate's record
         h = self._header
         if size < _PAGE or int(h["magic"]) != _MAGIC or int(h["version"]) != _VERSION:
             self.close()
@@ -169,7 +174,9 @@ class DataBuffer:
 
     @classmethod
     def create(cls, name: str, *, capacity_bytes: int, feature_size: int, dtype: torch.dtype = torch.float32,
-               max_entries: int = 4096) -> DataBuffer:
+               max_entries: int = 4096, gate_ranks: int = 0) -> DataBuffer:
+        """A new segment `name` (see the module docstring); `gate_ranks`: the rollout ranks of the
+        node that gate its spot-pool members (spot.gate; 0: ungated)."""
         if not _NAME_OK.match(name):
             raise ValueError(f"segment name {name!r} may only use [A-Za-z0-9_.-]; build it with segment_name(run)")
         if dtype not in _DTYPES:
@@ -194,6 +201,7 @@ class DataBuffer:
             head["capacity"], head["feature_size"], head["dtype"] = capacity_bytes, feature_size, _DTYPES[dtype]
             head["max_entries"], head["data_offset"] = max_entries, data_offset
             os.pwrite(fd, head.tobytes(), 0)
+            os.pwrite(fd, initial_gate(gate_ranks, time.time()).tobytes(), GATE_OFFSET)
             try:
                 os.link(tmp, path)  # exclusive: fails if another creator got there first
             except FileExistsError:
@@ -305,6 +313,19 @@ class DataBuffer:
             tail += 1
             h["tail"] = tail
 
+    def writers_lock(self) -> contextlib.AbstractContextManager[None]:
+        """The writers' lock (exclusive, across the node's processes): spot.gate's read-modify-writes take it too."""
+        return self._write_lock()
+
+    @property
+    def gate_fields(self) -> np.ndarray:
+        """The header's gate record (spot.gate.NodeGate reads and writes it)."""
+        return self._gate
+
+    def owner_alive(self) -> bool:
+        """The process that created the segment is alive (a crashed run's segment outlives it)."""
+        return _alive(int(self._header["owner_pid"]), int(self._header["owner_start"]))
+
     @contextlib.contextmanager
     def _write_lock(self) -> Iterator[None]:
         with self._thread_lock:
@@ -402,7 +423,7 @@ class DataBuffer:
         """Detaches this process (the segment stays for the others)."""
         if self._fd < 0:
             return
-        for attr in ("_data", "_slots", "_header"):  # views export the mmap's buffer; drop them first
+        for attr in ("_data", "_slots", "_header", "_gate"):  # views export the mmap's buffer; drop them first
             self.__dict__.pop(attr, None)
         self._mm.close()
         os.close(self._fd)

@@ -15,6 +15,7 @@ spot.actor_features, which the loop calls), and the trained copy starts from the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,8 +45,11 @@ class SpotRun:
     owner: bool
     actor_features: ActorFeatures | None = None  # engines without hidden states: the loop fills the buffer
     group: object | None = None  # the window end's process group (SpotWork's average)
+    before_close: Callable[[], None] | None = None  # the work's last word (a pool follower clears its gate slot)
 
     def close(self) -> None:
+        if self.before_close is not None:
+            self.before_close()
         self.engine.sink = None
         if self.group is not None:
             dist.destroy_process_group(self.group)
@@ -96,15 +100,18 @@ def build_spot_work(cfg: SpotConfig, engine: RolloutBackend, *, run_name: str, r
     return SpotRun(work=work, engine=engine, buffer=buffer, owner=owner, actor_features=features, group=group)
 
 
-def node_buffer(cfg: SpotConfig, net: EagleModel, default_name: str, owner: bool, barrier) -> DataBuffer:
+def node_buffer(cfg: SpotConfig, net: EagleModel, default_name: str, owner: bool, barrier,
+                gate_ranks: int = 0) -> DataBuffer:
     """The node's DataBuffer (spot.buffer_name, else `default_name`): the owner reclaims a crashed
     run's segments and creates it, the other ranks of the node attach after `barrier()` (a
-    collective of every rank that builds it; None alone)."""
+    collective of every rank that builds it; None alone). `gate_ranks`: the node's ranks that
+    gate a spot pool's members (spot.gate; 0: ungated)."""
     name = cfg.buffer_name or default_name
     if owner:
         reclaim_stale()
         buffer = DataBuffer.create(name, capacity_bytes=cfg.buffer_mb * 2**20, feature_size=net.config.feature_size,
-                                   dtype=DTYPES[cfg.feature_dtype], max_entries=cfg.buffer_entries)
+                                   dtype=DTYPES[cfg.feature_dtype], max_entries=cfg.buffer_entries,
+                                   gate_ranks=gate_ranks)
     if barrier is not None:
         barrier()
     return buffer if owner else DataBuffer.attach(name)

@@ -22,6 +22,8 @@ from common.optim import clip_and_step, make_adamw, set_lr, warmup_cosine
 from spot.loss import acceptance_metrics, eagle_loss
 from spot.pairs import PackedPairs
 
+Reduce = Callable[[list[torch.nn.Parameter]], None]  # sets each parameter's .grad to the combined gradient
+
 
 @dataclass(kw_only=True)
 class DrafterOptim:
@@ -100,7 +102,8 @@ class DrafterTrainer:
         self.opt = make_adamw(self.params, optim.lr, (0.9, 0.95), optim.weight_decay)
 
     def step(self, packed: PackedPairs, idx: torch.Tensor, lr: float, abort: Callable[[], bool] | None = None,
-             chunk: int | None = None, keep_cut: bool = False) -> tuple[float, dict[str, float]] | None:
+             chunk: int | None = None, keep_cut: bool = False,
+             reduce: Reduce | None = None) -> tuple[float, dict[str, float]] | None:
         """One optimiser step on the loss pairs of windows idx [B], taken `chunk` windows at a time
         (all at once when None): each chunk's forward and backward in turn, the gradients summed
         weighted by the chunk's pairs, so the step is the one-batch step up to float rounding
@@ -114,7 +117,11 @@ class DrafterTrainer:
         taken on the chunks done, a smaller batch (a chunk stopped after its forward is dropped,
         one stopped after its backward is done), and dropped only when no chunk is done. The
         metrics are means over the step's pairs, plus `spot/cut` (1 when abort cut the step short),
-        `spot/dropped_s` (the time of a dropped chunk) and `spot/step_pairs`."""
+        `spot/dropped_s` (the time of a dropped chunk) and `spot/step_pairs`.
+
+        `reduce(params)`, when given, replaces the gradients with their combination across the
+        processes that train together (the spot pool's members, spot.pool) before clipping and
+        the optimiser step."""
         set_lr(self.opt, lr)
         chunks = list(idx.split(chunk)) if chunk is not None else [idx]
         self.model.train()
@@ -143,12 +150,24 @@ class DrafterTrainer:
                 for p in self.params:
                     if p.grad is not None:
                         p.grad.div_(pairs)
+            if reduce is not None:
+                reduce(self.params)
             clip_and_step(self.opt, self.params, self.optim.grad_clip)
         finally:
             self.model.eval()
         metrics = {k: v / pairs for k, v in sums.items()}
         metrics |= {"spot/cut": float(cut), "spot/dropped_s": dropped_s, "spot/step_pairs": float(pairs)}
         return metrics["spot/drafter_loss"], metrics
+
+
+    def reduced_step(self, lr: float, reduce: Reduce) -> None:
+        """An optimiser step without data of its own: zero gradients go into `reduce` with the
+        other processes' (a spot-pool member whose node is generating contributes nothing), and the
+        combined gradients are clipped and stepped as in `step`, so every process takes the same step."""
+        set_lr(self.opt, lr)
+        self.opt.zero_grad(set_to_none=True)
+        reduce(self.params)
+        clip_and_step(self.opt, self.params, self.optim.grad_clip)
 
 
 def train(model, packed: PackedPairs, optim: DrafterOptim, *, steps: int, batch_windows: int, seed: int,

@@ -4,19 +4,30 @@ A *member* is one torchrun agent with one worker (`--nproc-per-node=1`): a GPU t
 joins, a preempted one leaves. The agents meet in a c10d rendezvous (`--nnodes=MIN:MAX`); after a
 membership change torchelastic restarts every worker, which calls `run_pool` again: it resumes
 from the newest checkpoint in `<out>/checkpoints` (spot.trainer) and attaches to its node's
-DataBuffer. Each *micro-step* every member samples rows from its own node's buffer and runs one
-SpotTrainer micro-step; gradients are averaged across members by an all-reduce inside the backward
-pass (gloo on CPU, NCCL on GPU), so every member takes the same AdamW step from the same state and
-the replicas never diverge: any member's state is the pool's state.
+DataBuffer. A member *trains* a micro-step when its node is idle (spot.gate: a separated run's
+rollout ranks are in their tail window or waiting through the actor's update; an ungated buffer,
+a colocated run's, is always trainable) and its buffer has rows: it samples rows from its own
+node's buffer and runs one SpotTrainer micro-step. The others take the same micro-step with zero
+weight: their gradients are zeros. After the backward pass one all-reduce sums the members'
+gradients (gloo on CPU, NCCL on GPU) and every member divides by the number that trained, so the
+average is exactly the training members' mean gradient, every member takes the same AdamW step
+from the same state, and the replicas never diverge: any member's state is the pool's state.
 
-Before each micro-step the members agree (one all-reduce of three flags) on whether to stop:
-*preempted* (a member got SIGTERM: torchelastic stopping workers for a join, or a spot notice),
-*finished* (`micro_steps` reached, or the file `<out>/STOP` exists), or *waiting* (a buffer has no
-rows yet). A preempted or finished pool checkpoints first, so a join or a noticed preemption loses
-nothing. A member killed without notice makes the others' next collective fail: the survivors
-hold the state after the last micro-step every member completed (a failed all-reduce happens
-before the optimiser step), one of them checkpoints it (`save_once`), and they exit for
-torchelastic to restart them: the pool loses at most the micro-step in flight.
+Before each micro-step the members meet (one all-reduce of three counts): *preempted* (a member
+got SIGTERM: torchelastic stopping workers for a join, or a spot notice), *finished*
+(`micro_steps` reached, or the file `<out>/STOP` exists), and how many members can train. When
+none can, each waits (sleeping between looks at its node's gate, so a waiting pool costs no core)
+until its node turns idle or `poll_s` has passed, and they meet again. So a flip of a node to
+generating stops its member at the next micro-step boundary, and which members train is decided
+per micro-step by the gate alone: membership changes only through torchelastic's rendezvous. A
+member that trained adds the micro-step's seconds to its node's gate, within the node's idle span
+and past it (the run reports them).
+
+A preempted or finished pool checkpoints first, so a join or a noticed preemption loses nothing.
+A member killed without notice makes the others' next collective fail: the survivors hold the
+state after the last micro-step every member completed (a failed all-reduce happens before the
+optimiser step), one of them checkpoints it (`save_once`), and they exit for torchelastic to
+restart them: the pool loses at most the micro-step in flight.
 
 Rank 0 publishes the drafter every `publish_every` micro-steps and at the end, atomically and
 versioned: `<out>/published/v<N>/` (EagleModel.save's layout, loadable by EagleModel.load and as
@@ -26,7 +37,7 @@ call `latest_published(out)` to see whether there is a newer drafter, and load i
 `engine.load_drafter_weights(published_weights(path), version)`.
 
 This module knows nothing of torchrun itself (launch/spot_pool.py is the entry point) or of who
-fills the buffers (spot.sink).
+fills the buffers and sets their gates (spot.sink, spot.separated_pool).
 """
 
 from __future__ import annotations
@@ -50,7 +61,8 @@ from common.atomic import atomic_folder, atomic_write
 from engine.checkpoint import load_checkpoint
 from engine.spec.eagle import EagleModel
 from spot.buffer import DataBuffer
-from spot.drafter_training import DrafterOptim
+from spot.drafter_training import DrafterOptim, Reduce
+from spot.gate import NodeGate
 from spot.records import HiddenStateRows
 from spot.trainer import CKPT, SpotTrainer, checkpoint_path, latest_checkpoint
 
@@ -83,7 +95,9 @@ class PoolConfig:
     grad_clip: float = DrafterOptim.grad_clip
     ce_weight: float = DrafterOptim.ce_weight
     seed: int = 0
-    poll_s: float = 0.5  # wait between looks at an empty buffer
+    poll_s: float = 0.5  # the longest wait before the members meet again when none can train
+    gate_poll_s: float = 0.01  # between looks at the node's gate while waiting (a load from shared memory)
+    buffer_wait_s: float = 0.0  # how long to wait for the run to create the buffer (0: it must exist at start)
     log_every: int = 10
     device: str = "cpu"
 
@@ -96,8 +110,11 @@ class PoolConfig:
             raise ValueError(f"spot pool: micro_steps must be >= 1 (or None: until {self.out}/{STOP}), got {self.micro_steps}")
         if not 0.0 <= self.offset_ratio <= 1.0:
             raise ValueError(f"spot pool: offset_ratio must be in [0, 1], got {self.offset_ratio}")
-        if self.poll_s <= 0:
-            raise ValueError(f"spot pool: poll_s must be > 0, got {self.poll_s}")
+        if self.buffer_wait_s < 0:
+            raise ValueError(f"spot pool: buffer_wait_s must be >= 0, got {self.buffer_wait_s}")
+        for key in ("poll_s", "gate_poll_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"spot pool: {key} must be > 0, got {getattr(self, key)}")
         self.optim()  # ValueError naming a bad optimiser key
 
     def optim(self) -> DrafterOptim:
@@ -109,6 +126,7 @@ class PoolResult:
     outcome: str  # finished | preempted
     micro_steps: int  # the pool's total after this run
     ran: int  # micro-steps this run took
+    trained: int  # of those, the ones this member trained on its own rows (the others: zero weight)
     published: int | None  # the latest version after this run
 
 
@@ -185,37 +203,55 @@ def save_once(trainer: SpotTrainer, folder: Path, keep: int) -> Path | None:
 
 # -- the members' collectives ----------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Meeting:
+    """What the members agreed before a micro-step."""
+
+    stop: bool  # a member was preempted
+    finish: bool  # a member saw the end (micro_steps reached, or <out>/STOP)
+    trainers: int  # members that can train it (their node idle, their buffer with rows)
+
+
 class Members:
-    """The pool's collectives: the gradient average and the stop agreement. A collective that fails
-    (a member vanished: gloo sees its sockets reset) is recorded in `failed` and re-raised."""
+    """The pool's collectives: the meeting before each micro-step and the gradient average. A
+    collective that fails (a member vanished: gloo sees its sockets reset) is recorded in `failed`
+    and re-raised."""
 
     def __init__(self, r: Ranks, device: str) -> None:
         self.r, self.device = r, device
         self.failed: RuntimeError | None = None
 
-    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+    def all_reduce(self, t: torch.Tensor) -> None:
         try:
-            dist.all_reduce(t, op=op)
+            dist.all_reduce(t)
         except RuntimeError as e:
             self.failed = e
             raise
 
-    def average_gradients(self, model: torch.nn.Module) -> list:
-        """Hooks that all-reduce each gradient as backward accumulates it, then divide by the world: the
-        optimiser (and its clipping) sees the members' mean gradient. -> the hook handles."""
-        def hook(p: torch.Tensor) -> None:
-            self.all_reduce(p.grad)
-            p.grad.div_(self.r.world)
+    def meet(self, preempted: bool, finish: bool, trains: bool) -> Meeting:
+        """One all-reduce (a sum) of the three: a flag holds when any member sets it."""
+        counts = torch.tensor([float(preempted), float(finish), float(trains)], device=self.device)
+        if self.r.world > 1:
+            self.all_reduce(counts)
+        stop, done, trainers = counts.tolist()
+        return Meeting(stop=stop > 0, finish=done > 0, trainers=round(trainers))
 
-        return [p.register_post_accumulate_grad_hook(hook) for p in model.parameters() if p.requires_grad]
-
-    def agree(self, flags: list[bool]) -> list[bool]:
-        """Each flag is true on every member when it is true on any."""
+    def gradient_average(self, trainers: int) -> Reduce | None:
+        """The members' mean gradient over the `trainers` that trained (those that did not give
+        zeros), for DrafterTrainer: one all-reduce of the flattened gradients; None alone."""
         if self.r.world == 1:
-            return flags
-        t = torch.tensor([float(f) for f in flags], device=self.device)
-        self.all_reduce(t, op=dist.ReduceOp.MAX)
-        return [bool(v) for v in t.tolist()]
+            return None
+        assert trainers >= 1, "a micro-step nobody trains is not taken"
+
+        def reduce(params: list[torch.nn.Parameter]) -> None:
+            params = [p for p in params if p.requires_grad]
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+            self.all_reduce(flat)
+            flat.div_(trainers)
+            for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
+                p.grad = g.view_as(p)
+
+        return reduce
 
 
 def resume_point(r: Ranks, folder: Path) -> Path | None:
@@ -262,16 +298,27 @@ def open_inputs(cfg: PoolConfig) -> tuple[EagleModel, DataBuffer]:
         raise FileNotFoundError(f"spot pool: target model folder {cfg.target} does not exist (--target)")
     target = load_checkpoint(cfg.target, device=cfg.device)
     model = EagleModel.load(cfg.drafter, target).to(cfg.device)
-    try:
-        buf = DataBuffer.attach(cfg.buffer)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"spot pool: {e} (--buffer {cfg.buffer}: start the rollout job that creates it on "
-                                "this node first, or pass the name it prints)") from None
+    buf = attach_buffer(cfg)
     if buf.feature_size != model.config.feature_size:
         buf.close()
         raise ValueError(f"spot pool: buffer {cfg.buffer} holds features of size {buf.feature_size}, the drafter "
                          f"{cfg.drafter} reads {model.config.feature_size}: the buffer is another target's or kind's")
     return model, buf
+
+
+def attach_buffer(cfg: PoolConfig) -> DataBuffer:
+    """The node's buffer, waited for up to `buffer_wait_s` (the run creates it as it starts),
+    looking every `poll_s`."""
+    deadline = time.monotonic() + cfg.buffer_wait_s
+    while True:
+        try:
+            return DataBuffer.attach(cfg.buffer)
+        except FileNotFoundError as e:
+            if time.monotonic() >= deadline:
+                raise FileNotFoundError(f"spot pool: {e} (--buffer {cfg.buffer}, waited {cfg.buffer_wait_s:g}s: start "
+                                        "the rollout job that creates it on this node first, pass the name it prints, "
+                                        "or wait longer with --buffer-wait-s)") from None
+        time.sleep(cfg.poll_s)
 
 
 def make_trainer(cfg: PoolConfig, r: Ranks, model: EagleModel) -> SpotTrainer:
@@ -294,41 +341,59 @@ def run_pool(cfg: PoolConfig, r: Ranks, preempted: Callable[[], bool]) -> PoolRe
     model, buf = open_inputs(cfg)
     try:
         trainer = make_trainer(cfg, r, model)
-        members = Members(r, cfg.device)
-        hooks = members.average_gradients(model) if r.world > 1 else []
-        try:
-            return train_members(cfg, members, trainer, buf, preempted)
-        finally:
-            for h in hooks:
-                h.remove()
+        return train_members(cfg, Members(r, cfg.device), trainer, buf, preempted)
     finally:
         buf.close()
+
+
+def wait_for_work(cfg: PoolConfig, gate: NodeGate, out: Path, preempted: Callable[[], bool]) -> None:
+    """No member could train: waits until this member's node turns trainable (when it was not),
+    the member is preempted, <out>/STOP appears, or `poll_s` has passed, sleeping `gate_poll_s`
+    between looks (a load from shared memory and a stat)."""
+    was = gate.trainable()
+    deadline = time.monotonic() + cfg.poll_s
+    while time.monotonic() < deadline:
+        if preempted() or (out / STOP).exists() or (not was and gate.trainable()):
+            return
+        time.sleep(cfg.gate_poll_s)
 
 
 def train_members(cfg: PoolConfig, members: Members, trainer: SpotTrainer, buf: DataBuffer,
                   preempted: Callable[[], bool]) -> PoolResult:
     r = members.r
     out, start, t0 = Path(cfg.out), trainer.micro_steps, time.perf_counter()
-    ckpts = out / CHECKPOINTS
-    log(r, f"members {r.world}, micro-step {start}, buffer {buf.name} ({int(buf.stats()['buffer/entries'])} entries)")
-    waiting_logged, losses, top1 = False, [], []
+    ckpts, gate = out / CHECKPOINTS, NodeGate(buf)
+    gated = f"gated by {gate.ranks} rollout rank(s)" if gate.ranks else "not gated: trains whenever it has rows"
+    log(r, f"members {r.world}, micro-step {start}, buffer {buf.name} ({int(buf.stats()['buffer/entries'])} entries, "
+           f"{gated})")
+    waiting, losses, top1, trained = None, [], [], 0
     published, published_at = (latest_published(out) if r.main else None), None
     try:
         while True:
-            done = cfg.micro_steps is not None and trainer.micro_steps >= cfg.micro_steps
-            rows = [] if done else sample_rows(buf, cfg, r.rank, trainer.micro_steps)
-            stop, finish, wait = members.agree([preempted(), done or (out / STOP).exists(), not rows])
-            if stop or finish:
+            finish = (cfg.micro_steps is not None and trainer.micro_steps >= cfg.micro_steps) or (out / STOP).exists()
+            trainable = not finish and gate.trainable()
+            rows = sample_rows(buf, cfg, r.rank, trainer.micro_steps) if trainable else []
+            meeting = members.meet(preempted(), finish, bool(rows))
+            if meeting.stop or meeting.finish:
                 break
-            if wait:
-                if not waiting_logged:
-                    log(r, f"waiting for rows in buffer {buf.name}")
-                    waiting_logged = True
-                time.sleep(cfg.poll_s)
+            if meeting.trainers == 0:
+                why = f"for rows in buffer {buf.name}" if trainable else "while the node's rollout ranks generate"
+                if waiting != why:
+                    log(r, f"waiting {why}")
+                    waiting = why
+                wait_for_work(cfg, gate, out, preempted)
                 continue
-            m = trainer.micro_step(rows)
-            losses.append(m["spot/drafter_loss"])
-            top1.append(m["spot/top1"])
+            waiting = None
+            reduce = members.gradient_average(meeting.trainers)
+            if rows:
+                t = time.time()
+                m = trainer.micro_step(rows, reduce=reduce)
+                gate.add_training(t, time.time())
+                trained += 1
+                losses.append(m["spot/drafter_loss"])
+                top1.append(m["spot/top1"])
+            else:
+                trainer.zero_micro_step(reduce)
             n = trainer.micro_steps
             if r.main and n % cfg.checkpoint_every == 0:
                 save_once(trainer, ckpts, cfg.keep_checkpoints)
@@ -337,9 +402,9 @@ def train_members(cfg: PoolConfig, members: Members, trainer: SpotTrainer, buf: 
             if r.main and (n % cfg.log_every == 0 or n == start + 1):
                 k = min(len(losses), cfg.log_every)
                 rate = (n - start) / (time.perf_counter() - t0)
-                log(r, f"micro-step {n} loss {sum(losses[-k:]) / k:.4f} top1 {sum(top1[-k:]) / k:.3f} "
-                       f"members {r.world} rows {len(rows)} {rate:.1f} micro-steps/s"
-                       + (f" published v{published[0]}" if published else ""))
+                mean = f"loss {sum(losses[-k:]) / k:.4f} top1 {sum(top1[-k:]) / k:.3f}" if k else "loss - top1 -"
+                log(r, f"micro-step {n} {mean} members {r.world} trainers {meeting.trainers} rows {len(rows)} "
+                       f"{rate:.1f} micro-steps/s" + (f" published v{published[0]}" if published else ""))
     except RuntimeError as e:
         if members.failed is None:
             raise
@@ -348,11 +413,12 @@ def train_members(cfg: PoolConfig, members: Members, trainer: SpotTrainer, buf: 
                          f"{'saved ' + path.name if path else 'its state is checkpointed by another member'}; "
                          "torchelastic restarts the pool") from e
     n = trainer.micro_steps
-    outcome = "preempted" if stop else "finished"
+    outcome = "preempted" if meeting.stop else "finished"
     if r.main:
         save_once(trainer, ckpts, cfg.keep_checkpoints)
         if outcome == "finished" and published_at != n:
             published = publish(trainer.model, out, n, cfg.keep_published)
-    log(r, f"{outcome} at micro-step {n} ({n - start} this run, {time.perf_counter() - t0:.1f}s), "
-           f"weights {weights_digest(trainer)}")
-    return PoolResult(outcome=outcome, micro_steps=n, ran=n - start, published=published[0] if published else None)
+    log(r, f"{outcome} at micro-step {n} ({n - start} this run, {trained} on its own rows, "
+           f"{time.perf_counter() - t0:.1f}s), weights {weights_digest(trainer)}")
+    return PoolResult(outcome=outcome, micro_steps=n, ran=n - start, trained=trained,
+                      published=published[0] if published else None)

@@ -156,6 +156,25 @@ class SeparatedSpotWork(ServedDrafterState, IdleWork):
         return metrics | self.buffer.stats()
 
 
+def eagle_net(engine: RolloutBackend) -> EagleModel:
+    """The engine's one EAGLE drafter network, which spot training needs (ValueError naming the keys otherwise)."""
+    nets = engine.drafter_nets()
+    if len(nets) != 1 or not isinstance(nets[0], EagleModel):
+        raise ValueError("spot.enabled needs a speculative engine with one EAGLE drafter (engine.spec.enabled: true, "
+                         "engine.spec.drafter: eagle or eagle3, engine.spec.drafter_path: a warm-started drafter)")
+    return nets[0]
+
+
+def node_slot(group) -> tuple[int, int]:
+    """(this rank's index among the group's ranks on its node, how many the node has), by host name
+    (collective over `group`)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    hosts = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    mine = [g for g in range(world) if hosts[g] == hosts[rank]]
+    return mine.index(rank), len(mine)
+
+
 def build_separated_spot(cfg: SpotConfig, engine: RolloutBackend, *, run_name: str, group, store, seed: int,
                          max_new_tokens: int, resume: Path | None = None) -> SpotRun:
     """This rollout rank's spot training (collective over `group`: the rollout ranks' own process
@@ -163,15 +182,9 @@ def build_separated_spot(cfg: SpotConfig, engine: RolloutBackend, *, run_name: s
     rollout rank (found by host name over the group) and attached by the others. `resume`: a
     checkpoint folder whose `spot/` the trainer continues from (the work's own state is loaded by
     the caller)."""
-    nets = engine.drafter_nets()
-    if len(nets) != 1 or not isinstance(nets[0], EagleModel):
-        raise ValueError("spot.enabled needs a speculative engine with one EAGLE drafter (engine.spec.enabled: true, "
-                         "engine.spec.drafter: eagle or eagle3, engine.spec.drafter_path: a warm-started drafter)")
-    net = nets[0]
+    net = eagle_net(engine)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    hosts = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    owner = hosts.index(hosts[rank]) == rank
+    owner = node_slot(group)[0] == 0
     buffer = node_buffer(cfg, net, segment_name(run_name), owner, lambda: dist.barrier(group=group))
     sink = DataBufferSink(buffer, max_new_tokens=max_new_tokens, feature_layers=net.config.aux_layers)
     engine.sink = sink

@@ -48,7 +48,7 @@ from safetensors.torch import load, save
 
 from common.atomic import atomic_folder
 from engine.spec.eagle import EagleModel, copy_named_weights
-from spot.drafter_training import DrafterOptim, DrafterTrainer
+from spot.drafter_training import DrafterOptim, DrafterTrainer, Reduce
 from spot.pairs import PackedPairs
 from spot.records import HiddenStateRows
 
@@ -84,18 +84,19 @@ class SpotTrainer:
         return [rows[i] for i in keep.tolist()]
 
     def micro_step(self, rows: list[HiddenStateRows], abort: Callable[[], bool] | None = None,
-                   keep_cut: bool = False) -> dict[str, float] | None:
+                   keep_cut: bool = False, reduce: Reduce | None = None) -> dict[str, float] | None:
         """One AdamW step on the rows' response pairs, chunk by chunk; None when `abort` said stop
         inside it (nothing changed, nothing counted), except with `keep_cut`: then the step is
         taken on the chunks done (`spot/cut` 1, `spot/pairs` fewer than `spot/rows_pairs`) and
-        None only when no chunk was done."""
+        None only when no chunk was done. `reduce`: the gradients' combination across processes
+        before the optimiser step (spot.pool's members; DrafterTrainer.step)."""
         rows = self.choose_rows(rows)
         if not rows:
             raise ValueError("micro_step: no row has a response token to learn from")
         packed = PackedPairs(rows, self.window)
         lr = self.optim.lr_at(self.micro_steps, 0.0)
         order = torch.randperm(len(packed), generator=self._generator())  # [B] windows, in the order they run
-        done = self.step_fn.step(packed, order, lr, abort, chunk=self.chunk_windows, keep_cut=keep_cut)
+        done = self.step_fn.step(packed, order, lr, abort, chunk=self.chunk_windows, keep_cut=keep_cut, reduce=reduce)
         if done is None:
             return None
         loss, metrics = done
@@ -107,6 +108,13 @@ class SpotTrainer:
             "spot/rows": float(len(rows)), "spot/lr": lr, "spot/cut": metrics["spot/cut"],
             "spot/dropped_s": metrics["spot/dropped_s"],
         }
+
+    def zero_micro_step(self, reduce: Reduce) -> None:
+        """A micro-step without rows of its own: the other processes' combined gradients (`reduce`,
+        given zeros from here) are stepped as theirs are, so the replicas stay identical and the
+        micro-step count (the learning rate's schedule, the rows' keys) advances with them."""
+        self.step_fn.reduced_step(self.optim.lr_at(self.micro_steps, 0.0), reduce)
+        self.micro_steps += 1
 
     def train(self, next_rows: Callable[[int], list[HiddenStateRows]], should_stop: Callable[[], bool],
               max_micro_steps: int | None = None, keep_cut: bool = False) -> dict[str, float]:

@@ -33,8 +33,7 @@ def test_separated_ranks_are_actors_first_then_rollouts_and_a_bad_count_names_th
         load_config(TrainConfig, REPO / "configs" / "tiny.yaml", ["pipeline.actor_ranks=2"])
 
 
-@pytest.mark.parametrize("overrides, key", [(["spot.mode=pool"], "spot.mode=pool"),
-                                            (["engine.backend=vllm"], "spot.enabled trains from the rollout engine's features"),
+@pytest.mark.parametrize("overrides, key", [(["engine.backend=vllm"], "spot.enabled trains from the rollout engine's features"),
                                             (["algorithm.name=dapo"], "algorithm.dynamic_sampling"),
                                             (["actor.backend=megatron", "actor.device=cuda"], "actor.backend=megatron")])
 def test_what_separated_does_not_run_is_a_config_error_naming_the_key(overrides, key):
@@ -50,6 +49,14 @@ def test_separated_trains_with_ddp_or_deepspeed_zero(backend):
                       ["pipeline.placement=separated", "pipeline.actor_ranks=1", f"actor.backend={backend}",
                        "actor.zero_stage=3"])
     assert (cfg.pipeline.placement, cfg.actor.backend) == ("separated", backend)
+
+
+def test_a_separated_run_takes_an_elastic_pool_that_names_its_folder():
+    base = ["pipeline.placement=separated", "pipeline.actor_ranks=1", "spot.enabled=true", "spot.mode=pool"]
+    cfg = load_config(TrainConfig, REPO / "configs" / "tiny.yaml", [*base, "spot.pool_dir=pool"])
+    assert (cfg.pipeline.placement, cfg.spot.mode, cfg.spot.pool_dir) == ("separated", "pool", "pool")
+    with pytest.raises(ValueError, match="spot.pool_dir"):
+        load_config(TrainConfig, REPO / "configs" / "tiny.yaml", base)
 
 
 def test_generation_shares_are_contiguous_cover_every_group_and_differ_by_at_most_one():

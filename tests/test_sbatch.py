@@ -207,3 +207,47 @@ def test_a_separated_job_without_a_rollout_rank_is_refused_naming_the_key():
     cfg = load_config(TrainConfig, REPO / "configs/7b.yaml", overrides)
     with pytest.raises(ValueError, match=r"pipeline.actor_ranks=32 leaves no rollout rank"):
         render(cfg, "configs/7b.yaml", overrides)
+
+
+def test_a_separated_job_with_an_elastic_pool_starts_one_pool_agent_per_rollout_node():
+    overrides = ["pipeline.placement=separated", "pipeline.actor_ranks=12", "actor.backend=torch", "engine.backend=native",
+                 "spot.mode=pool", "spot.pool_dir=runs/pool", "engine.spec.drafter_path=/shared/drafter",
+                 "model.path=/shared/model"]
+    cfg = load_config(TrainConfig, REPO / "configs/7b.yaml", overrides)
+    out = dry_run("train-7b", *overrides)
+    syntax = subprocess.run(["bash", "-n"], input=out, text=True, capture_output=True)
+    assert syntax.returncode == 0, syntax.stderr
+    script = render(cfg, "configs/7b.yaml", overrides)
+    assert script.strip() == out.split("# --- the resolved config")[0].strip()  # what make prints
+    # the run's torchrun names the node buffer the pool attaches to
+    run = run_command(script.replace('"$POOL_BUFFER"', "tailspec-1234"))
+    assert run[-1] == "spot.buffer_name=tailspec-1234"
+    assert 'POOL_BUFFER=tailspec-"$SLURM_JOB_ID"' in script
+    # node 1 has rollout ranks 12-15 as well: the pool's agents are on nodes 1-3, one member each
+    assert 'POOL_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n +2 | paste -sd, -)' in script
+    pool = script.split("STEP=$!\n", 1)[1].split("POOL=$!")[0]
+    env = {**ENV, "POOL_NODES": "node002,node003,node004", "POOL_HEAD": "node002", "POOL_BUFFER": "tailspec-1234",
+           "POOL_DIR": "runs/pool"}
+    body = re.sub(r"\$\(\( PORT \+ 1 \)\)", str(int(ENV["PORT"]) + 1), pool.replace("\\\n", " "))
+    cmd = shlex.split(re.sub(r"\$\{?(\w+)\}?", lambda m: env[m.group(1)], body).strip().rstrip(" &"))
+    assert cmd[:2] == ["srun", "--overlap"] and "--nodes=3" in cmd and "--nodelist=node002,node003,node004" in cmd
+    env_at = cmd.index("env")
+    assert cmd[env_at + 1] == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" and cmd[env_at + 2:env_at + 4] == ["python", "-m"]
+    from torch.distributed.run import get_args_parser
+
+    torchrun = get_args_parser().parse_args(cmd[env_at + 4 + 1:])
+    assert (torchrun.nnodes, torchrun.nproc_per_node, torchrun.rdzv_backend) == ("1:3", "1", "c10d")
+    assert torchrun.rdzv_endpoint == "node002:29735" and torchrun.rdzv_id == "1234-pool"
+    assert torchrun.training_script == "launch.spot_pool"
+    from launch.spot_pool import parse
+
+    pool_cfg, _ = parse(torchrun.training_script_args)
+    assert (pool_cfg.target, pool_cfg.drafter, pool_cfg.buffer, pool_cfg.out, pool_cfg.device) == (
+        "/shared/model", "/shared/drafter", "tailspec-1234", "runs/pool", "cuda")
+    assert (pool_cfg.lr, pool_cfg.rows_per_step, pool_cfg.window) == (cfg.spot.lr, cfg.spot.rows_per_step, cfg.spot.window)
+    assert pool_cfg.buffer_wait_s == cfg.pipeline.timeout_s
+    tail = script.split("the run exited with status $rc\"\n", 1)[1]
+    assert tail.startswith('touch "$POOL_DIR/STOP"') and tail.rstrip().endswith('exit "$rc"')
+    assert 'rm -f "$POOL_DIR/STOP"' in script.split("STEP=$!")[0]  # a requeued job's pool runs again
+    colocated = render(load_config(TrainConfig, REPO / "configs/7b.yaml"), "configs/7b.yaml", [])
+    assert "launch.spot_pool" not in colocated and "POOL" not in colocated

@@ -21,11 +21,13 @@ import torch
 from engine.checkpoint import load_checkpoint
 from engine.spec.eagle import EagleConfig, EagleModel
 from pipeline.dist import Ranks
+from common.idle import RankState
 from spot.buffer import BufferEntry, DataBuffer
+from spot.gate import NodeGate
 from spot.segment import segment_name
 from spot.features import TokenSequence, capture_features
 from spot.pool import LATEST, PUBLISHED, STOP, PoolConfig, latest_published, published_weights, run_pool
-from spot.trainer import latest_checkpoint
+from spot.trainer import SpotTrainer, latest_checkpoint
 from tests.conftest import REPO
 
 
@@ -43,26 +45,42 @@ class Inputs:
         return PoolConfig(**(base | kw))
 
 
-@pytest.fixture
-def inputs(char_model_dir, tmp_path):
-    """A warm (random) drafter for the tiny target and a DataBuffer of 12 rows of its features (step 1)."""
-    target = load_checkpoint(char_model_dir)
-    torch.manual_seed(0)
-    EagleModel(EagleConfig.for_target(target.config), target).save(tmp_path / "drafter")
+def filled_buffer(target, gate_ranks: int = 0) -> DataBuffer:
+    """A new DataBuffer of 12 rows of the target's features (step 1), gated by `gate_ranks` ranks."""
     g = torch.Generator().manual_seed(0)
     V = target.config.vocab_size
     seqs = [TokenSequence(f"p{i}", 0, [1] + torch.randint(3, V, (20 + 3 * i,), generator=g).tolist(), 5)
             for i in range(12)]
     rows = capture_features(target, seqs)
-    name = segment_name(f"pooltest-{uuid.uuid4().hex[:8]}")
-    buf = DataBuffer.create(name, capacity_bytes=4 << 20, feature_size=rows[0].features.shape[1])
+    buf = DataBuffer.create(segment_name(f"pooltest-{uuid.uuid4().hex[:8]}"), capacity_bytes=4 << 20,
+                            feature_size=rows[0].features.shape[1], gate_ranks=gate_ranks)
+    for i, row in enumerate(rows):
+        buf.put(BufferEntry(key=f"p{i}/0", step=1, policy_version=1, finished=True, prompt_len=row.prompt_len,
+                            tokens=row.tokens, features=row.features))
+    return buf
+
+
+def make_inputs(char_model_dir, tmp_path, gate_ranks: int = 0):
+    """A warm (random) drafter for the tiny target and a filled buffer (filled_buffer), unlinked after."""
+    target = load_checkpoint(char_model_dir)
+    torch.manual_seed(0)
+    EagleModel(EagleConfig.for_target(target.config), target).save(tmp_path / "drafter")
+    buf = filled_buffer(target, gate_ranks)
     try:
-        for i, row in enumerate(rows):
-            buf.put(BufferEntry(key=f"p{i}/0", step=1, policy_version=1, finished=True, prompt_len=row.prompt_len,
-                                tokens=row.tokens, features=row.features))
-        yield Inputs(char_model_dir, tmp_path / "drafter", name, tmp_path / "out", rows[0].features.shape[1])
+        yield Inputs(char_model_dir, tmp_path / "drafter", buf.name, tmp_path / "out", buf.feature_size), buf
     finally:
         buf.unlink()
+
+
+@pytest.fixture
+def inputs(char_model_dir, tmp_path):
+    yield from (i for i, _ in make_inputs(char_model_dir, tmp_path))
+
+
+@pytest.fixture
+def gated(char_model_dir, tmp_path):
+    """inputs whose buffer is gated by one rollout rank, and that buffer (the run's side of the gate)."""
+    yield from make_inputs(char_model_dir, tmp_path, gate_ranks=1)
 
 
 def never() -> bool:
@@ -128,6 +146,11 @@ def test_a_missing_input_is_named(inputs, tmp_path, which):
         run_pool(cfg, Ranks(), never)
 
 
+def test_a_buffer_that_does_not_appear_within_the_wait_is_named_with_the_flag_to_wait_longer(inputs):
+    with pytest.raises(FileNotFoundError, match=r"tailspec-no-such-buffer.*waited 0.05s.*--buffer-wait-s"):
+        run_pool(inputs.config(buffer="tailspec-no-such-buffer", buffer_wait_s=0.05, poll_s=0.01), Ranks(), never)
+
+
 def test_the_cli_names_a_missing_buffer_and_exits_1_without_a_traceback(inputs):
     res = subprocess.run([sys.executable, "-m", "launch.spot_pool", "--target", str(inputs.target), "--drafter",
                           str(inputs.drafter), "--buffer", "tailspec-no-such-buffer", "--out", str(inputs.out)],
@@ -152,6 +175,67 @@ def test_latest_published_is_none_before_the_first_and_refuses_a_dangling_latest
         latest_published(tmp_path)
 
 
+# -- the node gate ---------------------------------------------------------------------------------
+
+def test_a_member_trains_only_while_its_node_is_idle_and_stops_at_the_micro_step_boundary_after_a_flip(
+        gated, monkeypatch):
+    inputs, buf = gated
+    gate, events = NodeGate(buf), []
+    micro_step = SpotTrainer.micro_step
+
+    def micro_step_observed(self, rows, **kw):
+        events.append(("train", gate.idle()))
+        out = micro_step(self, rows, **kw)
+        if self.micro_steps == 3:  # generation resumes while micro-step 3 is in flight
+            gate.set(0, 2, RankState.GENERATING)
+        if self.micro_steps == 5:
+            inputs.out.mkdir(parents=True, exist_ok=True)
+            (inputs.out / STOP).touch()
+        return out
+
+    def preempted() -> bool:  # asked at every meeting and at every look while waiting
+        if not gate.idle():
+            events.append(("look", False))
+            if sum(e == ("look", False) for e in events) in (2, 5):  # a tail window opens after 2 looks, then 3
+                gate.set(0, 1 if len(events) < 4 else 2, RankState.IDLE)
+        return False
+
+    monkeypatch.setattr(SpotTrainer, "micro_step", micro_step_observed)
+    res = run_pool(inputs.config(poll_s=5.0, gate_poll_s=0.001), Ranks(), preempted)
+    assert (res.outcome, res.micro_steps, res.trained) == ("finished", 5, 5)
+    # before the first IDLE: looks only; micro-steps 1-3 while idle; the flip during 3 stops it at the
+    # boundary; it waits (3 looks) until the node is idle again, then trains 4 and 5
+    assert events == [("look", False)] * 2 + [("train", True)] * 3 + [("look", False)] * 3 + [("train", True)] * 2
+    c = gate.counters()
+    assert c.micro_steps == 5 and c.train_s > 0 and c.idle_s >= c.train_s
+
+
+def test_members_whose_node_generates_add_zero_weight_the_average_is_exactly_the_training_members(
+        gated, char_model_dir, tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.mp import free_port
+    from tests.mp.pool_member import worker
+
+    inputs, busy = gated  # member 2's buffer: gated by a rank that is generating
+    NodeGate(busy).set(0, 1, RankState.GENERATING)
+    with filled_buffer(load_checkpoint(char_model_dir)) as idle:  # members 0 and 1: ungated, rows
+        kw = dict(target=str(inputs.target), drafter=str(inputs.drafter), rows_per_step=4, window=64, log_every=1,
+                  warmup_steps=0)
+        mp.start_processes(worker, args=(3, free_port(), str(tmp_path), kw, idle.name, busy.name), nprocs=3, join=True,
+                           start_method="spawn")
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    assert [g["trained"] for g in got] == [1, 1, 0]
+    ref = torch.load(tmp_path / "reference.pt")
+    assert len(ref["grads"]) == len(ref["weights"]) > 0
+    for g in got:  # every member stepped the two training members' mean gradient, bit for bit
+        assert g["grads"].keys() == ref["grads"].keys()
+        assert all(torch.equal(g["grads"][i], ref["grads"][i]) for i in ref["grads"])
+        assert g["weights"].keys() == ref["weights"].keys()
+        assert all(torch.equal(g["weights"][k], ref["weights"][k]) for k in ref["weights"])
+    assert not torch.equal(ref["weights"]["fc.weight"], published_weights(inputs.drafter)["fc.weight"])
+
+
 # -- three agents under torchrun -------------------------------------------------------------------
 
 PROGRESS = re.compile(r"\[spot-pool (\d+)/(\d+)\] micro-step (\d+) loss ([\d.]+) .* members (\d+)")
@@ -165,8 +249,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_agent(port: int, inputs: Inputs, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2:3", "--nproc-per-node=1",
+def start_agent(port: int, inputs: Inputs, log: Path, nnodes: str = "2:3") -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=pooltest",
            "--rdzv-conf=join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=20",
            "--max-restarts=5", "--monitor-interval=0.5",
@@ -207,6 +291,11 @@ def kill_node(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
+def store_up(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def wait_for(what: str, check, deadline: float, logs: list[Path]) -> None:
     while not check():
         if time.monotonic() > deadline:
@@ -231,12 +320,7 @@ def test_three_members_one_late_one_killed_end_with_a_loadable_drafter(inputs, t
     agents: list[subprocess.Popen] = []
     try:
         agents.append(start_agent(port, inputs, logs[0]))  # a hosts the rendezvous store: it is never killed
-
-        def store_up() -> bool:
-            with socket.socket() as s:
-                return s.connect_ex(("127.0.0.1", port)) == 0
-
-        wait_for("agent a's rendezvous store", store_up, deadline, logs)
+        wait_for("agent a's rendezvous store", lambda: store_up(port), deadline, logs)
         agents.append(start_agent(port, inputs, logs[1]))
         wait_for("two members to publish v1", lambda: version(inputs.out) >= 1, deadline, logs)
         agents.append(start_agent(port, inputs, logs[2]))
