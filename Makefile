@@ -89,10 +89,12 @@ checkpoints/tiny-reason/config.json: | setup
 	$(PY) -m pipeline.pretrain --out $(TINY) --task mult --careless-share 0.6 --max-position-embeddings 1024 \
 		--batch-tokens 1024 --steps 1800 --eval-max-new-tokens 896
 
+# Drafters train a fixed number of steps, not for a wall-time budget: the same drafter on every
+# machine, however loaded (a budget once left a loaded machine one training step).
 checkpoints/tiny-reason-drafter/config.json: checkpoints/tiny-reason/config.json
 	$(PY) -m pipeline.tasks --task mult --split train --num 512 --seed 1 --out checkpoints/tiny-reason-drafter-prompts.jsonl
 	$(PY) -m spot.warmstart --target $(TINY) --prompts checkpoints/tiny-reason-drafter-prompts.jsonl --max-new-tokens 896 \
-		--out checkpoints/tiny-reason-drafter --max-minutes 8
+		--out checkpoints/tiny-reason-drafter --steps 1000
 
 TINY_READY := checkpoints/tiny-reason/config.json checkpoints/tiny-reason-drafter/config.json
 
@@ -109,17 +111,17 @@ train: setup $(TINY_READY)
 checkpoints/tiny-drafter/config.json: checkpoints/tiny/config.json
 	$(PY) -m pipeline.tasks --task arith --split train --num 1024 --seed 1 --out checkpoints/tiny-drafter-prompts.jsonl
 	$(PY) -m spot.warmstart --target checkpoints/tiny --prompts checkpoints/tiny-drafter-prompts.jsonl \
-		--out checkpoints/tiny-drafter --max-minutes 8
+		--out checkpoints/tiny-drafter --steps 1000
 
 # The tiny model's MTP head (engine.spec.drafter=mtp; vLLM serves it with its mtp method: docs/VLLM.md).
 checkpoints/tiny-mtp/config.json: checkpoints/tiny-drafter/config.json
 	$(PY) -m spot.warmstart --kind mtp --target checkpoints/tiny --prompts checkpoints/tiny-drafter-prompts.jsonl \
-		--out checkpoints/tiny-mtp --max-minutes 8
+		--out checkpoints/tiny-mtp --steps 1000
 
 # The tiny model's EAGLE-3 in vLLM's network (engine.spec.drafter=eagle3_vllm: docs/VLLM.md).
 checkpoints/tiny-eagle3-vllm/config.json: checkpoints/tiny-drafter/config.json
 	$(PY) -m spot.warmstart --kind eagle3_vllm --draft-vocab 16 --target checkpoints/tiny \
-		--prompts checkpoints/tiny-drafter-prompts.jsonl --out checkpoints/tiny-eagle3-vllm --max-minutes 8
+		--prompts checkpoints/tiny-drafter-prompts.jsonl --out checkpoints/tiny-eagle3-vllm --steps 1000
 
 checkpoints/smollm2-drafter/config.json: checkpoints/smollm2-135m-instruct/config.json
 	$(PY) -m pipeline.tasks.prompts --split train --num 800 --seed 3 --out checkpoints/smollm2-drafter-prompts.jsonl
