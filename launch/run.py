@@ -155,7 +155,7 @@ def _build(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: E
     tokenizer = load_tokenizer(cfg.model.path)
     task, train_problems, held_out = problems_for(cfg)
     loader = PromptLoader(train_problems, cfg.trainer.prompts_per_step, cfg.run.seed, world_size=r.world, rank=r.rank)
-    history = _history(cfg, r)
+    history = history_of(cfg, r)
     engine = build_rollout_engine(cfg.model.path, cfg.engine, seed=cfg.run.seed,
                                   history=history.store if history is not None else None)
     resources.callback(engine.close)
@@ -191,7 +191,7 @@ def _build(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: E
                actor=actor, idle_work=idle_work, trainer=trainer, logger=logger, start_step=state.step, resources=resources)
 
 
-def _history(cfg: TrainConfig, r: Ranks) -> RunHistory | None:
+def history_of(cfg: TrainConfig, r: Ranks) -> RunHistory | None:
     """The history drafter's store, kept across steps by the run, when engine.spec.drafter has a history part."""
     spec = cfg.engine.spec
     if not spec.enabled or spec.drafter_spec.history is None:

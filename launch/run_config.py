@@ -206,12 +206,9 @@ class TrainConfig:
             (self.actor.backend == "megatron", "actor.backend=megatron builds its parallel groups over every rank of "
                                                "the job; train the actor ranks with actor.backend=deepspeed (ZeRO) or "
                                                "torch (DDP)"),
-            (self.engine.spec.enabled and self.engine.spec.drafter_spec.history is not None,
-             f"engine.spec.drafter={self.engine.spec.drafter}: the rollout ranks do not keep the run's history store "
-             "across steps (pipeline/history.py runs on colocated ranks); drop the history part of the drafter"),
             (self.rollout.work_stealing, "rollout.work_stealing balances a colocated step's rollouts across ranks; set "
                                          "rollout.work_stealing=false"),
-            (self.rollout.long_first, "rollout.long_first predicts lengths from the run's history on colocated ranks; "
+            (self.rollout.long_first, "rollout.long_first orders a colocated rank's admissions (pipeline.schedule); "
                                       "set rollout.long_first=false"),
         ]
         for bad, why in unsupported:

@@ -15,7 +15,8 @@ on a process group of the rollout ranks made here on every rank), and actor rank
 each weight push in the job's store (common.idle.update), which ends their update windows. With
 `spot.mode: pool` an elastic pool (launch.spot_pool, another job on the rollout ranks' nodes)
 trains it instead: the rollout ranks fill and gate its buffers and load its publications
-(spot.separated_pool, on the same group).
+(spot.separated_pool, on the same group). With a `history` part in engine.spec.drafter the rollout
+ranks keep the run's history store (pipeline.history over the rollout group), as colocated ranks do.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from common.idle import PushFlag
 from common.text import load_tokenizer, stop_tokens
 from engine.backends.factory import build_rollout_engine
 from launch.config import to_dict
-from launch.run import RankLog, Run, problems_for, resume_state
+from launch.run import RankLog, Run, history_of, problems_for, resume_state
 from launch.run_config import TrainConfig
 from pipeline.data import PromptLoader
 from pipeline.dist import Ranks, job_store
@@ -84,12 +85,16 @@ def build_separated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
         from pipeline.separated_rollout import SeparatedRollout
 
         loader = PromptLoader(train_problems, cfg.trainer.prompts_per_step, cfg.run.seed)  # the whole global step
-        engine = build_rollout_engine(cfg.model.path, cfg.engine, seed=cfg.run.seed)
+        history = history_of(cfg, placement.rollouts)  # over the rollout ranks: every one keeps the same store
+        engine = build_rollout_engine(cfg.model.path, cfg.engine, seed=cfg.run.seed,
+                                      history=history.store if history is not None else None)
         resources.callback(engine.close)
         if resume is not None:
             loader.load_state_dict(state.loader)
             if engine.policy is not None and "spec_policy" in state.components:
                 engine.policy.load_state_dict(state.components["spec_policy"])
+            if history is not None and "history" in state.components:
+                history.load_state_dict(state.components["history"])
         _engine_caps(placement, engine)
         stops = stop_tokens(engine.model_config, tokenizer)
         sampling = StepSampling.of(cfg.rollout, cfg.run.seed, stops)
@@ -114,7 +119,7 @@ def build_separated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
             idle_work = spot.work
             log(f"spot training on the rollout ranks' idle time: node buffer {spot.buffer.name} ({cfg.spot.buffer_mb} MiB)")
         driver = SeparatedRollout(cfg, placement, engine, tokenizer, task, loader, held_out, sampling, stops, run_dir,
-                                  state.step, idle_work=idle_work, push_flag=push_flag)
+                                  state.step, idle_work=idle_work, push_flag=push_flag, history=history)
         driver.receive_policy(state.step)
     logger = MetricsLogger.from_config(run_dir, cfg.metrics, rank=r.rank, run_name=run_dir.name,
                                        resolved_config=to_dict(cfg), resume_after_step=state.step if resume is not None else -1)

@@ -6,6 +6,8 @@ One step on rollout rank j (of R), step t counted from 0:
     -> this rank's groups of it, `generation_shares(P, R)[j]`, rolled out and scored with the
        step's sampling keys (run seed, step, prompt id, sample: the tokens colocated ranks make)
     -> idle window (common.idle: the wait for the slowest rollout rank)
+    -> with history drafts, every rollout rank's responses into every rollout rank's history
+       store (pipeline.history, over the rollout group, as colocated ranks do after their window)
     -> a shipment to every actor rank (pipeline.shipment) with this rank's RolloutReport
     -> the weight push of version t+1 (pipeline.weight_sync), then its wait and load times to actor
        rank 0, with the idle work's metrics of the step.
@@ -23,8 +25,8 @@ generation the engine must serve the step's expected version (t, or t-1 in async
 before the run's start), or the rank stops with an error: it never rolls out a stale policy.
 
 The first rollout rank also evaluates held-out accuracy (greedy) and reports the engine's
-speculation policy state for checkpoints, both to actor rank 0. Decode step records stay here
-(pipeline.records_log logs them under this rank).
+speculation policy state and history store for checkpoints, both to actor rank 0. Decode step
+records stay here (pipeline.records_log logs them under this rank).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from engine.backend import RolloutBackend
 from engine.types import StepRecord
 from pipeline.data import PromptLoader
 from pipeline.dist import job_store, transfer
+from pipeline.history import RunHistory
 from pipeline.placement import Placement
 from pipeline.rollouts import StepSampling, held_out_accuracy, roll_out
 from pipeline.run_state import checkpoint_dir
@@ -56,10 +59,12 @@ _RUNS = itertools.count()  # runs made in this process: part of their idle windo
 class SeparatedRollout:
     def __init__(self, cfg, placement: Placement, engine: RolloutBackend, tokenizer, task: Task, loader: PromptLoader,
                  eval_problems: list[Problem], sampling: StepSampling, stops: tuple[int, ...], run_dir: Path,
-                 start_step: int, idle_work: IdleWork | None = None, push_flag: PushFlag | None = None) -> None:
+                 start_step: int, idle_work: IdleWork | None = None, push_flag: PushFlag | None = None,
+                 history: RunHistory | None = None) -> None:
         assert placement.role == "rollout" and placement.rollouts is not None and loader.world_size == 1
         assert (idle_work is None) == (push_flag is None), "idle work needs the push announcements that end its windows"
         self.idle_work, self.push_flag = idle_work, push_flag
+        self.history = history  # the history drafter's store, over the rollout group (None: no history part)
         self.idle_metrics: dict[str, float] = {}  # the idle work's, of the step's idle windows
         self.cfg, self.p, self.r, self.engine, self.tok, self.task = cfg, placement, placement.rollouts, engine, tokenizer, task
         self.loader, self.eval_problems, self.sampling, self.stops = loader, eval_problems, sampling, stops
@@ -74,6 +79,7 @@ class SeparatedRollout:
                                    f"tailspec/{Path(run_dir).name}/{next(_RUNS)}/rollout",
                                    barrier=lambda: dist.barrier(group=group))
         self.decode_steps: dict[int, list[StepRecord]] = {}  # by step: generated, not yet reported
+        self.history_metrics: dict[int, dict[str, float]] = {}  # by step, likewise (spec/history_*, over the group)
 
     @property
     def first(self) -> bool:
@@ -99,15 +105,20 @@ class SeparatedRollout:
         problems = self.loader.next_step()  # the global step (this loader is not sharded)
         if self.idle_work is not None:
             self.idle_work.begin(step)
+        mine = [problems[g] for g in self.groups]
+        predicted = self.history.predicted([p.id for p in mine]) if self.history is not None else None
         t = time.perf_counter()
-        scored = roll_out(self.engine, self.tok, self.task, [problems[g] for g in self.groups], self.sampling(step),
-                          self.cfg.rollout.n, self.cfg.task.chat, self.reward)
+        scored = roll_out(self.engine, self.tok, self.task, mine, self.sampling(step), self.cfg.rollout.n,
+                          self.cfg.task.chat, self.reward, predicted=predicted)
         rollout_s = time.perf_counter() - t
         if self.idle_work is not None:
             self.idle_work.rollouts_done(step, scored.batch)
         with transfer("waiting for the other rollout ranks"):
             idle_s, metrics = self.windows.run(step, self.idle_work)
         self.idle_metrics.update(metrics)
+        if self.history is not None:  # every rollout rank is done: gathering the responses makes none wait
+            self.history.remember(scored.batch.rollouts)
+            self.history_metrics[step] = self.history.metrics(scored.batch.steps)
         report = RolloutReport.of(scored, rollout_s, idle_s)
         with transfer(f"sending step {step + 1}'s rollouts to the actor ranks"):
             send_shipments(pack_shipments(scored, self.groups, self.actor_shares, step, self.p.job.rank, report),
@@ -127,6 +138,7 @@ class SeparatedRollout:
         m = self.receive_policy(step + 1)
         if self.idle_work is not None:
             self.idle_metrics.update(self.idle_work.settle())
+        self.idle_metrics.update(self.history_metrics.pop(step, {}))
         self._send([worked_s + m["sync/wait_s"], m["timing/sync"], self.idle_metrics], "sending the wait for the push")
         self.idle_metrics = {}
         self.step_index = step + 1
@@ -139,11 +151,13 @@ class SeparatedRollout:
             self._send(acc, "sending the held-out accuracy")
 
     def save(self) -> None:
-        """The first rollout rank sends actor rank 0 its speculation policy's state (a learning tuner's)
-        and its idle work's; it writes the idle work's files into the checkpoint first, so they are
+        """The first rollout rank sends actor rank 0 its speculation policy's state (a learning tuner's),
+        its history store and its idle work's; it writes the idle work's files into the checkpoint first, so they are
         there when actor rank 0 completes it."""
         if self.first:
             state = {"spec_policy": self.engine.policy.state_dict()} if self.engine.policy is not None else {}
+            if self.history is not None:  # equal on every rollout rank (RunHistory.remember)
+                state["history"] = self.history.state_dict()
             if self.idle_work is not None:
                 for name, write in self.idle_work.checkpoint_files().items():
                     write(checkpoint_dir(self.run_dir, self.step_index) / name)

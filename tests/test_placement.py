@@ -36,7 +36,6 @@ def test_separated_ranks_are_actors_first_then_rollouts_and_a_bad_count_names_th
 @pytest.mark.parametrize("overrides, key", [(["engine.backend=vllm"], "spot.enabled trains from the rollout engine's features"),
                                             (["algorithm.name=dapo"], "algorithm.dynamic_sampling"),
                                             (["actor.backend=megatron", "actor.device=cuda"], "actor.backend=megatron"),
-                                            (["engine.spec.drafter=history+eagle"], "engine.spec.drafter=history\\+eagle"),
                                             (["rollout.work_stealing=true"], "rollout.work_stealing"),
                                             (["rollout.long_first=true"], "rollout.long_first")])
 def test_what_separated_does_not_run_is_a_config_error_naming_the_key(overrides, key):

@@ -191,3 +191,32 @@ def test_a_killed_rollout_rank_ends_the_job_and_a_resume_continues_as_if_uninter
     torchrun(4, tmp_path / "run", *extra, "trainer.resume=auto")
     torchrun(4, tmp_path / "uninterrupted", *extra)
     assert_same_run(tmp_path / "uninterrupted", tmp_path / "run", steps=4)
+
+
+HISTORY = ("spec/history_coverage", "spec/history_accept_len")
+
+
+def history_rows(run_dir: Path) -> list[dict]:
+    return [{k: row.get(k) for k in HISTORY} for row in step_rows(run_dir)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_history_drafts_on_the_rollout_ranks_draft_as_the_colocated_run_and_resume_with_their_store(
+        char_model_dir, tmp_path):
+    # 8 problems, 4 a step: the prompts of steps 1-2 recur at steps 3-4, drafted from their earlier responses.
+    extra = [f"model.path={char_model_dir}", "trainer.steps=4", "trainer.save_every=1", "task.train_problems=8",
+             "engine.spec.drafter=history+ngram", "engine.spec.depth=4", "engine.spec.verify_tokens=4",
+             "engine.spec.history_min_match=2", *LENGTH_REWARD]
+    torchrun(2, tmp_path / "colocated", *extra)
+    torchrun(4, tmp_path / "separated", *extra, *separated(2))
+    assert_same_run(tmp_path / "colocated", tmp_path / "separated", steps=4)
+    drafted = history_rows(tmp_path / "separated")
+    assert drafted == history_rows(tmp_path / "colocated")  # the same store: history drafted the same row-steps
+    assert drafted[3]["spec/history_coverage"] > drafted[0]["spec/history_coverage"], drafted  # a recurring step
+    # Resumed after step 2, the rollout ranks draft steps 3-4 from the store the checkpoint kept.
+    shutil.copytree(tmp_path / "separated", tmp_path / "resumed")
+    torchrun(4, tmp_path / "resumed", *extra, *separated(2),
+             f"trainer.resume={tmp_path / 'resumed' / 'checkpoints' / 'step-2'}")
+    assert history_rows(tmp_path / "resumed") == drafted
+    assert_same_run(tmp_path / "separated", tmp_path / "resumed", steps=4)
