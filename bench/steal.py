@@ -42,7 +42,7 @@ from pipeline.dist import init_ranks, shutdown
 from pipeline.lengths import LengthPredictor
 from pipeline.rollouts import StepSampling, requests_for
 from pipeline.schedule import idle_to_last_start
-from pipeline.stealing import StealingSource, UnitQueue, plan_units
+from pipeline.stealing import StealingSource, UnitQueue, default_inflight, plan_units
 
 WAYS = ("static", "steal", "steal+history", "bound")
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     sampling = StepSampling.of(cfg.rollout, cfg.run.seed, stop_tokens(engine.model_config, tokenizer))
     n, G = cfg.rollout.n, cfg.trainer.prompts_per_step
     shard = list(range(r.rank * G // r.world, (r.rank + 1) * G // r.world))
-    inflight = cfg.rollout.steal_inflight or max(n, G * n // r.world // 2)
+    inflight = cfg.rollout.steal_inflight or default_inflight(G, n, r.world)
     lengths = LengthPredictor()
     walls = {w: [] for w in WAYS}
     per_step = {w: [[] for _ in range(args.steps)] for w in WAYS}  # generation seconds of each repeat

@@ -69,7 +69,8 @@ class RolloutSection:
     # Ranks take the step's prompt groups from one queue in the job's store as their rows free up,
     # instead of each rolling out its loader shard (pipeline.stealing); the tokens are the same.
     work_stealing: bool = False
-    # Rows a rank keeps active while groups remain in the queue; 0: half its share of the step's rows.
+    # Rows a rank keeps active while groups remain in the queue; 0: 7/8 of its share of the step's
+    # rows (pipeline.stealing.default_inflight).
     steal_inflight: int = 0
     # Groups start in order of predicted length, longest first (their responses the last time the
     # prompt was seen, else the running mean: pipeline.lengths); the tokens are the same.
@@ -77,7 +78,7 @@ class RolloutSection:
 
     def validate(self) -> None:
         if self.steal_inflight < 0:
-            raise ValueError(f"rollout.steal_inflight must be >= 0 (0: half a rank's share of the rows), "
+            raise ValueError(f"rollout.steal_inflight must be >= 0 (0: 7/8 of a rank's share of the rows), "
                              f"got {self.steal_inflight}")
         if self.n < 1:
             raise ValueError(f"rollout.n must be >= 1, got {self.n}")

@@ -37,7 +37,7 @@ from pipeline.dist import Ranks
 from pipeline.lengths import LengthPredictor, correlation, long_first
 from pipeline.rollouts import ScoredRollouts, requests_for, score
 from pipeline.shares import shard_shares, token_shares
-from pipeline.stealing import StealingSource, UnitQueue, plan_units
+from pipeline.stealing import StealingSource, UnitQueue, default_inflight, plan_units
 from pipeline.tasks import Problem
 
 
@@ -91,8 +91,8 @@ class RolloutSchedule:
         return local
 
     def _inflight(self, groups: int) -> int:
-        """Rows a rank keeps active while units remain: rollout.steal_inflight, or half its share of the step's rows."""
-        return self.inflight or max(self.n, groups * self.n // self.r.world // 2)
+        """Rows a rank keeps active while units remain: rollout.steal_inflight, or default_inflight's."""
+        return self.inflight or default_inflight(groups, self.n, self.r.world)
 
     def share(self, local: ScoredRollouts) -> tuple[ScoredRollouts, dict[str, float]]:
         """The rollouts this rank trains on, in global order, and the step's scheduling metrics."""
