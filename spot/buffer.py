@@ -60,14 +60,13 @@ import re
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from spot.gate import GATE, GATE_OFFSET, initial_gate
-from spot.records import HiddenStateRows
+from spot.entries import BufferEntry, EntryInfo
 from spot.segment import _HEADER, _MAGIC, SHM, _alive, _reclaim_if_dead, _start_time
 
 _VERSION = 1
@@ -89,61 +88,6 @@ _SLOT = np.dtype({
     "formats": ["<u8", "<i8", "<i8", "<i8", "<i8", "<i8", "<i8", "<i8", "<i8", "<i8", "<i8", f"S{_KEY_BYTES}"],
     "itemsize": 256,
 })
-
-
-@dataclass(kw_only=True)
-class BufferEntry:
-    key: str  # rollout key, "<prompt_id>/<sample>"
-    step: int  # RL step whose rollouts produced it
-    policy_version: int
-    finished: bool  # the response ended with a stop token (False: cut by max_new_tokens or preempted)
-    prompt_len: int
-    tokens: torch.Tensor  # [T] long (prompt + response, as fed to the target)
-    # [T, F] float32 or bfloat16 (the buffer's dtype); a producer may give parts [T_i, F] in order
-    # along T (a prompt's features, then a view of the response's): they are written to the ring
-    # one by one, with no concatenated copy made first. `read` always gives one tensor.
-    features: torch.Tensor | tuple[torch.Tensor, ...]
-
-    def __post_init__(self) -> None:
-        T = self.tokens.shape[0] if self.tokens.dim() == 1 else -1
-        parts = self.feature_parts()
-        shapes = [tuple(f.shape) for f in parts]
-        if any(f.dim() != 2 or f.shape[1] != parts[0].shape[1] for f in parts) or sum(f.shape[0] for f in parts) != T:
-            raise ValueError(f"entry {self.key!r}: tokens [T] and features [T, F] must agree, got "
-                             f"{tuple(self.tokens.shape)} and {shapes[0] if len(shapes) == 1 else shapes}")
-        if not 0 < self.prompt_len <= T:
-            raise ValueError(f"entry {self.key!r}: prompt_len {self.prompt_len} not in 1..{T}")
-
-    @property
-    def length(self) -> int:
-        return self.tokens.shape[0]
-
-    def feature_parts(self) -> tuple[torch.Tensor, ...]:
-        return self.features if isinstance(self.features, tuple) else (self.features,)
-
-    def to_row(self) -> HiddenStateRows:
-        features = self.features if isinstance(self.features, torch.Tensor) else torch.cat(self.features)
-        return HiddenStateRows(prompt_id=self.key, step=self.step, tokens=self.tokens, features=features,
-                               prompt_len=self.prompt_len)
-
-
-@dataclass(frozen=True)
-class EntryInfo:
-    """An entry's header as seen by `infos` (no payload copy); `read` it to get the payload."""
-
-    slot: int
-    seq: int
-    key: str
-    step: int
-    policy_version: int
-    finished: bool
-    prompt_len: int
-    length: int  # T
-    nbytes: int  # payload bytes: tokens and features
-
-    @property
-    def response_len(self) -> int:
-        return self.length - self.prompt_len
 
 
 class DataBuffer:

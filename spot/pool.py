@@ -102,19 +102,21 @@ class PoolConfig:
     device: str = "cpu"
 
     def validate(self) -> None:
-        for key in ("checkpoint_every", "publish_every", "keep_published", "keep_checkpoints", "rows_per_step",
-                    "window", "log_every"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"spot pool: {key} must be >= 1, got {getattr(self, key)}")
+        counts = {"checkpoint_every": self.checkpoint_every, "publish_every": self.publish_every,
+                  "keep_published": self.keep_published, "keep_checkpoints": self.keep_checkpoints,
+                  "rows_per_step": self.rows_per_step, "window": self.window, "log_every": self.log_every}
+        for key, value in counts.items():
+            if value < 1:
+                raise ValueError(f"spot pool: {key} must be >= 1, got {value}")
         if self.micro_steps is not None and self.micro_steps < 1:
             raise ValueError(f"spot pool: micro_steps must be >= 1 (or None: until {self.out}/{STOP}), got {self.micro_steps}")
         if not 0.0 <= self.offset_ratio <= 1.0:
             raise ValueError(f"spot pool: offset_ratio must be in [0, 1], got {self.offset_ratio}")
         if self.buffer_wait_s < 0:
             raise ValueError(f"spot pool: buffer_wait_s must be >= 0, got {self.buffer_wait_s}")
-        for key in ("poll_s", "gate_poll_s"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"spot pool: {key} must be > 0, got {getattr(self, key)}")
+        for key, value in {"poll_s": self.poll_s, "gate_poll_s": self.gate_poll_s}.items():
+            if value <= 0:
+                raise ValueError(f"spot pool: {key} must be > 0, got {value}")
         self.optim()  # ValueError naming a bad optimiser key
 
     def optim(self) -> DrafterOptim:

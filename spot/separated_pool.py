@@ -36,6 +36,7 @@ its warm drafter (version 0) until the first step's update window loads the pool
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -47,13 +48,13 @@ from engine.backend import RolloutBackend
 from spot.buffer import DataBuffer
 from spot.colocated import SpotRun, node_buffer
 from spot.config import SpotConfig
-from spot.gate import NodeGate
+from spot.gate import GateCounters, NodeGate
 from spot.pool import latest_published, published_weights
 from spot.segment import segment_name
 from spot.separated import eagle_net, node_slot
 from spot.sink import DataBufferSink, put_as_window_opens
 
-COUNTERS = ("idle_s", "micro_steps", "train_s", "overrun_s")  # a node's GateCounters, summed over nodes
+COUNTERS = tuple(f.name for f in dataclasses.fields(GateCounters))  # a node's, summed over nodes
 
 
 class SeparatedPoolFollower(IdleWork):
@@ -122,7 +123,7 @@ class SeparatedPoolFollower(IdleWork):
         if self.reporter:
             now = self.gate.counters()
             delta, self.seen = now - self.seen, now
-            mine = torch.tensor([float(getattr(delta, k)) for k in COUNTERS], dtype=torch.float64)
+            mine = torch.tensor(dataclasses.astuple(delta), dtype=torch.float64)
         dist.all_reduce(mine, group=self.group)
         nodes = dict(zip(COUNTERS, mine.tolist(), strict=True))
         metrics = {f"spot/{k}": v for k, v in nodes.items()}
