@@ -109,6 +109,11 @@ class TrainerSection:
     # generated them: with rollout.work_stealing too, the same run bit for bit); tokens, groups dealt
     # longest first to balance the ranks' update tokens (another, equally valid, run).
     train_shares: Literal["shard", "tokens"] = "shard"
+    # Rows whose advantage is 0 on every token (a GRPO / RLOO group whose rewards are all equal)
+    # give the policy loss no gradient when algorithm.kl_coef is 0: the update's forward and
+    # backward leave them out (the loss weights still count them, so the step's gradient is the
+    # same sum). false: every row goes through the actor.
+    skip_zero_advantage: bool = True
 
     def validate(self) -> None:
         for key in ("steps", "prompts_per_step", "ppo_epochs", "mini_batches"):

@@ -22,7 +22,7 @@ from pipeline.algorithms import build_algorithm, mismatch_kl
 from pipeline.dist import Ranks, all_sum
 from pipeline.records import TrainBatch
 from pipeline.rollouts import ScoredRollouts
-from pipeline.train_batch import pack_rollouts
+from pipeline.train_batch import gradient_rows, pack_rollouts
 
 
 def uses_engine_logprobs(trainer_cfg, samples_policy: bool, exact_logprobs: bool) -> bool:
@@ -50,6 +50,8 @@ class Learner:
             raise ValueError("spot training from the actor's forward needs trainer.old_logprobs=actor or auto (the "
                              "engine's log-probs would skip the forward that fills the DataBuffer)")
         self.algo = build_algorithm(cfg.algorithm, cfg.rollout.max_new_tokens)
+        # Rows of advantage 0 are left out of the forward and backward when they add no gradient.
+        self.skip_inert = cfg.trainer.skip_zero_advantage and self.algo.zero_advantage_is_inert
 
     def train(self, scored: ScoredRollouts, step: int) -> tuple[dict[str, float], float, float]:
         """One update on this rank's rollouts of `step`; -> (metrics, seconds of log-probs, seconds of update)."""
@@ -97,10 +99,15 @@ class Learner:
         sums: dict[str, float] = {}
         count = 0
         first: dict[str, float] = {}
+        tokens = kept = 0.0  # response tokens of the mini-batches, and of the rows that went through the actor
         for epoch in range(tc.ppo_epochs):
             for chunk in rows.chunk(tc.mini_batches):
                 mb = batch.select(chunk)
-                mb.loss_weights = self._global_weights(mb.response_mask)
+                mb.loss_weights = self._global_weights(mb.response_mask)  # normalised over every row
+                tokens += float(mb.response_mask.sum())
+                if self.skip_inert:
+                    mb = mb.select(gradient_rows(mb))
+                kept += float(mb.response_mask.sum())
                 measure = self.engine_old_logprobs and count == 0
 
                 def loss_fn(lp, ent, micro, measure=measure):
@@ -115,6 +122,8 @@ class Learner:
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
+        total = all_sum(self.r, tokens)  # over all ranks
+        first["train/skipped_token_share"] = 1 - all_sum(self.r, kept) / total if total else 0.0
         return {k: v / count for k, v in sums.items()} | first
 
     def _global_weights(self, mask: torch.Tensor) -> torch.Tensor:

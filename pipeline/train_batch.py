@@ -32,3 +32,13 @@ def pack_rollouts(prompts: list[list[int]], responses: list[list[int]], engine_l
     zeros = torch.zeros(N, T)
     return TrainBatch(input_ids=ids, attention_mask=attn, response_mask=resp, old_logprobs=zeros,
                       advantages=advantages.float().unsqueeze(1) * resp, loss_weights=zeros.clone(), engine_logprobs=eng)
+
+
+def gradient_rows(batch: TrainBatch) -> torch.Tensor:
+    """The rows [k] whose advantage is nonzero on some token: the only ones the clipped surrogate
+    takes a gradient from (pipeline.algorithms.policy_loss). With none, the shortest row, so that
+    every data-parallel rank still runs a backward, which holds the gradients' all-reduce."""
+    live = (batch.advantages != 0).any(-1)  # [B]
+    if bool(live.any()):
+        return live.nonzero().squeeze(1)
+    return batch.attention_mask.sum(-1).argmin().view(1)

@@ -351,3 +351,43 @@ def test_zero3_on_two_ranks_of_a_three_rank_job_trains_and_resumes_exactly_as_on
 def test_megatron_trains_on_every_rank_of_the_job_and_refuses_a_process_group(model_dir):
     with pytest.raises(ValueError, match="actor.backend=megatron .* cannot train on the actor ranks"):
         build_actor(ActorConfig(backend="megatron", device="cuda"), model_dir, group=object())
+
+
+def zero_advantage_update(model_dir, batch, skip: bool):
+    """One Learner update (2 mini-batches) of `batch` on a fresh actor -> (actor, metrics)."""
+    from launch.config import load_config
+    from launch.run_config import TrainConfig
+    from pipeline.dist import Ranks
+    from pipeline.learner import Learner
+
+    cfg = load_config(TrainConfig, None, ["model.path=unused", "trainer.mini_batches=2",
+                                          f"trainer.skip_zero_advantage={str(skip).lower()}"])
+    a = actor(model_dir, lr=1e-4, micro_batch_tokens=20)
+    batch.old_logprobs = a.logprobs(batch.input_ids, batch.attention_mask).logprobs * batch.response_mask
+    batch.engine_logprobs = batch.old_logprobs.clone()
+    return a, Learner(cfg, Ranks(), a, pad_id=0, engine_old_logprobs=True)._update(batch)
+
+
+def test_rows_of_zero_advantage_left_out_of_the_update_change_no_weight(model_dir):
+    batch = make_batch(rows=8, seed=3)
+    inert = torch.tensor([0, 3, 4, 7])
+    batch.advantages[inert] = 0.0
+    (full, m_full), (skipped, m_skip) = (zero_advantage_update(model_dir, batch, skip) for skip in (False, True))
+    for (name, p), q in zip(full.model.named_parameters(), skipped.model.parameters()):
+        torch.testing.assert_close(q, p, atol=1e-6, rtol=0, msg=name)
+    assert m_skip["train/grad_norm"] == pytest.approx(m_full["train/grad_norm"], rel=1e-5)
+    assert m_skip["train/loss"] == pytest.approx(m_full["train/loss"], abs=1e-7)
+    share = float(batch.response_mask[inert].sum() / batch.response_mask.sum())
+    assert m_skip["train/skipped_token_share"] == pytest.approx(share) and share > 0.2
+    assert m_full["train/skipped_token_share"] == 0.0
+
+
+def test_a_mini_batch_of_only_zero_advantage_rows_still_runs_one_backward_and_moves_no_weight(model_dir):
+    batch = make_batch(rows=4, seed=5)
+    batch.advantages.zero_()
+    before = {n: p.detach().clone() for n, p in actor(model_dir).model.named_parameters()}
+    trained_actor, m = zero_advantage_update(model_dir, batch, skip=True)
+    for name, p in trained_actor.model.named_parameters():
+        assert torch.equal(p, before[name]), name
+        assert p.grad is not None, name  # one row went through forward and backward (its all-reduce on several ranks)
+    assert 0.5 < m["train/skipped_token_share"] < 1.0

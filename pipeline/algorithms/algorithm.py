@@ -41,6 +41,13 @@ class Algorithm:
     max_sampling_rounds: int
     overlong_buffer: int
     overlong_factor: float
+    kl_coef: float
+
+    @property
+    def zero_advantage_is_inert(self) -> bool:
+        """Whether a row with advantage 0 on every token adds nothing to the loss or its gradient: the
+        clipped surrogate is then 0 whatever the ratio, and only a KL penalty would reach it."""
+        return self.kl_coef == 0
 
     def loss_weights(self, response_mask: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T]
         return loss_weights(response_mask, self.aggregation, self.max_response_len)
@@ -76,5 +83,5 @@ def build_algorithm(cfg: AlgorithmConfig, max_response_len: int) -> Algorithm:
         name=cfg.name, advantages=estimators[cfg.name], policy_loss=loss, aggregation=cfg.aggregation,
         max_response_len=max_response_len, dynamic_sampling=cfg.dynamic_sampling,
         max_sampling_rounds=cfg.max_sampling_rounds, overlong_buffer=cfg.overlong_buffer,
-        overlong_factor=cfg.overlong_factor,
+        overlong_factor=cfg.overlong_factor, kl_coef=cfg.kl_coef,
     )
