@@ -35,7 +35,7 @@ identical), then:
 
 `--plot` draws each step's time split (rollout, idle, log-probs, update, sync), all-off beside
 as-shipped. `--json` ends with one line `{"step_ratio", "rollout_ratio", "r_gen", "accept_len",
-"ceiling", "identical", "idle_share", "levers": {name: {"step_ratio", "rollout_ratio",
+"ceiling", "identical", "idle_share", "update_skipped_share", "levers": {name: {"step_ratio", "rollout_ratio",
 "accept_len", "identical"}}, "cpu", ...}`. Exits 0 when every way was identical to all-off, 2
 when one was not, 1 on bad input.
 """
@@ -175,6 +175,7 @@ class WayTimes:
     idle_to_last_start: float | None = None  # idle share of rank-seconds until the step's last unit was taken (stealing)
     history_coverage: float | None = None  # the share of speculative row-steps history drafted (None: no history part)
     history_accept_len: float | None = None  # tokens emitted per row-step history drafted
+    skipped_share: float | None = None  # response tokens the update left out (advantage 0: trainer.skip_zero_advantage)
 
     @property
     def gen_s(self) -> float:
@@ -199,6 +200,7 @@ class WayTimes:
                    **{f"{part}_s": mean([m[f"timing/{part}"] for m in later]) for part in PARTS},
                    accept_len=mean_of("spec/accept_len"), history_coverage=mean_of("spec/history_coverage"),
                    history_accept_len=mean_of("spec/history_accept_len"),
+                   skipped_share=mean_of("train/skipped_token_share"),
                    r_gen=mean([(m["timing/rollout"] + m["timing/idle"]) / m["timing/step"] for m in later]),
                    idle_share=mean([m["timing/idle"] / m["timing/step"] for m in later]))
 
@@ -225,6 +227,7 @@ def headline(ways: dict[str, WayTimes], identical: dict[str, bool]) -> dict:
     vs = {name: against(off, ways[name], identical[name]) for name in ways if name != "all-off"}
     return {"step_ratio": vs["as-shipped"]["step_ratio"], "rollout_ratio": vs["as-shipped"]["rollout_ratio"],
             "accept_len": vs["as-shipped"]["accept_len"], "r_gen": round(off.r_gen, 3), "idle_share": round(off.idle_share, 3),
+            "update_skipped_share": None if off.skipped_share is None else round(off.skipped_share, 3),
             "ceiling": round(top, 3), "of_ceiling": round(off.step_s / shipped.step_s / top, 3),
             "identical": all(identical.values()), "identical_ways": identical,
             "levers": {name: v for name, v in vs.items() if name != "as-shipped"},
@@ -289,6 +292,9 @@ def report(result: dict, chosen: list[Lever]) -> None:
     err(f"step ratio all-off / as-shipped {result['step_ratio']:.3f}x (rollout {result['rollout_ratio']:.3f}x); all-off: "
         f"R_gen {result['r_gen']:.2f}, idle share {result['idle_share']:.2f}; as-shipped accept length "
         f"{fmt(result['accept_len'], '.3f')}; ceiling {result['ceiling']:.2f}x ({result['of_ceiling']:.0%} of it)")
+    if result["update_skipped_share"]:
+        err(f"all-off's update left out {result['update_skipped_share']:.0%} of the response tokens (rows of advantage 0, "
+            "no gradient: trainer.skip_zero_advantage)")
     for name, lever in result["levers"].items():
         err(f"  + {name}: step ratio {lever['step_ratio']:.3f}x, rollout {lever['rollout_ratio']:.3f}x")
     for name, w in result["ways"].items():

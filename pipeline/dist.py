@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import time
 from collections.abc import Iterator
@@ -64,8 +65,14 @@ def job_store(r: Ranks):
 
 
 def shutdown() -> None:
+    """Destroys every process group, first collecting the garbage that may still hold them (a DDP
+    reducer, gloo work handles in reference cycles): left to the interpreter's exit, their C++
+    destructors ran during finalization and aborted a rank that had finished ("terminate called
+    without an active exception"), and torchrun then killed the ranks still reporting."""
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
+        gc.collect()
 
 
 def timed_barrier(r: Ranks) -> float:

@@ -227,10 +227,13 @@ class Trainer:
 
     # -- eval and checkpoints --------------------------------------------------------------
     def evaluate(self) -> float | None:
-        """Greedy held-out accuracy through the engine (rank 0; the others wait)."""
-        if not self.r.main:
-            return None
-        return held_out_accuracy(self.engine, self.tok, self.task, self.eval_problems, self.cfg, self.stops)
+        """Greedy held-out accuracy through the engine (rank 0; None on the others). The others wait
+        for it here, so that the wait is not counted as the next step's idle time."""
+        accuracy = None
+        if self.r.main:
+            accuracy = held_out_accuracy(self.engine, self.tok, self.task, self.eval_problems, self.cfg, self.stops)
+        self._barrier()
+        return accuracy
 
     def save(self) -> None:
         components = {}

@@ -134,8 +134,10 @@ def test_every_lever_alone_and_as_shipped_is_the_all_off_run_and_the_json_says_s
     captured = capsys.readouterr()
     out = json.loads(captured.out.strip().splitlines()[-1])
     assert rc == 0, captured.err[-3000:]
-    keys = {"step_ratio", "rollout_ratio", "r_gen", "accept_len", "ceiling", "identical", "idle_share", "levers", "cpu"}
+    keys = {"step_ratio", "rollout_ratio", "r_gen", "accept_len", "ceiling", "identical", "idle_share",
+            "update_skipped_share", "levers", "cpu"}
     assert keys <= out.keys()
+    assert 0 <= out["update_skipped_share"] < 1
     assert out["identical"] is True and out["identical_ways"] == {"as-shipped": True, "spec": True, "tuner": True}
     assert set(out["levers"]) == {"spec", "tuner"}
     assert all(set(v) == {"step_ratio", "rollout_ratio", "accept_len", "identical"} for v in out["levers"].values())
