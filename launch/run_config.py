@@ -216,6 +216,8 @@ class TrainConfig:
                                          "rollout.work_stealing=false"),
             (self.rollout.long_first, "rollout.long_first orders a colocated rank's admissions (pipeline.schedule); "
                                       "set rollout.long_first=false"),
+            (self.trainer.train_shares == "tokens", "trainer.train_shares=tokens deals a colocated step's groups to its "
+                                                    "ranks by tokens; set trainer.train_shares=shard"),
         ]
         for bad, why in unsupported:
             if bad:

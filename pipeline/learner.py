@@ -53,6 +53,12 @@ class Learner:
         # Rows of advantage 0 are left out of the forward and backward when they add no gradient.
         self.skip_inert = cfg.trainer.skip_zero_advantage and self.algo.zero_advantage_is_inert
 
+    @property
+    def skips_equal_reward_groups(self) -> bool:
+        """Whether a group whose raw rewards are all equal never reaches the actor: its advantages are
+        0 (GRPO, RLOO) unless the overlong penalty tells its lengths apart."""
+        return self.skip_inert and self.algo.overlong_buffer == 0
+
     def train(self, scored: ScoredRollouts, step: int) -> tuple[dict[str, float], float, float]:
         """One update on this rank's rollouts of `step`; -> (metrics, seconds of log-probs, seconds of update)."""
         batch, metrics = self.train_batch(scored)

@@ -36,7 +36,7 @@ from engine.types import RolloutBatch
 from pipeline.dist import Ranks
 from pipeline.lengths import LengthPredictor, correlation, long_first
 from pipeline.rollouts import ScoredRollouts, requests_for, score
-from pipeline.shares import shard_shares, token_shares
+from pipeline.shares import shard_shares, token_shares, update_tokens
 from pipeline.stealing import StealingSource, UnitQueue, default_inflight, plan_units
 from pipeline.tasks import Problem
 
@@ -53,8 +53,12 @@ class _Plan:
 
 
 class RolloutSchedule:
-    def __init__(self, rollout_cfg, train_shares: str, ranks: Ranks, store, scope: str, mini_batches: int = 1) -> None:
+    def __init__(self, rollout_cfg, train_shares: str, ranks: Ranks, store, scope: str, mini_batches: int = 1,
+                 equal_rewards_free: bool = False) -> None:
+        """`equal_rewards_free`: the update leaves out a group whose rewards are all equal (advantage 0:
+        pipeline.learner), so token shares weigh such a group 0 and balance the tokens it trains on."""
         self.r, self.store, self.scope = ranks, store, scope
+        self.equal_rewards_free = equal_rewards_free
         self.stealing, self.n = rollout_cfg.work_stealing and ranks.world > 1, rollout_cfg.n
         self.inflight = rollout_cfg.steal_inflight
         self.train_shares, self.mini_batches = train_shares, mini_batches
@@ -112,7 +116,8 @@ class RolloutSchedule:
         units = {i: (rank, prompt, rollouts, rewards) for rows, _ in parts for i, rank, prompt, rollouts, rewards in rows}
         G, world = len(plan.problems), self.r.world
         if self.train_shares == "tokens":
-            shares = token_shares([sum(len(ro.tokens) for ro in units[g][2]) for g in range(G)], world)
+            shares = token_shares([update_tokens([len(ro.tokens) for ro in units[g][2]], units[g][3], self.equal_rewards_free)
+                                   for g in range(G)], world)
             if min(len(share) for share in shares) * self.n < self.mini_batches:  # every rank takes every optimiser step
                 raise ValueError(f"trainer.train_shares=tokens left a rank {min(len(share) for share in shares) * self.n} "
                                  f"rows, fewer than trainer.mini_batches={self.mini_batches}: lower trainer.mini_batches, "

@@ -10,9 +10,12 @@ order whichever way the rollout was placed, and the run stays bit for bit the sa
   (the colocated layout's assignment, and a separated run's: actor rank k trains what colocated
   rank k would).
 - `token_shares`: groups dealt longest first to the rank with the fewest tokens so far (ties: the
-  lower rank), each rank's groups then in global order: ranks finish their updates together when
+  rank with fewer groups, then the lower rank: groups that weigh nothing are spread too), each
+  rank's groups then in global order: ranks finish their updates together when
   lengths are long-tailed. A different assignment from `shard_shares` sums gradients in another
   order, so it is a different (equally valid) run, not the same bits.
+- `update_tokens`: what a group weighs in `token_shares`: its response tokens, or 0 when the
+  update leaves it out (rewards all equal: advantage 0, pipeline.learner).
 - `generation_shares`: which groups each rollout rank of a separated placement generates.
 """
 
@@ -37,10 +40,18 @@ def token_shares(group_tokens: Sequence[int], world: int) -> list[list[int]]:
     load = [0] * world
     shares: list[list[int]] = [[] for _ in range(world)]
     for g in sorted(range(len(group_tokens)), key=lambda g: (-group_tokens[g], g)):
-        r = min(range(world), key=lambda r: (load[r], r))
+        r = min(range(world), key=lambda r: (load[r], len(shares[r]), r))
         shares[r].append(g)
         load[r] += group_tokens[g]
     return [sorted(s) for s in shares]
+
+
+def update_tokens(lengths: Sequence[int], rewards: Sequence[float], equal_rewards_free: bool) -> int:
+    """The response tokens the update trains on of a group with these response lengths and rewards:
+    none when `equal_rewards_free` (the learner leaves out advantage-0 rows) and its rewards are all equal."""
+    if equal_rewards_free and len(set(rewards)) <= 1:
+        return 0
+    return sum(lengths)
 
 
 def generation_shares(groups: int, ranks: int) -> list[list[int]]:

@@ -44,7 +44,7 @@ from engine.backend import RolloutBackend
 from engine.types import RolloutBatch, StepRecord
 from pipeline.algorithms import fill_groups, informative_groups
 from pipeline.data import PromptLoader
-from pipeline.dist import Ranks, all_sum, gather_floats, job_store
+from pipeline.dist import Ranks, all_sum, gather_floats, gather_ragged, job_store
 from pipeline.learner import Learner, uses_engine_logprobs
 from pipeline.rollouts import ScoredRollouts, StepSampling, held_out_accuracy, roll_out
 from pipeline.run_state import RunState, checkpoint_dir, save_run
@@ -93,8 +93,6 @@ class Trainer:
         if cfg.rollout.work_stealing and not engine.caps.pulls_requests:
             raise ValueError("rollout.work_stealing feeds the engine from a queue as its rows free up, which this rollout "
                              "backend cannot take (caps.pulls_requests): set rollout.work_stealing=false")
-        self.schedule = RolloutSchedule(cfg.rollout, cfg.trainer.train_shares, ranks, job_store(ranks), scope,
-                                        mini_batches=cfg.trainer.mini_batches)
         self.bubbles = bubbles  # a pipeline.bubble.BubbleStore: drafts pre-generated for the coming steps
         self.bubble_metrics: dict[str, float] = {}
         self.history = history  # a pipeline.history.RunHistory: the history drafter's store, kept across steps
@@ -109,6 +107,9 @@ class Trainer:
                                uses_engine_logprobs(cfg.trainer, self.sampling.is_policy, engine.caps.exact_logprobs),
                                reference=reference, actor_features=actor_features)
         self.algo = self.learner.algo
+        self.schedule = RolloutSchedule(cfg.rollout, cfg.trainer.train_shares, ranks, job_store(ranks), scope,
+                                        mini_batches=cfg.trainer.mini_batches,
+                                        equal_rewards_free=self.learner.skips_equal_reward_groups)
 
     def _barrier(self) -> None:
         if self.r.world > 1:
@@ -170,7 +171,7 @@ class Trainer:
             metrics.update(self.history.metrics(scored.batch.steps))
         if self.engine.policy is not None:
             metrics.update(self.engine.policy.metrics())
-        lengths = [int(x) for row in gather_floats(self.r, [float(x) for x in scored.lengths.tolist()]) for x in row]
+        lengths = [int(x) for row in gather_ragged(self.r, [float(x) for x in scored.lengths.tolist()]) for x in row]
         return StepResult(metrics=metrics, lengths=lengths, rollouts=scored, decode_steps=scored.batch.steps)
 
     def sync(self, version: int) -> None:

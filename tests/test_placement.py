@@ -28,7 +28,7 @@ def test_separated_ranks_are_actors_first_then_rollouts_and_a_bad_count_names_th
     with pytest.raises(ValueError, match="pipeline.actor_ranks=2 leaves no rollout rank"):
         PipelineSection(placement="separated", actor_ranks=2).roles(2)
     with pytest.raises(ValueError, match="pipeline.actor_ranks >= 1"):
-        load_config(TrainConfig, REPO / "configs" / "tiny.yaml", ["pipeline.placement=separated"])
+        load_config(TrainConfig, REPO / "configs" / "tiny.yaml", ["pipeline.placement=separated", "trainer.train_shares=shard"])
     with pytest.raises(ValueError, match="pipeline.actor_ranks=2 is for pipeline.placement=separated"):
         load_config(TrainConfig, REPO / "configs" / "tiny.yaml", ["pipeline.actor_ranks=2"])
 
@@ -41,20 +41,23 @@ def test_separated_ranks_are_actors_first_then_rollouts_and_a_bad_count_names_th
 def test_what_separated_does_not_run_is_a_config_error_naming_the_key(overrides, key):
     with pytest.raises(ValueError, match=f"pipeline.placement=separated: {key}"):
         load_config(TrainConfig, REPO / "configs" / "tiny.yaml",
-                    ["pipeline.placement=separated", "pipeline.actor_ranks=1", "spot.enabled=true", "spot.pool_dir=pool",
+                    ["pipeline.placement=separated", "pipeline.actor_ranks=1", "trainer.train_shares=shard", "spot.enabled=true",
+                     "spot.pool_dir=pool",
                      *overrides])
 
 
 @pytest.mark.parametrize("backend", ["torch", "deepspeed"])
 def test_separated_trains_with_ddp_or_deepspeed_zero(backend):
     cfg = load_config(TrainConfig, REPO / "configs" / "tiny.yaml",
-                      ["pipeline.placement=separated", "pipeline.actor_ranks=1", f"actor.backend={backend}",
+                      ["pipeline.placement=separated", "pipeline.actor_ranks=1", "trainer.train_shares=shard",
+                       f"actor.backend={backend}",
                        "actor.zero_stage=3"])
     assert (cfg.pipeline.placement, cfg.actor.backend) == ("separated", backend)
 
 
 def test_a_separated_run_takes_an_elastic_pool_that_names_its_folder():
-    base = ["pipeline.placement=separated", "pipeline.actor_ranks=1", "spot.enabled=true", "spot.mode=pool"]
+    base = ["pipeline.placement=separated", "pipeline.actor_ranks=1", "trainer.train_shares=shard", "spot.enabled=true",
+            "spot.mode=pool"]
     cfg = load_config(TrainConfig, REPO / "configs" / "tiny.yaml", [*base, "spot.pool_dir=pool"])
     assert (cfg.pipeline.placement, cfg.spot.mode, cfg.spot.pool_dir) == ("separated", "pool", "pool")
     with pytest.raises(ValueError, match="spot.pool_dir"):
@@ -147,7 +150,8 @@ def test_a_rollout_rank_rolls_out_only_with_the_steps_expected_policy_version(mo
     from pipeline.tasks import TASKS
 
     cfg = load_config(TrainConfig, REPO / "configs" / "tiny.yaml",
-                      ["pipeline.placement=separated", "pipeline.actor_ranks=1", "trainer.prompts_per_step=4",
+                      ["pipeline.placement=separated", "pipeline.actor_ranks=1", "trainer.train_shares=shard",
+                       "trainer.prompts_per_step=4",
                        f"trainer.async_steps={int(mode == 'async')}"])
     # in one process: no job store, nothing sent (the check comes before any transfer)
     placement = Placement(kind="separated", job=Ranks(), actor_ranks=(1,), rollout_ranks=(0,), actors=None, rollouts=Ranks())

@@ -1,6 +1,14 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from pipeline.shares import shard_shares, token_shares
+from pipeline.shares import shard_shares, token_shares, update_tokens
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_shard_shares_are_the_loaders_contiguous_shards():
@@ -21,3 +29,30 @@ def test_token_shares_balance_a_long_tail_better_than_shards():
     load = lambda shares: max(sum(tokens[g] for g in s) for s in shares)
     assert load(token_shares(tokens, 2)) < load(shard_shares(len(tokens), 2))
     assert load(token_shares(tokens, 2)) == 935
+
+
+def test_a_group_of_equal_rewards_weighs_nothing_when_the_update_leaves_it_out():
+    assert update_tokens([30, 40], [1.0, 0.0], equal_rewards_free=True) == 70
+    assert update_tokens([300, 400], [0.0, 0.0], equal_rewards_free=True) == 0
+    assert update_tokens([300, 400], [0.0, 0.0], equal_rewards_free=False) == 700
+    # the long all-failed group no longer outweighs the rest: the trained tokens split evenly
+    weights = [update_tokens(*g, equal_rewards_free=True) for g in
+               [([500, 500], [0.0, 0.0]), ([40, 60], [1.0, 0.0]), ([50, 50], [0.0, 1.0]), ([10, 10], [1.0, 1.0])]]
+    shares = token_shares(weights, 2)
+    assert sorted(sum(weights[g] for g in s) for s in shares) == [100, 100]
+
+
+def test_ranks_training_shares_of_different_sizes_gather_every_rank_s_values(tmp_path):
+    # A token-balanced share gives ranks different row counts; the step's lengths are gathered from all of them.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tests.mp.ragged_worker",
+           str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [[0.5], [1.5, 1.5]]
+
+
+def test_groups_that_weigh_nothing_are_spread_over_the_ranks():
+    assert token_shares([0, 0, 0, 0], 2) == [[0, 2], [1, 3]]
+    assert sorted(len(s) for s in token_shares([90, 0, 0, 0, 0, 0], 3)) == [1, 2, 3]
