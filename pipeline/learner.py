@@ -3,7 +3,8 @@
     rewards -> advantages (pipeline.algorithms) -> a TrainBatch (pipeline.train_batch)
     -> old log-probs (the engine's, or the actor's forward) and reference log-probs
     -> the asynchronous mode's truncated importance weight on the advantages
-    -> PPO epochs over mini-batches (the actor backend's update with the algorithm's loss)
+    -> PPO epochs over mini-batches (the actor backend's update with the algorithm's loss; rows of
+       advantage 0 left out when no KL term reaches them: trainer.skip_zero_advantage)
 
 `ranks` are the data-parallel ranks of the actor (the whole job when colocated, the actor group
 when separated: pipeline.placement); loss weights are normalised over the mini-batch of all of
