@@ -85,7 +85,7 @@ models: setup checkpoints/smollm2-135m-instruct/config.json
 # The default run's model: the mult task (pipeline/tasks/mult.py), 60% of its demonstrations from a
 # careless teacher who drops the last addition's carry: the RL run has a flaw to remove. 2,700 steps:
 # after 1,800 an AVX-512 host's model (49.5%) still slipped mid-count and RL lifted it 3.5 points;
-# after 2,700 it scores 75.5% and the RL run lifts it 14 (docs/BENCHMARKS.md, "Learning on the mult task").
+# after 2,700 it scores 75.5% and the RL run lifts it 14.5 (docs/BENCHMARKS.md, "Learning on the mult task").
 TINY := checkpoints/tiny-reason
 checkpoints/tiny-reason/config.json: | setup
 	$(PY) -m pipeline.pretrain --out $(TINY) --task mult --careless-share 0.6 --max-position-embeddings 1024 \

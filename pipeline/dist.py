@@ -93,15 +93,6 @@ def gather_floats(r: Ranks, values: list[float]) -> list[list[float]]:
     return [o.tolist() for o in out]
 
 
-def gather_ragged(r: Ranks, values: list[float]) -> list[list[float]]:
-    """Every rank's `values`, of any length (a token-balanced training share's rows), indexed by rank."""
-    if r.world == 1:
-        return [list(values)]
-    counts = [int(c) for c, in gather_floats(r, [float(len(values))])]
-    padded = gather_floats(r, list(values) + [0.0] * (max(counts) - len(values)))
-    return [row[:c] for row, c in zip(padded, counts)]
-
-
 def gather_objects(r: Ranks, value) -> list:
     """Every rank's picklable `value`, indexed by rank (small values: token lists of a step)."""
     if r.world == 1:

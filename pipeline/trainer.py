@@ -44,7 +44,7 @@ from engine.backend import RolloutBackend
 from engine.types import RolloutBatch, StepRecord
 from pipeline.algorithms import fill_groups, informative_groups
 from pipeline.data import PromptLoader
-from pipeline.dist import Ranks, all_sum, gather_floats, gather_ragged, job_store
+from pipeline.dist import Ranks, all_sum, gather_floats, gather_objects, job_store
 from pipeline.learner import Learner, uses_engine_logprobs
 from pipeline.rollouts import ScoredRollouts, StepSampling, held_out_accuracy, roll_out
 from pipeline.run_state import RunState, checkpoint_dir, save_run
@@ -171,7 +171,8 @@ class Trainer:
             metrics.update(self.history.metrics(scored.batch.steps))
         if self.engine.policy is not None:
             metrics.update(self.engine.policy.metrics())
-        lengths = [int(x) for row in gather_ragged(self.r, [float(x) for x in scored.lengths.tolist()]) for x in row]
+        # every rank's trained rows (as many as its share: token shares differ by rank)
+        lengths = [int(x) for part in gather_objects(self.r, scored.lengths.tolist()) for x in part]
         return StepResult(metrics=metrics, lengths=lengths, rollouts=scored, decode_steps=scored.batch.steps)
 
     def sync(self, version: int) -> None:
