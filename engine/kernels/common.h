@@ -36,41 +36,4 @@ inline void rope_heads(float* x, int64_t heads, int64_t D, const float* cos, con
   }
 }
 
-// One query q [D] against one head's keys / values k, v [S, D] (slots 0..S-1; mask[j] false or
-// a null mask: slot j is skipped / all visible) -> out [D]. Slots are visited in order, so the
-// result does not depend on what else shares the call. scores: scratch of S floats.
-inline void attend_one(const float* q, const float* k, const float* v, const bool* mask, int64_t S, int64_t D,
-                       float scale, float* scores, float* out) {
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < S; ++j) {
-    if (mask && !mask[j]) {
-      scores[j] = -INFINITY;
-      continue;
-    }
-    const float* kr = k + j * D;
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t d = 0; d < D; ++d) s += q[d] * kr[d];
-    s *= scale;
-    scores[j] = s;
-    mx = s > mx ? s : mx;
-  }
-  for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
-  if (mx == -INFINITY) return;  // nothing visible: zeros (never happens for a real token)
-#pragma omp simd
-  for (int64_t j = 0; j < S; ++j) scores[j] = fast_expf(scores[j] - mx);  // masked slots: unused
-  float total = 0.f;
-  for (int64_t j = 0; j < S; ++j) {
-    if (mask && !mask[j]) continue;
-    const float e = scores[j];
-    total += e;
-    const float* vr = v + j * D;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) out[d] += e * vr[d];
-  }
-  const float inv = 1.f / total;
-#pragma omp simd
-  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
-}
-
 }  // namespace tailspec

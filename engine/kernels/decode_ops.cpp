@@ -225,6 +225,17 @@ void attend_rows(const float* q, int64_t sqb, int64_t sqt, const float* k, const
   }
 }
 
+// attend_group for Q queries that share one head's keys / values (any Q: chunks of kQueryChunk),
+// with its own scratch: the EAGLE drafter's attention (eagle_chain.cpp), where the queries are a
+// row's new tokens x its GQA group, as in attend_rows. masks[i]: S bools per query.
+void attend_queries(const float* const* qs, const bool* const* masks, float* const* outs, int64_t Q, const float* k,
+                    const float* v, int64_t S, int64_t D, float scale) {
+  std::vector<float> kt(D * kLanes), scores(kQueryChunk * ((S + kLanes - 1) / kLanes * kLanes));
+  for (int64_t i = 0; i < Q; i += kQueryChunk)
+    attend_group(qs + i, masks + i, outs + i, Q - i < kQueryChunk ? Q - i : kQueryChunk, k, v, S, D, scale, kt.data(),
+                 scores.data());
+}
+
 // The attention half of a decoder layer from its fused q/k/v projection, in one call:
 // RoPE on the q and k heads of every new token, its k / v written to the cache at slots[b, t],
 // then attend_rows over the cache with the mask (new tokens see each other through the cache).

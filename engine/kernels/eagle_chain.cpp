@@ -35,6 +35,8 @@ extern "C" void skinny_gemm(const float* x, int64_t ldx, const float* wp, const 
 extern "C" void skinny_gemm_bf16(const float* x, int64_t ldx, const uint16_t* wp, const float* bias, const float* c,
                                  int64_t ldc, float* y, int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads);
 extern "C" void silu_mul_rows(const float* x, float* y, int64_t M, int64_t I);
+extern "C" void attend_queries(const float* const* qs, const bool* const* masks, float* const* outs, int64_t Q,
+                               const float* k, const float* v, int64_t S, int64_t D, float scale);
 extern "C" void rms_norm_rows(const float* x, int64_t ldx, const float* w, float eps, float* y, int64_t ldy, int64_t M, int64_t H);
 
 
@@ -89,20 +91,41 @@ void step(Net& n, int64_t M, const int64_t* tok, const float* const* feat, const
       std::memcpy(n.cv + row[m] * n.skb + kh * n.skh + slot[m] * hd, r + (nq + nkv + kh) * hd, hd * sizeof(float));
     }
   }
-  std::vector<float> scores;
-  for (int64_t m = 0; m < M; ++m) {
-    float* out_m = attn.data() + m * nq * hd;
-    if (!active[m]) {
+  // Attention: the active tokens of one row in this pass (consecutive m: a row's catch-up pairs,
+  // a tree level's nodes) x the G query heads of a KV head share one pass over the row's keys
+  // (decode_ops' attend_queries, the target's attention: scores with lanes over keys). Token m
+  // sees slots j <= slot[m] (with mask[m][j] where a mask is given); each query's arithmetic is
+  // its own, whatever else shares the call.
+  std::vector<uint8_t> vis;  // [tokens of the group, S] visible slots (bool)
+  std::vector<const float*> qs;
+  std::vector<const bool*> qmask;
+  std::vector<float*> qout;
+  for (int64_t m0 = 0; m0 < M;) {
+    if (!active[m0]) {
+      float* out_m = attn.data() + m0 * nq * hd;
       for (int64_t i = 0; i < nq * hd; ++i) out_m[i] = 0.f;
+      ++m0;
       continue;
     }
-    const float* r = qkvb.data() + m * Q;
-    const int64_t S = slot[m] + 1;
-    scores.resize(S);
-    float* sc = scores.data();
-    for (int64_t hq = 0; hq < nq; ++hq)
-      tailspec::attend_one(r + hq * hd, n.ck + row[m] * n.skb + (hq / G) * n.skh, n.cv + row[m] * n.skb + (hq / G) * n.skh,
-                           mask ? mask[m] : nullptr, S, hd, scale, sc, out_m + hq * hd);
+    int64_t m1 = m0 + 1, S = slot[m0] + 1;
+    for (; m1 < M && active[m1] && row[m1] == row[m0]; ++m1) S = std::max(S, slot[m1] + 1);
+    const int64_t T = m1 - m0;
+    vis.assign(T * S, 0);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j <= slot[m0 + t]; ++j) vis[t * S + j] = mask ? mask[m0 + t][j] : 1;
+    qs.resize(T * G), qmask.resize(T * G), qout.resize(T * G);
+    for (int64_t kh = 0; kh < nkv; ++kh) {
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t hq = kh * G + g;
+          qs[t * G + g] = qkvb.data() + (m0 + t) * Q + hq * hd;
+          qmask[t * G + g] = reinterpret_cast<const bool*>(vis.data() + t * S);
+          qout[t * G + g] = attn.data() + (m0 + t) * nq * hd + hq * hd;
+        }
+      attend_queries(qs.data(), qmask.data(), qout.data(), T * G, n.ck + row[m0] * n.skb + kh * n.skh,
+                     n.cv + row[m0] * n.skb + kh * n.skh, S, hd, scale);
+    }
+    m0 = m1;
   }
   mm(n, attn.data(), nq * hd, n.o, x.data(), H, x.data(), H, M, nq * hd, H);  // x += attn @ o
   rms_norm_rows(x.data(), H, n.post_norm, n.eps, h.data(), H, M, H);
