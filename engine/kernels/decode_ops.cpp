@@ -106,32 +106,62 @@ static void score_block(const float* const* qs, int64_t Q, const float* kt, int6
   }
 }
 
-// out[d] = sum_j w[j] v[j, d] over slots j < S in order of j, one fused multiply-add per term.
-static void weigh_values(const float* w, int64_t S, const float* v, int64_t D, float* out) {
+extern "C++" {  // templates, inside this file's C linkage block
+// outs[q][d] = sum_j ws[q][j] v[j, d] over slots j < S in order of j, one fused multiply-add per
+// term, for R queries at once: each output's chain of fused multiply-adds is its own (the same
+// operations, in the same order, as for one query alone); the R chains interleave, so that they
+// overlap instead of each waiting on its own latency.
+template <int R>
+static void weigh_values(const float* const* ws, int64_t S, const float* v, int64_t D, float* const* outs) {
   int64_t d0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   for (; d0 + 32 <= D; d0 += 32) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 a[R][4];
+    for (int q = 0; q < R; ++q) a[q][0] = a[q][1] = a[q][2] = a[q][3] = _mm256_setzero_ps();
     for (int64_t j = 0; j < S; ++j) {
-      const __m256 wj = _mm256_broadcast_ss(w + j);
       const float* vr = v + j * D + d0;
-      a0 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vr), a0);
-      a1 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vr + 8), a1);
-      a2 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vr + 16), a2);
-      a3 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vr + 24), a3);
+      const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8), v2 = _mm256_loadu_ps(vr + 16),
+                   v3 = _mm256_loadu_ps(vr + 24);
+#pragma GCC unroll 4
+      for (int q = 0; q < R; ++q) {
+        const __m256 wj = _mm256_broadcast_ss(ws[q] + j);
+        a[q][0] = _mm256_fmadd_ps(wj, v0, a[q][0]);
+        a[q][1] = _mm256_fmadd_ps(wj, v1, a[q][1]);
+        a[q][2] = _mm256_fmadd_ps(wj, v2, a[q][2]);
+        a[q][3] = _mm256_fmadd_ps(wj, v3, a[q][3]);
+      }
     }
-    _mm256_storeu_ps(out + d0, a0);
-    _mm256_storeu_ps(out + d0 + 8, a1);
-    _mm256_storeu_ps(out + d0 + 16, a2);
-    _mm256_storeu_ps(out + d0 + 24, a3);
+    for (int q = 0; q < R; ++q)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(outs[q] + d0 + 8 * c, a[q][c]);
   }
 #endif
-  for (int64_t d = d0; d < D; ++d) {
-    float acc = 0.f;
-    for (int64_t j = 0; j < S; ++j) acc = std::fma(w[j], v[j * D + d], acc);
-    out[d] = acc;
+  for (int64_t d = d0; d < D; ++d)
+    for (int q = 0; q < R; ++q) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < S; ++j) acc = std::fma(ws[q][j], v[j * D + d], acc);
+      outs[q][d] = acc;
+    }
+}
+
+// For R queries' softmax weights sc[q] (exact zeros on masked slots): the total in slot order, one
+// add at a time (the visible slots' order is what decoding sees, but not their positions: a tree's
+// ancestors sit at scattered tentative slots, so no lanes by slot), the weighted values, and the
+// division; the R queries' serial chains interleave.
+template <int R>
+static void finish_queries(float* const* sc, int64_t end, const float* v, int64_t D, float* const* outs) {
+  float total[R];
+  for (int q = 0; q < R; ++q) total[q] = 0.f;
+  for (int64_t j = 0; j < end; ++j)
+    for (int q = 0; q < R; ++q) total[q] += sc[q][j];
+  weigh_values<R>(sc, end, v, D, outs);
+  for (int q = 0; q < R; ++q) {
+    const float inv = 1.f / total[q];
+    float* out = outs[q];
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) out[d] *= inv;
   }
 }
+}  // extern "C++"
 
 // Attention of Q queries that share one head's keys / values k, v [S, D] (a row's GQA group:
 // its G query heads x T new tokens) -> outs[i] [D]. Every (query, key) score is the same
@@ -158,6 +188,9 @@ static void attend_group(const float* const* qs, const bool* const* masks, float
     transpose_keys(rows, D, kt);
     score_block(qs, Q, kt, D, scale, scores + j0, ld);
   }
+  float* live_sc[kQueryChunk];  // the queries that see a slot (every real token's): scores, outputs
+  float* live_out[kQueryChunk];
+  int64_t live = 0;
   for (int64_t i = 0; i < Q; ++i) {
     const uint8_t* m = reinterpret_cast<const uint8_t*>(masks[i]);
     float* sc = scores + i * ld;
@@ -180,15 +213,14 @@ static void attend_group(const float* const* qs, const bool* const* masks, float
     // Weights: exp(s - max) on visible slots, exact zeros elsewhere (adding a zero changes no sum).
     for (int64_t j = 0; j < end; ++j) sc[j] = tailspec::fast_expf(sc[j] - mx);
     for (int64_t j = 0; j < end; ++j) sc[j] = sc[j] * (float)m[j];
-    // The total in slot order, one add at a time: the visible slots' order is what decoding sees, but
-    // not their positions (a tree's ancestors sit at scattered tentative slots), so no lanes by slot.
-    float total = 0.f;
-    for (int64_t j = 0; j < end; ++j) total += sc[j];
-    weigh_values(sc, end, v, D, out);
-    const float inv = 1.f / total;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+    live_sc[live] = sc, live_out[live] = out, ++live;
   }
+  // Totals, weighted values and divisions, four queries at a time (a last 1-3 together).
+  int64_t i = 0;
+  for (; i + 4 <= live; i += 4) finish_queries<4>(live_sc + i, end, v, D, live_out + i);
+  if (live - i == 3) finish_queries<3>(live_sc + i, end, v, D, live_out + i);
+  if (live - i == 2) finish_queries<2>(live_sc + i, end, v, D, live_out + i);
+  if (live - i == 1) finish_queries<1>(live_sc + i, end, v, D, live_out + i);
 }
 
 // out[b, t, hq, :] = softmax_j(q[b, t, hq] . k[b, hq / G, j] * scale | mask[b, t, j]) @ v[b, hq / G, j]
