@@ -257,12 +257,16 @@ void attend_rows(const float* q, int64_t sqb, int64_t sqt, const float* k, const
   }
 }
 
-// attend_group for Q queries that share one head's keys / values (any Q: chunks of kQueryChunk),
-// with its own scratch: the EAGLE drafter's attention (eagle_chain.cpp), where the queries are a
-// row's new tokens x its GQA group, as in attend_rows. masks[i]: S bools per query.
+// attend_group for Q queries that share one head's keys / values (any Q: chunks of kQueryChunk):
+// the EAGLE drafter's attention (eagle_chain.cpp), where the queries are a row's new tokens x its
+// GQA group, as in attend_rows. masks[i]: S bools per query. The scratch is the calling thread's,
+// kept between calls (a draft calls this per row, KV head and level) and grown as needed.
 void attend_queries(const float* const* qs, const bool* const* masks, float* const* outs, int64_t Q, const float* k,
                     const float* v, int64_t S, int64_t D, float scale) {
-  std::vector<float> kt(D * kLanes), scores(kQueryChunk * ((S + kLanes - 1) / kLanes * kLanes));
+  thread_local std::vector<float> kt, scores;
+  const int64_t rows = Q < kQueryChunk ? Q : kQueryChunk, need = rows * ((S + kLanes - 1) / kLanes * kLanes);
+  if ((int64_t)kt.size() < D * kLanes) kt.resize(D * kLanes);
+  if ((int64_t)scores.size() < need) scores.resize(need);
   for (int64_t i = 0; i < Q; i += kQueryChunk)
     attend_group(qs + i, masks + i, outs + i, Q - i < kQueryChunk ? Q - i : kQueryChunk, k, v, S, D, scale, kt.data(),
                  scores.data());
