@@ -100,6 +100,17 @@ checkpoints/tiny-reason-drafter/config.json: checkpoints/tiny-reason/config.json
 
 TINY_READY := checkpoints/tiny-reason/config.json checkpoints/tiny-reason-drafter/config.json
 
+# The mult model that checks its answer in a quarter of its demonstrations (a second, careful pass:
+# pipeline/tasks/mult.py), so the samples of one prompt differ in length (configs/tiny-check.yaml).
+checkpoints/tiny-check/config.json: | setup
+	$(PY) -m pipeline.pretrain --out checkpoints/tiny-check --task mult --careless-share 0.6 --check-share 0.25 \
+		--max-position-embeddings 2048 --batch-tokens 2048 --steps 1700 --eval-max-new-tokens 1792
+
+checkpoints/tiny-check-drafter/config.json: checkpoints/tiny-check/config.json
+	$(PY) -m pipeline.tasks --task mult --split train --num 512 --seed 1 --out checkpoints/tiny-reason-drafter-prompts.jsonl
+	$(PY) -m spot.warmstart --target checkpoints/tiny-check --prompts checkpoints/tiny-reason-drafter-prompts.jsonl \
+		--max-new-tokens 1792 --out checkpoints/tiny-check-drafter --steps 1000
+
 pretrain-tiny: setup checkpoints/tiny-reason/config.json
 
 # The arith model (pipeline/tasks/arith.py): short answers, for the engine benches and the vLLM drafter kinds.

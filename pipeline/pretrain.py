@@ -16,6 +16,10 @@ avoids it in part of its samples, a gap an exact-answer reward can close in a fe
 clean data alone the tiny arith model's sampled pass@8 is one point above its greedy accuracy:
 nothing for a reward to select within the RL run's budget.
 
+`--check-share P` (mult) makes a share P of the responses check their answer by working the problem
+a second time, carefully (`Task.checking`): the policy then checks in part of its samples, which
+doubles their length and repairs a careless first pass.
+
 Every field of `PretrainConfig` is a flag (`hidden_size` -> `--hidden-size`). On a machine whose
 cores are busy, set OMP_WAIT_POLICY=PASSIVE in the environment: spinning OpenMP threads that
 share a core with another process make steps up to 10x slower. This module knows nothing about
@@ -74,6 +78,10 @@ class PretrainConfig:
     # Like SFT data from imperfect demonstrators, it leaves a policy whose flaw a verifiable
     # reward can remove.
     careless_share: float = 0.0
+    # Share of the examples whose response checks its answer by working the problem again
+    # (`Task.checking`, the first pass careless as drawn above): the samples of one prompt then
+    # differ in length, and checking earns reward that RL can select.
+    check_share: float = 0.0
     eval_problems: int = 200  # held-out test problems for the final greedy accuracy
     eval_max_new_tokens: int = 384  # the greedy decoder's budget per held-out response
     log_every: int = 50
@@ -93,6 +101,10 @@ class PretrainConfig:
             raise ValueError(f"careless_share must be in [0, 1], got {self.careless_share}")
         if self.careless_share and TASKS[self.task].careless is None:
             raise ValueError(f"careless_share: task {self.task!r} has no careless teacher; set it to 0")
+        if not 0 <= self.check_share <= 1:
+            raise ValueError(f"check_share must be in [0, 1], got {self.check_share}")
+        if self.check_share and TASKS[self.task].checking is None:
+            raise ValueError(f"check_share: task {self.task!r} has no checking teacher (mult has); set it to 0")
         for name in ("warmup_steps", "weight_decay", "grad_clip", "eval_problems"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -169,14 +181,21 @@ def length_bucketed(examples: list[tuple[list[int], int]], batch_tokens: int) ->
     return batches
 
 
-def demonstrated(problems: list[Problem], share: float, rng: random.Random, careless: Callable[[Problem], str] | None
-                 ) -> list[Problem]:
-    """The problems with a `share` of their responses replaced by `careless(problem)` (seeded)."""
+def demonstrated(problems: list[Problem], share: float, rng: random.Random, careless: Callable[[Problem], str] | None,
+                 check_share: float = 0.0, checking: Callable[[Problem, bool], str] | None = None) -> list[Problem]:
+    """The problems with a `share` of their responses replaced by `careless(problem)` and, drawn
+    independently, a `check_share` by `checking(problem, careless)` (seeded). With check_share 0
+    the draws are those of the careless share alone, so the data is unchanged by the option."""
     if share and careless is None:
         raise ValueError("a careless share needs a careless teacher")
+    if check_share and checking is None:
+        raise ValueError("a check share needs a checking teacher")
     out = []
     for p in problems:
-        if share and rng.random() < share:
+        slip = bool(share) and rng.random() < share
+        if check_share and rng.random() < check_share:
+            p = dataclasses.replace(p, response=checking(p, slip))
+        elif slip:
             p = dataclasses.replace(p, response=careless(p))
         out.append(p)
     return out
@@ -189,7 +208,8 @@ def train_batches(cfg: PretrainConfig, tokenizer) -> Iterator[tuple[torch.Tensor
     while True:
         problems = task.make_problems("train", cfg.pool_size, cfg.seed, start=start)
         start += cfg.pool_size
-        problems = demonstrated(problems, cfg.careless_share, careless_rng, task.careless)
+        problems = demonstrated(problems, cfg.careless_share, careless_rng, task.careless, cfg.check_share,
+                                task.checking)
         examples = [encode_example(tokenizer, p) for p in problems]
         longest = max(len(ids) for ids, _ in examples)
         if longest > cfg.max_position_embeddings:

@@ -1,4 +1,4 @@
-"""The multiply-add task: worked solutions, reward, long-tailed lengths, splits, the careless teacher."""
+"""The multiply-add task: worked solutions, reward, long-tailed lengths, splits, the careless and checking teachers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from pipeline.tasks import get_task
-from pipeline.tasks.mult import (careless_solution, drop_carry, make_problems, operands, reward,
+from pipeline.tasks.mult import (careless_solution, checked_solution, drop_carry, make_problems, operands, reward,
                                  worked_solution)
 from pipeline.tasks.tokenizer import ALPHABET, build_tokenizer
 
@@ -124,3 +124,19 @@ def test_operands_reject_what_is_not_a_prompt_of_the_task():
     assert operands("35+7*4\n") == (35, 7, 4)
     with pytest.raises(ValueError, match="not a c\\+a\\*b prompt"):
         operands("4728+395\n")
+
+
+def test_a_checked_response_works_the_problem_twice_and_its_careful_check_repairs_a_careless_slip():
+    careful = worked_solution(35, 7, 4)
+    assert checked_solution("35+7*4\n", careless=False) == careful + "\n" + careful
+    slipped = checked_solution("35+7*4\n", careless=True)
+    assert slipped == careless_solution("35+7*4\n") + "\n" + careful
+    assert reward(careless_solution("35+7*4\n"), "63") == 0.0 and reward(slipped, "63") == 1.0  # the last answer counts
+    assert set(slipped) <= set(ALPHABET)
+
+
+def test_the_longest_checked_problem_fits_a_2048_token_context():
+    tok = build_tokenizer()
+    prompt = tok("99+9*64\n").input_ids
+    response = tok(checked_solution("99+9*64\n", careless=False), add_special_tokens=False).input_ids
+    assert len(prompt) + len(response) + 1 <= 1792 <= tok.model_max_length  # configs/tiny-check.yaml's budget

@@ -140,6 +140,32 @@ def test_the_careless_share_replaces_that_share_of_responses_with_the_careless_t
         PretrainConfig(task="math", careless_share=0.5).validate()
 
 
+def test_the_check_share_makes_that_share_of_responses_check_their_answer_and_leaves_the_rest_alone():
+    import random
+
+    from pipeline.pretrain import demonstrated
+    from pipeline.tasks.mult import make_problems as mult_problems
+
+    task = get_task("mult")
+    problems = mult_problems("train", 2000, 0)
+    plain = demonstrated(problems, 0.6, random.Random(0), task.careless)
+    assert demonstrated(problems, 0.6, random.Random(0), task.careless, 0.0, task.checking) == plain  # share 0: unchanged
+    mixed = demonstrated(problems, 0.6, random.Random(0), task.careless, 0.25, task.checking)
+    checked = {m.id for p, m in zip(problems, mixed) if len(m.response.splitlines()) == 2 * len(p.response.splitlines())}
+    assert 0.2 < len(checked) / len(problems) < 0.3
+    for p, m in zip(problems, mixed):
+        if m.id in checked:  # a first pass, careless or not, then the careful one
+            assert m.response.endswith(p.response) and m.response[: -len(p.response) - 1] in (p.response, task.careless(p))
+        else:
+            assert m.response in (p.response, task.careless(p))
+    slipped_then_checked = [m for p, m in zip(problems, mixed) if m.id in checked and not m.response.startswith(p.response)]
+    assert slipped_then_checked and all(task.reward(m.response, m.answer) == 1.0 for m in slipped_then_checked)
+    with pytest.raises(ValueError, match="task 'arith' has no checking teacher"):
+        PretrainConfig(task="arith", check_share=0.5).validate()
+    with pytest.raises(ValueError, match="check_share must be in"):
+        PretrainConfig(task="mult", check_share=1.5).validate()
+
+
 def test_the_mult_task_pretrains_with_its_careless_teacher_and_a_longer_context(tmp_path, one_thread):
     from pipeline.pretrain import train_batches
     from pipeline.tasks.mult import careless_solution, operands, worked_solution

@@ -26,6 +26,23 @@ The *careless* teacher works every step right but the last, whose carry it drops
 problems. Pretraining on a mixture of both teachers leaves a policy that writes the carry in part
 of its samples, something an exact-answer reward can select.
 
+A *checking* demonstration (`checked_solution`) works the problem (carelessly or not), writes its
+answer, then works it again, always carefully, and answers again; the reward reads the last
+answer, so a check repairs a careless first pass:
+
+    3;35+7=42            <- first pass (here careless: 53)
+    ...
+    0;56+7=53
+    #### 53
+    3;35+7=42            <- the check
+    ...
+    0;56+7=63
+    #### 63
+
+A policy pretrained with a share of checking demonstrations chooses at each first answer whether
+to stop or check, so the samples of one prompt differ in length by up to 2x, as the samples of a
+reasoning model do, and checking earns reward, so RL can learn to check more (responses grow).
+
 Splits and streams as in `pipeline.tasks.arith`: a prompt's split is a stable hash of its text,
 and problem i of a split is drawn from a `random.Random` keyed by (seed, split, i). This module
 knows nothing about tokens or models.
@@ -67,6 +84,13 @@ def worked_solution(c: int, a: int, b: int, *, careless: bool = False) -> str:
         lines.append(f"{left};{total}+{a}={s}")
         total = s
     return "\n".join(lines + [ANSWER_PREFIX + str(total)])
+
+
+def checked_solution(prompt: str, *, careless: bool) -> str:
+    """A first pass (`careless`: its last addition drops the carry) and its answer, then a careful
+    second pass and its answer: twice the lines of `worked_solution`."""
+    c, a, b = operands(prompt)
+    return worked_solution(c, a, b, careless=careless) + "\n" + worked_solution(c, a, b)
 
 
 def careless_solution(prompt: str) -> str:

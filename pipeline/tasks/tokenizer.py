@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerFast
 ALPHABET = "0123456789+*=#; \n"
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0..3, then the alphabet in order
-MODEL_MAX_LENGTH = 1024  # the longest context the tiny models are pretrained with (the mult task's)
+MODEL_MAX_LENGTH = 2048  # the longest context the tiny models are pretrained with (mult with checks)
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
