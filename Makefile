@@ -8,13 +8,14 @@ export TOKENIZERS_PARALLELISM := false
 # OpenMP workers spin briefly between ops, then sleep (engine/omp.py: the entry points' same default).
 export GOMP_SPINCOUNT ?= 10000
 
-.PHONY: setup setup-vllm test test-fast test-slurm test-vllm train train-7b train-32b models pretrain-tiny bench bench-spec bench-e2e bench-spot bench-bubble bench-longtail drafters sim clean help
+.PHONY: setup setup-vllm test test-fast test-slurm test-vllm train train-7b train-32b train-check models pretrain-tiny bench bench-spec bench-e2e bench-spot bench-bubble bench-longtail drafters sim clean help
 
 help:
 	@echo "make setup          create .venv (CPU torch 2.13.0, project editable with test extras)"
 	@echo "make test           setup, then run the test suite"
 	@echo "make test-fast      setup, then the tests not marked slow"
 	@echo "make train          setup, pretrain the tiny mult model and warm-start its drafter if missing, then GRPO on 2 ranks"
+	@echo "make train-check    the same RL run on the mult model that checks its answer in part of its samples (~15 min the first time)"
 	@echo "make train-7b       submit GRPO on a 7B model to Slurm (configs/7b.yaml; ARGS=\"model.path=... \"); DRY_RUN=1 prints the job"
 	@echo "make train-32b      submit DAPO on a 32B model to Slurm (configs/32b.yaml); docs/CLUSTER.md"
 	@echo "make test-slurm     start a real one-node Slurm here (root; apt-installs slurm-wlm), run a tiny job through it"
@@ -120,6 +121,10 @@ checkpoints/tiny/config.json: | setup
 # The main job: GRPO on the tiny mult model with speculative rollouts, 2 ranks (gloo on 127.0.0.1).
 train: setup $(TINY_READY)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 -m launch.train --config configs/tiny.yaml
+
+# The same run on the model that checks its answer in part of its samples (configs/tiny-check.yaml).
+train-check: setup checkpoints/tiny-check-drafter/config.json
+	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 -m launch.train --config configs/tiny-check.yaml
 
 checkpoints/tiny-drafter/config.json: checkpoints/tiny/config.json
 	$(PY) -m pipeline.tasks --task arith --split train --num 1024 --seed 1 --out checkpoints/tiny-drafter-prompts.jsonl
