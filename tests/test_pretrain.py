@@ -160,6 +160,13 @@ def test_the_check_share_makes_that_share_of_responses_check_their_answer_and_le
             assert m.response in (p.response, task.careless(p))
     slipped_then_checked = [m for p, m in zip(problems, mixed) if m.id in checked and not m.response.startswith(p.response)]
     assert slipped_then_checked and all(task.reward(m.response, m.answer) == 1.0 for m in slipped_then_checked)
+    from pipeline.pretrain import train_batches  # the pretraining stream draws its examples the same way
+
+    cfg = PretrainConfig(task="mult", careless_share=0.6, check_share=0.5, max_position_embeddings=2048, **TINY | dict(batch_tokens=2048))
+    tok = build_tokenizer()
+    answers = [sum(t == tok.convert_tokens_to_ids("#") for t in row.tolist()) // 4
+               for _, (_, targets) in zip(range(20), train_batches(cfg, tok)) for row in targets]  # '#### ' lines a row
+    assert set(answers) == {1, 2} and 0.3 < answers.count(2) / len(answers) < 0.7
     with pytest.raises(ValueError, match="task 'arith' has no checking teacher"):
         PretrainConfig(task="arith", check_share=0.5).validate()
     with pytest.raises(ValueError, match="check_share must be in"):
