@@ -39,8 +39,15 @@ def torchrun(procs: int, run_dir: Path, *overrides: str, module: str = "launch.t
            "--config", str(REPO / "configs" / "tiny.yaml"), *base(run_dir), *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     if check:
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert proc.returncode == 0, failure_report(proc.stderr)
     return proc
+
+
+def failure_report(stderr: str) -> str:
+    """The first error lines of every rank (a root cause is printed before the other ranks' broken
+    collectives bury it), then the end of stderr."""
+    first = [line for line in stderr.splitlines() if "Error" in line or "error:" in line][:30]
+    return "first error lines:\n" + "\n".join(first) + "\n...\n" + stderr[-3000:]
 
 
 def separated(actors: int) -> list[str]:
