@@ -94,8 +94,11 @@ checkpoints/tiny-reason/config.json: | setup
 
 # Drafters train a fixed number of steps, not for a wall-time budget: the same drafter on every
 # machine, however loaded (a budget once left a loaded machine one training step).
-checkpoints/tiny-reason-drafter/config.json: checkpoints/tiny-reason/config.json
-	$(PY) -m pipeline.tasks --task mult --split train --num 512 --seed 1 --out checkpoints/tiny-reason-drafter-prompts.jsonl
+# The mult prompts both mult drafters warm-start on (the targets' own responses to them).
+checkpoints/tiny-reason-drafter-prompts.jsonl: | setup
+	$(PY) -m pipeline.tasks --task mult --split train --num 512 --seed 1 --out $@
+
+checkpoints/tiny-reason-drafter/config.json: checkpoints/tiny-reason/config.json checkpoints/tiny-reason-drafter-prompts.jsonl
 	$(PY) -m spot.warmstart --target $(TINY) --prompts checkpoints/tiny-reason-drafter-prompts.jsonl --max-new-tokens 896 \
 		--out checkpoints/tiny-reason-drafter --steps 1000
 
@@ -107,8 +110,7 @@ checkpoints/tiny-check/config.json: | setup
 	$(PY) -m pipeline.pretrain --out checkpoints/tiny-check --task mult --careless-share 0.6 --check-share 0.25 \
 		--max-position-embeddings 2048 --batch-tokens 2048 --steps 1700 --eval-max-new-tokens 1792
 
-checkpoints/tiny-check-drafter/config.json: checkpoints/tiny-check/config.json
-	$(PY) -m pipeline.tasks --task mult --split train --num 512 --seed 1 --out checkpoints/tiny-reason-drafter-prompts.jsonl
+checkpoints/tiny-check-drafter/config.json: checkpoints/tiny-check/config.json checkpoints/tiny-reason-drafter-prompts.jsonl
 	$(PY) -m spot.warmstart --target checkpoints/tiny-check --prompts checkpoints/tiny-reason-drafter-prompts.jsonl \
 		--max-new-tokens 1792 --out checkpoints/tiny-check-drafter --steps 1000
 

@@ -1,8 +1,9 @@
 """Tasks: problems with verifiable answers and their rewards.
 
 A `Task` bundles a problem generator and an exact-answer reward, and for the synthetic tasks a
-careless teacher (and for mult a checking one) whose demonstrations pretraining may mix in. `Problem` records flow from here to
-the rollout stage; the reward is a pure function of a response text and the answer.
+careless teacher (and for mult a checking one) whose demonstrations pretraining may mix in.
+`Problem` records flow from here to the rollout stage; the reward is a pure function of a response
+text and the answer.
 """
 
 from __future__ import annotations
