@@ -6,7 +6,8 @@ another (bench.runs), `--repeats K` rounds of them (every way once a round; the 
 over rounds and the step ratio of each round is printed too, so a machine whose speed drifts
 over the bench shows it):
 
-- all-off: autoregressive rollouts, no spot training, no bubble drafts (ALL_OFF);
+- all-off: autoregressive rollouts, no spot training, no bubble drafts, each rank rolling out
+  the whole groups of its loader shard (ALL_OFF);
 - as-shipped: the config as given;
 - each lever added alone to all-off (`levers`, chosen with `--levers`): `spec`, the config's
   drafter with its fixed shape (depth, top-k, verify tokens, max_active_batch; no tuner); `tuner`,
@@ -14,9 +15,11 @@ over the bench shows it):
   with the table); `spot`, the config's speculation plus spot training; `bubble`, the config's
   speculation behind bubble drafts (`pregenerated+<drafter>`); `steal`, work stealing with
   long-first order (rollout.work_stealing, rollout.long_first: ranks take prompt groups from one
-  queue, predicted-long first); `long_first`, static shards admitted predicted-long first. A lever the config does not turn
-  on is measured all the same, unless it cannot run here (spot needs a learned drafter; spot,
-  bubble and steal need two or more ranks): then it is skipped and the reason printed.
+  queue, predicted-long first); `split`, every rank generating its part of every group
+  (rollout.split_groups); `long_first`, static shards admitted predicted-long first. A lever the
+  config does not turn on is measured all the same, unless it cannot run here (spot needs a
+  learned drafter; spot, bubble, steal and split need two or more ranks): then it is skipped and
+  the reason printed.
 
 No lever changes a token, so every way must be the same run as all-off: each step's reward,
 losses, grad norm and response length, and the final weights (bench.runs.same_steps,
@@ -57,8 +60,9 @@ from engine.spec.drafter import DraftShape
 from launch.config import load_config
 from launch.run_config import TrainConfig
 
-ALL_OFF = ("engine.spec.enabled=false", "spot.enabled=false", "bubble.enabled=false")
-LEVERS = ("spec", "tuner", "spot", "bubble", "steal", "long_first", "history", "das")
+ALL_OFF = ("engine.spec.enabled=false", "spot.enabled=false", "bubble.enabled=false", "rollout.work_stealing=false",
+           "rollout.split_groups=false", "rollout.long_first=false")
+LEVERS = ("spec", "tuner", "spot", "bubble", "steal", "split", "long_first", "history", "das")
 PARTS = ("rollout", "idle", "logprob", "update", "sync")  # a step's phases, in order (timing/<part>)
 
 
@@ -119,6 +123,7 @@ def levers(cfg: TrainConfig, world: int) -> list[Lever]:
         note = f"the config has no tuner arms: the default set {','.join(arms)} (its shape, half and quarter)"
     idle = None if world > 1 else "needs idle windows, so two or more ranks: run under torchrun --nproc-per-node=2"
     ranks = None if world > 1 else "steals work between ranks, so two or more ranks: run under torchrun --nproc-per-node=2"
+    split = None if world > 1 else "splits groups between ranks, so two or more ranks: run under torchrun --nproc-per-node=2"
     learned = (None if spec.drafter_spec.learned
                else f"spot training trains a learned drafter; engine.spec.drafter={drafter} has none")
     on = lambda d: ("engine.spec.enabled=true", f"engine.spec.drafter={d}")  # noqa: E731
@@ -137,6 +142,7 @@ def levers(cfg: TrainConfig, world: int) -> list[Lever]:
         Lever("spot", (*on(drafter), "spot.enabled=true"), skip=learned or idle),
         Lever("bubble", (*on(f"pregenerated+{drafter}"), "bubble.enabled=true"), skip=idle),
         Lever("steal", ("rollout.work_stealing=true", "rollout.long_first=true"), skip=ranks),
+        Lever("split", ("rollout.split_groups=true",), skip=split),
         Lever("long_first", ("rollout.long_first=true",)),
         Lever("history", on(history), recurrence_note(cfg)),
         Lever("das", (*on(drafter), *budget), f"long rows: engine.spec.long_row_tokens={spec.long_row_tokens} generated or "

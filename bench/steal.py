@@ -1,9 +1,9 @@
 """`torchrun --nproc-per-node=2 -m bench.steal --config configs/tiny.yaml --steps 3 --repeats 2 [overrides]`:
-the rollout alone, static shards against work stealing, on the same steps' prompts.
+the rollout alone, static shards against work stealing and split groups, on the same steps' prompts.
 
 For each of the first N steps of the run's data (the loader's global steps; the policy is the
 config's model, not trained), the ranks generate the step's rollouts three ways, interleaved in
-turn (ABC, then BCA, ...) so a drifting machine speed falls on every way alike:
+turn (ABCDE, then BCDEA, ...) so a drifting machine speed falls on every way alike:
 
 - `static`: each rank its loader shard, all admitted at once (the loop's default);
 - `steal`: units (a prompt's n samples) taken as rows free up, each rank's loader shard first,
@@ -11,7 +11,9 @@ turn (ABC, then BCA, ...) so a drifting machine speed falls on every way alike:
   no prompt seen yet, every prediction the prior);
 - `steal+history`: the same over a plan from each prompt's lengths in an earlier pass (the
   static way's first repeat: a prompt seen in an earlier epoch): a token-balanced deal, longest first;
-- `bound`: rank 0 generates the step's longest group alone (by the first pass's lengths), the
+- `split`: every rank generates its part of every group (rollout.split_groups: rank r of w
+  takes samples r*n/w .. (r+1)*n/w - 1 of each prompt);
+- `bound`: rank 0 generates the step's longest response alone (by the first pass's lengths), the
   other ranks nothing: no placement of the step's work can end sooner, each response being
   sequential (a lower bound, not a way to run a step).
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 
 import torch.distributed as dist
 
@@ -44,16 +47,23 @@ from pipeline.rollouts import StepSampling, requests_for
 from pipeline.schedule import idle_to_last_start
 from pipeline.stealing import StealingSource, UnitQueue, default_inflight, plan_units
 
-WAYS = ("static", "steal", "steal+history", "bound")
+WAYS = ("static", "steal", "steal+history", "split", "bound")
 
 
 def run_way(way, r, store, key, engine, requests, shard, params, inflight, lengths, longest):
-    """One way on this rank: (started, last unit taken or None, ended, {(prompt, sample): tokens})."""
+    """One way on this rank: (started, last unit taken or None, ended, {(prompt, sample): tokens});
+    `longest`: the request of the step's longest response alone (the bound's)."""
     dist.barrier()
     started = time.time()
-    if way in ("static", "bound"):
-        mine = shard if way == "static" else longest if r.rank == 0 else []
-        batch = engine.generate([requests[i] for i in mine], params) if mine else None
+    if way in ("static", "split", "bound"):
+        if way == "static":
+            mine = [requests[i] for i in shard]
+        elif way == "split":
+            part = requests[0].n // r.world
+            mine = [replace(q, n=part, first_sample=r.rank * part) for q in requests]
+        else:
+            mine = [longest] if r.rank == 0 else []
+        batch = engine.generate(mine, params) if mine else None
         last = None
     else:
         predicted = [lengths.predict(q.prompt_id) if way == "steal+history" else 1.0 for q in requests]
@@ -79,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         print("error: bench.steal compares ways of sharing a step between ranks: run it under torchrun "
               "--nproc-per-node=2", file=sys.stderr)
         return 1
+    if cfg.rollout.n % r.world:
+        print(f"error: the split way gives each of the {r.world} ranks an equal part of every group: rollout.n="
+              f"{cfg.rollout.n} must be a multiple of {r.world}", file=sys.stderr)
+        return 1
     store = dist.distributed_c10d._get_default_store()
     tokenizer = load_tokenizer(cfg.model.path)
     _, problems, _ = problems_for(cfg)
@@ -102,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.repeats):
             for k in range(len(WAYS)):
                 way = WAYS[(k + rep) % len(WAYS)]  # the first pass is static's: the history's and the tokens' reference
-                longest = [max(range(G), key=lambda g: lengths.predict(requests[g].prompt_id))]
+                longest = None
+                if reference is not None:
+                    pid, sample = max(reference, key=lambda key: len(reference[key]))
+                    q = next(q for q in requests if q.prompt_id == pid)
+                    longest = replace(q, n=1, first_sample=sample)
                 got = run_way(way, r, store, f"bench.steal/{step}/{rep}/{k}", engine, requests, shard, params,
                               inflight, lengths, longest)
                 every = [None] * r.world

@@ -59,7 +59,7 @@ class GenerateRun:
         self.state = SlotState(engine.cfg.max_batch, params.max_new_tokens, self.device)
         self.rollouts: list[Rollout | None] = []
         self.meta: list[tuple[int, int, float]] = []  # per rollout: (request index, sample, admitted at)
-        self.pending = deque(Pending(i, r, 0, r.n) for i, r in enumerate(requests))
+        self.pending = deque(Pending(i, r, r.first_sample, r.n) for i, r in enumerate(requests))
         self.kept: dict[int, Prefill] = {}
         self.stop_ids = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=self.device)
         drafter, sink = engine.drafter, engine.sink
@@ -109,7 +109,7 @@ class GenerateRun:
         acc, now = base, time.perf_counter() - self.t0
         for c in chunks:
             pre = self.kept.get(c.index) or prefilled[c.index]
-            if c.first + c.count < c.request.n:
+            if c.first + c.count < c.request.samples.stop:
                 self.kept[c.index] = pre  # later chunks reuse this prefill
             elif c.index in self.kept:
                 del self.kept[c.index]
@@ -141,7 +141,7 @@ class GenerateRun:
                                "asked again with rows finishing (RequestSource.pull must return requests or None)")
         self.e.check(got)
         for r in got:
-            self.pending.append(Pending(len(self.requests), r, 0, r.n))
+            self.pending.append(Pending(len(self.requests), r, r.first_sample, r.n))
             self.requests.append(r)
 
     def _prefill(self, chunks: list[Pending]) -> dict[int, Prefill]:

@@ -22,22 +22,34 @@ class FinishReason(str, enum.Enum):
 class Request:
     prompt_id: str  # keys the sampling noise: the same id gives the same samples anywhere
     prompt: list[int]  # token ids
-    n: int = 1  # samples (a GRPO group)
+    n: int = 1  # samples (a GRPO group, or a part of one: see first_sample)
     # Pre-generated responses by sample index (bubble drafts): the drafter proposes from them.
     drafts: dict[int, list[int]] | None = None
     # The response length expected from the prompt's earlier responses (pipeline.history), or None;
     # the length-aware budget drafts deeper for rows predicted long. It changes no token.
     predicted_len: int | None = None
+    # The request's samples are first_sample .. first_sample + n - 1 of its prompt's group: a group
+    # split across ranks (pipeline.schedule, rollout.split_groups) asks each rank for its part.
+    # The sample index keys the noise, so a sample is the same tokens whichever request holds it.
+    first_sample: int = 0
 
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"request {self.prompt_id!r}: n must be >= 1, got {self.n}")
+        if self.first_sample < 0:
+            raise ValueError(f"request {self.prompt_id!r}: first_sample must be >= 0, got {self.first_sample}")
         if not self.prompt:
             raise ValueError(f"request {self.prompt_id!r}: the prompt is empty")
         if self.predicted_len is not None and self.predicted_len < 0:
             raise ValueError(f"request {self.prompt_id!r}: predicted_len must be >= 0 (or None), got {self.predicted_len}")
-        if self.drafts is not None and any(not 0 <= k < self.n for k in self.drafts):
-            raise ValueError(f"request {self.prompt_id!r}: drafts are keyed by sample index 0..{self.n - 1}, got {sorted(self.drafts)}")
+        if self.drafts is not None and any(k not in self.samples for k in self.drafts):
+            raise ValueError(f"request {self.prompt_id!r}: drafts are keyed by sample index {self.samples.start}.."
+                             f"{self.samples.stop - 1}, got {sorted(self.drafts)}")
+
+    @property
+    def samples(self) -> range:
+        """The sample indices this request asks for."""
+        return range(self.first_sample, self.first_sample + self.n)
 
 
 @dataclass(kw_only=True)

@@ -219,9 +219,13 @@ def _build_idle(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resourc
 
         bubbles = BubbleStore(cfg.bubble.max_tokens)
 
-        def requests_for() -> list[Request]:  # this rank's shard of the next step
-            return [Request(prompt_id=p.id, prompt=encode_problem(tokenizer, p, cfg.task.chat), n=cfg.rollout.n)
-                    for p in loader.peek()]
+        split = cfg.rollout.split_groups and r.world > 1
+        part = cfg.rollout.n // r.world if split else cfg.rollout.n
+
+        def requests_for() -> list[Request]:  # what this rank rolls out next step: its shard, or its part of every group
+            problems = loader.global_step() if split else loader.peek()
+            return [Request(prompt_id=p.id, prompt=encode_problem(tokenizer, p, cfg.task.chat), n=part,
+                            first_sample=r.rank * part if split else 0) for p in problems]
 
         control = ControlPlane(store, r.rank, r.world) if store is not None else None
         bubble = BubbleWork(engine, requests_for, sampling, bubbles, cfg.bubble, control)

@@ -75,8 +75,16 @@ class RolloutSection:
     # Groups start in order of predicted length, longest first (their responses the last time the
     # prompt was seen, else the running mean: pipeline.lengths); the tokens are the same.
     long_first: bool = False
+    # Every rank generates its part of every prompt's group (rank r: samples r*n/w .. (r+1)*n/w - 1
+    # of each, w ranks), instead of whole groups of its loader shard: the step's longest group is
+    # spread over all ranks, so they finish together (Seer's divided rollout; pipeline.schedule).
+    # Each rank prefills every prompt. The tokens are the same; the groups are joined afterwards.
+    split_groups: bool = False
 
     def validate(self) -> None:
+        if self.work_stealing and self.split_groups:
+            raise ValueError("rollout.work_stealing and rollout.split_groups are two ways to balance a step's rollouts "
+                             "over the ranks (queued groups, or every group split): turn one of them off")
         if self.steal_inflight < 0:
             raise ValueError(f"rollout.steal_inflight must be >= 0 (0: 7/8 of a rank's share of the rows), "
                              f"got {self.steal_inflight}")
@@ -214,6 +222,8 @@ class TrainConfig:
                                                "torch (DDP)"),
             (self.rollout.work_stealing, "rollout.work_stealing balances a colocated step's rollouts across ranks; set "
                                          "rollout.work_stealing=false"),
+            (self.rollout.split_groups, "rollout.split_groups splits a colocated step's groups over its ranks; set "
+                                        "rollout.split_groups=false"),
             (self.rollout.long_first, "rollout.long_first orders a colocated rank's admissions (pipeline.schedule); "
                                       "set rollout.long_first=false"),
             (self.trainer.train_shares == "tokens", "trainer.train_shares=tokens deals a colocated step's groups to its "
@@ -226,6 +236,7 @@ class TrainConfig:
     def _validate_schedule(self) -> None:
         """What the rollout schedule (pipeline.schedule) supports: one generation round per step, synchronous."""
         chosen = [k for k, on in (("rollout.work_stealing", self.rollout.work_stealing),
+                                  ("rollout.split_groups", self.rollout.split_groups),
                                   ("rollout.long_first", self.rollout.long_first),
                                   ("trainer.train_shares=tokens", self.trainer.train_shares == "tokens")) if on]
         if not chosen:

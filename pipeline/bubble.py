@@ -1,8 +1,9 @@
 """Bubble drafts: idle ranks pre-generate the next step's rollouts, which become its drafts.
 
 A token is argmax(logits / T + g) with Gumbel noise g keyed by (seed, RL step, prompt, sample,
-position). In its idle window a rank rolls out *its own shard of step t+1* (the data loader's
-`peek`) with policy t and step t+1's sampling params, so with step t+1's noise keys. At step t+1
+position). In its idle window a rank rolls out *what it will roll out at step t+1* (its shard of
+the data loader's next step, or with rollout.split_groups its part of every group of it) with
+policy t and step t+1's sampling params, so with step t+1's noise keys. At step t+1
 the engine's `pregenerated` drafter proposes each row's pre-generated continuation; the draft
 and the target's own sample differ only where one policy update flipped an argmax, so with RL's
 small learning rates most of a response is accepted. The target still decides every token: the
@@ -12,8 +13,8 @@ Pre-generation is preempted at the end of its part of the idle window (`engine.g
 should_stop)`, checked after every decode step; common.idle.ScheduledIdle decides the part); a
 row cut there keeps its prefix, which is still a draft. The `BubbleStore` holds the drafts of one future step, keyed by (prompt id,
 sample), bounded by `bubble.max_tokens`; it lives in the rank's process, because a rank
-pre-generates only the prompts it will roll out itself (the loader's shards are fixed), so no
-draft has to cross ranks or nodes. (Stealing another rank's shard would need the drafts in the
+pre-generates only the samples it will roll out itself (its loader shard, or its part of every
+group: both fixed), so no draft has to cross ranks or nodes. (Stealing another rank's shard would need the drafts in the
 node's shared memory, as spot training's DataBuffer does, and across nodes a broadcast.)
 
 With spot training on too, a window is split (common.idle.schedule): pre-generation first, for
@@ -121,7 +122,7 @@ def draft_metrics(steps, source: int = 0) -> dict[str, float]:
 
 
 class BubbleWork(IdleWork):
-    """Pre-generates this rank's shard of the next step in its part of the idle window
+    """Pre-generates this rank's requests of the next step in its part of the idle window
     (common.idle.ScheduledIdle decides how long that is)."""
 
     name = "bubble"

@@ -71,11 +71,11 @@ def encode_problem(tokenizer, problem: Problem, chat: bool) -> list[int]:
 
 def requests_for(tokenizer, problems: list[Problem], n: int, chat: bool,
                  drafts: dict[str, dict[int, list[int]]] | None = None,
-                 predicted: dict[str, int] | None = None) -> list[Request]:
-    """One request of n samples per problem, with its bubble drafts and predicted response length
-    if any (neither changes a token)."""
+                 predicted: dict[str, int] | None = None, first_sample: int = 0) -> list[Request]:
+    """One request of samples first_sample .. first_sample + n - 1 per problem (a whole group by
+    default), with its bubble drafts and predicted response length if any (neither changes a token)."""
     return [Request(prompt_id=p.id, prompt=encode_problem(tokenizer, p, chat), n=n, drafts=(drafts or {}).get(p.id),
-                    predicted_len=(predicted or {}).get(p.id))
+                    predicted_len=(predicted or {}).get(p.id), first_sample=first_sample)
             for p in problems]
 
 

@@ -1,18 +1,22 @@
 """RolloutSchedule: where and in what order a step's rollouts are generated, and which rank trains which.
 
-Chosen once from the config (`rollout.work_stealing`, `rollout.long_first`,
+Chosen once from the config (`rollout.work_stealing`, `rollout.split_groups`, `rollout.long_first`,
 `trainer.train_shares`):
 
-- *generation*: each rank rolls out its loader shard (static), or ranks take the step's units
+- *generation*: each rank rolls out its loader shard (static); or ranks take the step's units
   (a prompt's n samples) as their rows free up, their own planned units first, then the others'
-  not yet taken (pipeline.stealing, through the job's store); with `long_first` a rank's own
+  not yet taken (pipeline.stealing, through the job's store); or every rank generates its part of
+  every group (split groups: rank r of w takes samples r*n/w .. (r+1)*n/w - 1 of each prompt, Seer's
+  divided rollout), so the step's longest group runs on every rank at once and the ranks finish
+  together, at the cost of every rank prefilling every prompt. With `long_first` a rank's own
   requests, or the plan (a token-balanced deal, each list longest first), follow the predicted
   lengths (pipeline.lengths: a prompt's history, else the running mean).
 - *training share*: which groups each rank trains (pipeline.shares: its loader shard, or a
   token-balanced share), a function of the whole step's batch only. Where rows were generated
   elsewhere than they are trained, `share` exchanges them (all_gather_object over the process
   group) after the idle window: every rank then holds its share in global order, the same rows,
-  bits and order whichever rank generated them, so stealing on or off is the same run.
+  bits and order whichever rank generated them, so stealing or split groups on or off is the same
+  run. Split groups are joined there, their samples in order.
 
 `generate` returns this rank's generated rollouts (what the idle work's feature sink saw);
 `share`, called after the idle window (the exchange is a collective), the rollouts it trains on
@@ -61,8 +65,13 @@ class RolloutSchedule:
         self.equal_rewards_free = equal_rewards_free
         self.stealing, self.n = rollout_cfg.work_stealing and ranks.world > 1, rollout_cfg.n
         self.inflight = rollout_cfg.steal_inflight
+        self.split = rollout_cfg.split_groups and ranks.world > 1
+        if self.split and self.n % ranks.world:
+            raise ValueError(f"rollout.split_groups gives each of the {ranks.world} ranks an equal part of every group of "
+                             f"rollout.n={self.n} samples: make rollout.n a multiple of {ranks.world}, or set "
+                             "rollout.split_groups=false")
         self.train_shares, self.mini_batches = train_shares, mini_batches
-        self.exchanges = self.stealing or train_shares == "tokens"
+        self.exchanges = self.stealing or self.split or train_shares == "tokens"
         self.lengths = LengthPredictor() if rollout_cfg.long_first else None
         self.plan: _Plan | None = None
 
@@ -82,17 +91,29 @@ class RolloutSchedule:
             batch = engine.generate([], params, source=plan.source)
             taken = [problems[i] for i in plan.source.taken]
             local = score(task, tokenizer, taken, [requests[i].prompt for i in plan.source.taken],
-                          _grouped(batch, taken, self.n), self.n, reward)
+                          _grouped(batch, taken, range(self.n)), self.n, reward)
+        elif self.split:
+            part = self.n // self.r.world
+            requests = requests_for(tokenizer, problems, part, chat, drafts, predicted_len, first_sample=self.r.rank * part)
+            local = score(task, tokenizer, problems, [r.prompt for r in requests],
+                          self._generate(engine, requests, params, problems, predicted, requests[0].samples), part, reward)
         else:
-            order = long_first([self.lengths.predict(p.id) for p in mine]) if self.lengths is not None else None
             requests = requests_for(tokenizer, mine, self.n, chat, drafts, predicted_len)
-            if order is None:
-                batch = engine.generate(requests, params)
-            else:  # admitted longest first, returned in the loader's order
-                batch = _grouped(engine.generate([requests[i] for i in order], params), mine, self.n)
-            local = score(task, tokenizer, mine, [r.prompt for r in requests], batch, self.n, reward)
+            mine_predicted = [self.lengths.predict(p.id) for p in mine] if self.lengths is not None else None
+            local = score(task, tokenizer, mine, [r.prompt for r in requests],
+                          self._generate(engine, requests, params, mine, mine_predicted, range(self.n)), self.n, reward)
         plan.ended = time.time()
         return local
+
+    @staticmethod
+    def _generate(engine: RolloutBackend, requests, params: SamplingParams, problems: list[Problem],
+                  predicted: list[float] | None, samples: range) -> RolloutBatch:
+        """The requests' rollouts in the problems' order, then sample order; with predicted lengths
+        (long_first) admitted longest first."""
+        if predicted is None:
+            return engine.generate(requests, params)
+        order = long_first(predicted)
+        return _grouped(engine.generate([requests[i] for i in order], params), problems, samples)
 
     def _inflight(self, groups: int) -> int:
         """Rows a rank keeps active while units remain: rollout.steal_inflight, or default_inflight's."""
@@ -113,7 +134,7 @@ class RolloutSchedule:
             return local, self._observe(by_group)
         mine = [(index[p.id], self.r.rank, *_unit(local, j)) for j, p in enumerate(local.problems)]
         parts = self._all((mine, (plan.started, plan.source.last_at if plan.source else None, plan.ended)))
-        units = {i: (rank, prompt, rollouts, rewards) for rows, _ in parts for i, rank, prompt, rollouts, rewards in rows}
+        units = join_groups([row for rows, _ in parts for row in rows], self.n)
         G, world = len(plan.problems), self.r.world
         if self.train_shares == "tokens":
             shares = token_shares([update_tokens([len(ro.tokens) for ro in units[g][2]], units[g][3], self.equal_rewards_free)
@@ -131,7 +152,7 @@ class RolloutSchedule:
         scored = ScoredRollouts(problems=[plan.problems[g] for g in chosen], prompts=[units[g][1] for g in chosen],
                                 batch=batch, rewards=torch.tensor([x for g in chosen for x in units[g][3]]), n=self.n)
         home = {g: k for k, s in enumerate(shard_shares(G, world)) for g in s}
-        metrics = {"rollout/units_stolen": float(sum(home[g] != units[g][0] for g in range(G)))}
+        metrics = {} if self.split else {"rollout/units_stolen": float(sum(home[g] != units[g][0] for g in range(G)))}
         if self.stealing:
             metrics["rollout/idle_to_last_start"] = idle_to_last_start([t for _, t in parts])
         return scored, metrics | self._observe({g: [len(ro.tokens) for ro in units[g][2]] for g in range(G)})
@@ -174,15 +195,32 @@ def idle_to_last_start(times: list[tuple[float, float | None, float]]) -> float:
     return 1.0 - busy / span if span > 0 else 0.0
 
 
+def join_groups(rows, n: int) -> dict[int, tuple]:
+    """Group index -> (the rank that generated it, its prompt, its n rollouts in sample order, their
+    rewards) from every rank's (group, rank, prompt, rollouts, rewards); the parts of a split group
+    are joined (its rank: the one with sample 0)."""
+    parts: dict[int, list[tuple]] = {}
+    for i, rank, prompt, rollouts, rewards in rows:
+        parts.setdefault(i, []).extend((ro.sample, ro, reward, rank, prompt) for ro, reward in zip(rollouts, rewards))
+    units = {}
+    for i, samples in parts.items():
+        samples.sort(key=lambda x: x[0])
+        if [x[0] for x in samples] != list(range(n)):
+            raise RuntimeError(f"group {i} came back with samples {[x[0] for x in samples]}, not 0..{n - 1}: a rank "
+                               "generated a part of it twice or not at all")
+        units[i] = (samples[0][3], samples[0][4], [x[1] for x in samples], [x[2] for x in samples])
+    return units
+
+
 def _unit(scored: ScoredRollouts, j: int) -> tuple:
     """Group j of `scored`: (its prompt, its n rollouts, their rewards as floats)."""
     n = scored.n
     return scored.prompts[j], scored.batch.rollouts[j * n:(j + 1) * n], scored.rewards[j * n:(j + 1) * n].tolist()
 
 
-def _grouped(batch: RolloutBatch, problems: list[Problem], n: int) -> RolloutBatch:
+def _grouped(batch: RolloutBatch, problems: list[Problem], samples: range) -> RolloutBatch:
     """The batch with its rollouts in `problems`' order, then sample order (generate returns them in admission order)."""
     by_key = {(ro.prompt_id, ro.sample): ro for ro in batch.rollouts}
-    rollouts = [by_key[(p.id, k)] for p in problems for k in range(n)]
+    rollouts = [by_key[(p.id, k)] for p in problems for k in samples]
     return RolloutBatch(rollouts=rollouts, steps=batch.steps, prefill_s=batch.prefill_s, wall_s=batch.wall_s,
                         policy_version=batch.policy_version, counters=batch.counters)

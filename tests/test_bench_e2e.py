@@ -77,9 +77,10 @@ def test_the_headline_divides_all_off_by_each_way_and_is_identical_only_if_every
 def test_each_lever_is_added_alone_to_all_off_and_those_that_cannot_run_say_why():
     cfg = load_config(TrainConfig, TINY, ["engine.spec.drafter=pregenerated+eagle", "engine.spec.tuner_arms=[]"])
     by_name = {lever.name: lever for lever in levers(cfg, world=2)}
-    assert list(by_name) == ["spec", "tuner", "spot", "bubble", "steal", "long_first", "history", "das"]
+    assert list(by_name) == ["spec", "tuner", "spot", "bubble", "steal", "split", "long_first", "history", "das"]
     assert not any(lever.skip for lever in by_name.values() if lever.name != "das")
     assert set(by_name["steal"].overrides) == {"rollout.work_stealing=true", "rollout.long_first=true"}
+    assert by_name["split"].overrides == ("rollout.split_groups=true",)
     assert "maximum depth 16" in by_name["das"].skip  # the fixed depth-16 chain has no deeper budget
     assert "engine.spec.drafter=eagle" in by_name["spec"].overrides and "engine.spec.tuner_arms=[]" in by_name["spec"].overrides
     assert 'engine.spec.tuner_arms=["off", "d4k1v4", "d8k1v8", "d16k1v16"]' in by_name["tuner"].overrides
@@ -95,7 +96,7 @@ def test_each_lever_is_added_alone_to_all_off_and_those_that_cannot_run_say_why(
     assert das8.skip is None and "engine.spec.long_depth=16" in das8.overrides
     alone = {lever.name: lever.skip for lever in levers(cfg, world=1)}
     assert alone["spec"] is None and alone["tuner"] is None and "two or more ranks" in alone["spot"] and alone["bubble"]
-    assert "two or more ranks" in alone["steal"] and alone["long_first"] is None
+    assert "two or more ranks" in alone["steal"] and "two or more ranks" in alone["split"] and alone["long_first"] is None
     ngram = load_config(TrainConfig, TINY, ["engine.spec.drafter=ngram", 'engine.spec.tuner_arms=["off", "d2k1v2"]',
                                             "engine.spec.max_active_batch=null"])
     by_name = {lever.name: lever for lever in levers(ngram, world=2)}

@@ -42,13 +42,19 @@ def test_config_file_loads_into_the_train_config_with_its_values(path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["rollout.work_stealing=true", "algorithm.name=dapo", "trainer.train_shares=shard"],
+    (["rollout.work_stealing=true", "algorithm.name=dapo", "trainer.train_shares=shard", "rollout.split_groups=false"],
      "rollout.work_stealing cannot be combined with algorithm.dynamic_sampling"),
     (["algorithm.name=dapo"], "trainer.train_shares=tokens cannot be combined with algorithm.dynamic_sampling"),
-    (["rollout.long_first=true", "trainer.async_steps=1", "bubble.enabled=false", "trainer.train_shares=shard"],
+    (["rollout.long_first=true", "trainer.async_steps=1", "bubble.enabled=false", "trainer.train_shares=shard",
+      "rollout.split_groups=false"],
      "rollout.long_first needs trainer.async_steps=0"),
-    (["trainer.train_shares=tokens", "pipeline.placement=separated", "pipeline.actor_ranks=1"], "set trainer.train_shares=shard"),
-    (["rollout.work_stealing=true", "engine.backend=vllm", "engine.spec.enabled=false"], "only engine.backend=native"),
+    (["trainer.train_shares=tokens", "pipeline.placement=separated", "pipeline.actor_ranks=1", "rollout.split_groups=false"],
+     "set trainer.train_shares=shard"),
+    (["rollout.split_groups=true", "trainer.train_shares=shard", "algorithm.name=dapo"],
+     "rollout.split_groups cannot be combined with algorithm.dynamic_sampling"),
+    (["rollout.work_stealing=true"], "rollout.work_stealing and rollout.split_groups are two ways"),
+    (["rollout.work_stealing=true", "rollout.split_groups=false", "engine.backend=vllm", "engine.spec.enabled=false"],
+     "only engine.backend=native"),
     (["rollout.steal_inflight=-1"], "rollout.steal_inflight must be >= 0"),
 ])
 def test_a_rollout_schedule_the_loop_cannot_run_is_refused_naming_the_key(overrides, message):

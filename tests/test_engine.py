@@ -123,6 +123,23 @@ class CountingRuntime:
         return getattr(self.inner, name)
 
 
+def test_a_part_of_a_group_samples_the_same_tokens_as_the_whole_group(hf_folders):
+    engine = make_engine(hf_folders["llama"], max_batch=3)  # the part of 5 samples comes in chunks too
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=7)
+    whole = engine.generate([Request(prompt_id="p", prompt=[5, 6, 7], n=8)], params)
+    part = engine.generate([Request(prompt_id="p", prompt=[5, 6, 7], n=5, first_sample=3)], params)
+    assert [r.sample for r in part] == [3, 4, 5, 6, 7]
+    assert [(r.sample, r.tokens, r.logprobs) for r in part] == [(r.sample, r.tokens, r.logprobs) for r in whole.rollouts[3:]]
+
+
+def test_a_part_of_a_group_takes_drafts_only_for_its_samples():
+    Request(prompt_id="p", prompt=[5], n=2, first_sample=2, drafts={2: [1], 3: [4]})
+    with pytest.raises(ValueError, match="keyed by sample index 2..3"):
+        Request(prompt_id="p", prompt=[5], n=2, first_sample=2, drafts={0: [1]})
+    with pytest.raises(ValueError, match="first_sample must be >= 0"):
+        Request(prompt_id="p", prompt=[5], n=2, first_sample=-1)
+
+
 def test_a_request_larger_than_the_batch_is_served_in_chunks_with_one_prefill(hf_folders):
     small = make_engine(hf_folders["llama"], max_batch=3)
     small.runtime = CountingRuntime(small.runtime)

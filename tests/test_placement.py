@@ -19,6 +19,8 @@ from tests.mp import free_port
 from tests.mp.sync_tensors import tensors
 
 REPO = Path(__file__).resolve().parent.parent
+# configs/tiny.yaml's colocated schedule turned into what a separated placement runs
+SEPARATED = ["pipeline.placement=separated", "pipeline.actor_ranks=1", "trainer.train_shares=shard", "rollout.split_groups=false"]
 
 
 def test_separated_ranks_are_actors_first_then_rollouts_and_a_bad_count_names_the_key():
@@ -28,7 +30,8 @@ def test_separated_ranks_are_actors_first_then_rollouts_and_a_bad_count_names_th
     with pytest.raises(ValueError, match="pipeline.actor_ranks=2 leaves no rollout rank"):
         PipelineSection(placement="separated", actor_ranks=2).roles(2)
     with pytest.raises(ValueError, match="pipeline.actor_ranks >= 1"):
-        load_config(TrainConfig, REPO / "configs" / "tiny.yaml", ["pipeline.placement=separated", "trainer.train_shares=shard"])
+        load_config(TrainConfig, REPO / "configs" / "tiny.yaml",
+                    ["pipeline.placement=separated", "trainer.train_shares=shard", "rollout.split_groups=false"])
     with pytest.raises(ValueError, match="pipeline.actor_ranks=2 is for pipeline.placement=separated"):
         load_config(TrainConfig, REPO / "configs" / "tiny.yaml", ["pipeline.actor_ranks=2"])
 
@@ -37,27 +40,23 @@ def test_separated_ranks_are_actors_first_then_rollouts_and_a_bad_count_names_th
                                             (["algorithm.name=dapo"], "algorithm.dynamic_sampling"),
                                             (["actor.backend=megatron", "actor.device=cuda"], "actor.backend=megatron"),
                                             (["rollout.work_stealing=true"], "rollout.work_stealing"),
+                                            (["rollout.split_groups=true"], "rollout.split_groups"),
                                             (["rollout.long_first=true"], "rollout.long_first")])
 def test_what_separated_does_not_run_is_a_config_error_naming_the_key(overrides, key):
     with pytest.raises(ValueError, match=f"pipeline.placement=separated: {key}"):
         load_config(TrainConfig, REPO / "configs" / "tiny.yaml",
-                    ["pipeline.placement=separated", "pipeline.actor_ranks=1", "trainer.train_shares=shard", "spot.enabled=true",
-                     "spot.pool_dir=pool",
-                     *overrides])
+                    [*SEPARATED, "spot.enabled=true", "spot.pool_dir=pool", *overrides])
 
 
 @pytest.mark.parametrize("backend", ["torch", "deepspeed"])
 def test_separated_trains_with_ddp_or_deepspeed_zero(backend):
     cfg = load_config(TrainConfig, REPO / "configs" / "tiny.yaml",
-                      ["pipeline.placement=separated", "pipeline.actor_ranks=1", "trainer.train_shares=shard",
-                       f"actor.backend={backend}",
-                       "actor.zero_stage=3"])
+                      [*SEPARATED, f"actor.backend={backend}", "actor.zero_stage=3"])
     assert (cfg.pipeline.placement, cfg.actor.backend) == ("separated", backend)
 
 
 def test_a_separated_run_takes_an_elastic_pool_that_names_its_folder():
-    base = ["pipeline.placement=separated", "pipeline.actor_ranks=1", "trainer.train_shares=shard", "spot.enabled=true",
-            "spot.mode=pool"]
+    base = [*SEPARATED, "spot.enabled=true", "spot.mode=pool"]
     cfg = load_config(TrainConfig, REPO / "configs" / "tiny.yaml", [*base, "spot.pool_dir=pool"])
     assert (cfg.pipeline.placement, cfg.spot.mode, cfg.spot.pool_dir) == ("separated", "pool", "pool")
     with pytest.raises(ValueError, match="spot.pool_dir"):
@@ -150,7 +149,7 @@ def test_a_rollout_rank_rolls_out_only_with_the_steps_expected_policy_version(mo
     from pipeline.tasks import TASKS
 
     cfg = load_config(TrainConfig, REPO / "configs" / "tiny.yaml",
-                      ["pipeline.placement=separated", "pipeline.actor_ranks=1", "trainer.train_shares=shard",
+                      [*SEPARATED,
                        "trainer.prompts_per_step=4",
                        f"trainer.async_steps={int(mode == 'async')}"])
     # in one process: no job store, nothing sent (the check comes before any transfer)

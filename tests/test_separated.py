@@ -28,7 +28,8 @@ def base(run_dir: Path) -> list[str]:
             "rollout.max_new_tokens=16", "engine.max_batch=16", "engine.max_len=96", "engine.spec.tuner_arms=[]",
             "spot.enabled=false", "trainer.prompts_per_step=4", "trainer.mini_batches=2", "trainer.eval_every=0",
             "actor.lr=1e-3", "actor.micro_batch_tokens=256", "metrics.wandb=false", "metrics.dashboard=false",
-            "metrics.console=false", "trainer.train_shares=shard"]  # separated trains the loader's shards
+            # separated trains the loader's shards, each group generated whole
+            "metrics.console=false", "trainer.train_shares=shard", "rollout.split_groups=false"]
 
 
 def torchrun(procs: int, run_dir: Path, *overrides: str, module: str = "launch.train", env: dict | None = None,

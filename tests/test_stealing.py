@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from engine.types import Request
-from pipeline.schedule import idle_to_last_start
+from engine.types import FinishReason, Request, Rollout
+from pipeline.schedule import idle_to_last_start, join_groups
 from pipeline.stealing import StealingSource, UnitQueue, plan_units
 
 
@@ -72,3 +72,18 @@ def test_idle_to_last_start_counts_a_rank_that_ran_out_before_the_last_unit_star
     # rank 0 busy from 0 to 10, rank 1 from 0 to 4; the last unit was taken at 8: rank 1 idled 4 of 16 rank-seconds
     assert idle_to_last_start([(0.0, 8.0, 10.0), (0.0, 3.0, 4.0)]) == pytest.approx(0.25)
     assert idle_to_last_start([(0.0, 8.0, 10.0), (0.0, 5.0, 9.0)]) == 0.0
+
+
+def _rollout(prompt_id: str, sample: int) -> Rollout:
+    return Rollout(prompt_id=prompt_id, sample=sample, prompt_tokens=1, tokens=[sample], logprobs=[0.0],
+                   finish_reason=FinishReason.STOP)
+
+
+def test_split_groups_are_joined_in_sample_order_and_a_missing_part_is_an_error():
+    # rank 1's parts arrive first: samples 2, 3 of group 0; then rank 0's samples 0, 1
+    rows = [(0, 1, [5], [_rollout("p", 2), _rollout("p", 3)], [0.0, 1.0]),
+            (0, 0, [5], [_rollout("p", 0), _rollout("p", 1)], [1.0, 0.0])]
+    rank, prompt, rollouts, rewards = join_groups(rows, 4)[0]
+    assert (rank, prompt, [r.sample for r in rollouts], rewards) == (0, [5], [0, 1, 2, 3], [1.0, 0.0, 0.0, 1.0])
+    with pytest.raises(RuntimeError, match=r"group 0 came back with samples \[2, 3\], not 0..3"):
+        join_groups(rows[:1], 4)

@@ -1,5 +1,6 @@
-"""Work stealing and long-first admission in the RL loop on two ranks: the same run as static shards
-(rewards, losses, lengths of every rollout, final weights), also when one rank generates every unit."""
+"""Work stealing, split groups and long-first admission in the RL loop on two ranks: the same run as
+static shards (rewards, losses, lengths of every rollout, final weights), also when one rank
+generates every unit."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def two_ranks(char_model_dir, out: Path, module: str, *overrides) -> Path:
            "engine.max_batch=16", "engine.max_len=96", "engine.spec.enabled=false", "spot.enabled=false",
            "trainer.steps=2", "trainer.prompts_per_step=4", "trainer.eval_every=0", "actor.lr=1e-3",
            "actor.micro_batch_tokens=256", "metrics.wandb=false", "metrics.dashboard=false", "metrics.console=false",
-           *overrides]  # 4 problems, 4 a step: step 2 repeats step 1's prompts, so long-first has a history
+           "rollout.split_groups=false", *overrides]  # 4 problems, 4 a step: step 2 repeats step 1's prompts, so long-first has a history
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = list(out.iterdir())
@@ -83,6 +84,15 @@ def test_a_rank_that_generates_the_other_ranks_shard_gives_the_same_tokens(char_
 
 
 @pytest.mark.slow
+def test_split_groups_with_speculation_are_the_same_run_as_whole_groups(char_model_dir, static_run, tmp_path):
+    run = two_ranks(char_model_dir, tmp_path, "launch.train", "rollout.split_groups=true", "engine.spec.enabled=true",
+                    "engine.spec.drafter=ngram", "engine.spec.tuner_arms=[]", "engine.spec.depth=4",
+                    "engine.spec.verify_tokens=4")
+    assert_same_run(static_run, run)
+    assert not any("rollout/units_stolen" in r for r in steps(run))  # every group is made on both ranks: none stolen
+
+
+@pytest.mark.slow
 def test_token_shares_train_every_row_once_with_the_ranks_tokens_balanced(char_model_dir, tmp_path):
     run = two_ranks(char_model_dir, tmp_path, "launch.train", "rollout.work_stealing=true", "trainer.train_shares=tokens",
                     "trainer.mini_batches=1")
@@ -98,8 +108,10 @@ def test_token_shares_train_every_row_once_with_the_ranks_tokens_balanced(char_m
 
 
 @pytest.mark.slow
-def test_stealing_with_bubble_drafts_and_speculation_is_the_same_run_as_static_shards(char_model_dir, static_run, tmp_path):
-    run = two_ranks(char_model_dir, tmp_path, "launch.train", "rollout.work_stealing=true", "engine.spec.enabled=true",
+@pytest.mark.parametrize("schedule", ["rollout.work_stealing=true", "rollout.split_groups=true"])
+def test_stealing_or_split_groups_with_bubble_drafts_and_speculation_are_the_same_run_as_static_shards(
+        char_model_dir, static_run, tmp_path, schedule):
+    run = two_ranks(char_model_dir, tmp_path, "launch.train", schedule, "engine.spec.enabled=true",
                     "engine.spec.drafter=pregenerated+ngram", "engine.spec.tuner_arms=[]", "engine.spec.depth=4",
                     "engine.spec.verify_tokens=4", "bubble.enabled=true")
     assert_same_run(static_run, run)

@@ -35,7 +35,8 @@ def config(char_model_dir, out, *overrides) -> TrainConfig:
         "actor.lr=1e-3", "actor.micro_batch_tokens=256", "metrics.wandb=false", "metrics.console=false",
         "metrics.dashboard=false", "engine.spec.depth=4", "engine.spec.verify_tokens=4", "spot.enabled=false",
         "engine.spec.tuner_arms=[]",
-        "trainer.train_shares=shard",  # one rank, and the DAPO and asynchronous runs below (tokens needs neither)
+        # one rank, and the DAPO and asynchronous runs below (token shares and split groups need neither)
+        "trainer.train_shares=shard", "rollout.split_groups=false",
     ]
     return load_config(TrainConfig, REPO / "configs" / "tiny.yaml", [*base, *overrides])
 

@@ -164,7 +164,7 @@ class VllmEngine(RolloutBackend):
                                       "rollout.work_stealing needs engine.backend=native")
         if any(r.drafts for r in requests):
             raise NotImplementedError("engine.backend=vllm does not take pre-generated drafts (Request.drafts)")
-        order = [(r, k) for r in requests for k in range(r.n)]
+        order = [(r, k) for r in requests for k in r.samples]
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt)) for r, _ in order]
         sampling = [VllmParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1,
                                max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
