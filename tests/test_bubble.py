@@ -162,16 +162,20 @@ def test_bubble_needs_a_pregenerated_drafter_and_synchronous_steps():
 
 
 @pytest.mark.slow
-def test_a_two_rank_run_with_bubble_drafts_is_the_run_without_them(char_model_dir, tmp_path):
+def test_a_two_rank_run_with_bubble_drafts_is_the_run_without_them(char_model_dir, tmp_path, monkeypatch):
     import json
 
     from tests.test_spot_loop import two_rank_run
     from tests.test_trainer import step_rows
 
+    # Rank 1 rolls out 0.5 s longer every step (tests.mp.slow_rank_train), so rank 0 has a window to
+    # pre-generate in on a busy host too; the delay changes no token.
+    monkeypatch.setenv("TAILSPEC_TEST_DELAY", "0.5")
     runs = {}
-    for name, extra in (("bubble", ["bubble.enabled=true", "engine.spec.drafter=pregenerated+eagle"]), ("plain", [])):
+    for name, extra, module in (("bubble", ["bubble.enabled=true", "engine.spec.drafter=pregenerated+eagle"],
+                                 "tests.mp.slow_rank_train"), ("plain", [], "launch.train")):
         (tmp_path / name).mkdir()
-        runs[name] = two_rank_run(char_model_dir, tmp_path / name, "spot.enabled=false", *extra)
+        runs[name] = two_rank_run(char_model_dir, tmp_path / name, "spot.enabled=false", *extra, module=module)
     with_bubble, plain = step_rows(runs["bubble"]), step_rows(runs["plain"])
     for a, b in zip(with_bubble, plain):
         assert a["reward/mean"] == b["reward/mean"] and a["train/pg_loss"] == b["train/pg_loss"]
