@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,13 @@ def test_greedy_rollouts_through_the_backend_are_the_native_engines(served, mode
     share = agreement(theirs, ours)
     record("greedy_agreement", share)
     assert share >= 0.9, share  # fp32 either side; a divergence is a near-tie flipped by summation order
+
+
+def test_a_part_of_a_group_comes_back_as_those_samples_of_the_whole_group(served, requests):
+    whole = served.generate([replace(requests[0], n=4)], greedy(16))
+    part = served.generate([replace(requests[0], n=2, first_sample=2)], greedy(16))
+    assert [r.sample for r in part] == [2, 3]
+    assert [(r.sample, r.tokens) for r in part] == [(r.sample, r.tokens) for r in whole.rollouts[2:]]
 
 
 def test_the_exported_drafter_is_loaded_and_accepts_as_in_the_native_engine(served, models, requests):
