@@ -76,9 +76,10 @@ class RolloutSection:
     # prompt was seen, else the running mean: pipeline.lengths); the tokens are the same.
     long_first: bool = False
     # Every rank generates its part of every prompt's group (rank r: samples r*n/w .. (r+1)*n/w - 1
-    # of each, w ranks), instead of whole groups of its loader shard: the step's longest group is
-    # spread over all ranks, so they finish together (Seer's divided rollout; pipeline.schedule).
-    # Each rank prefills every prompt. The tokens are the same; the groups are joined afterwards.
+    # of each, w ranks; a separated run's w rollout ranks likewise), instead of whole groups of its
+    # share: the step's longest group is spread over all ranks, so they finish together (Seer's
+    # divided rollout; pipeline.schedule, pipeline.separated_rollout). Each rank prefills every
+    # prompt. The tokens are the same; the groups are joined before the update.
     split_groups: bool = False
 
     def validate(self) -> None:
@@ -222,8 +223,6 @@ class TrainConfig:
                                                "torch (DDP)"),
             (self.rollout.work_stealing, "rollout.work_stealing balances a colocated step's rollouts across ranks; set "
                                          "rollout.work_stealing=false"),
-            (self.rollout.split_groups, "rollout.split_groups splits a colocated step's groups over its ranks; set "
-                                        "rollout.split_groups=false"),
             (self.rollout.long_first, "rollout.long_first orders a colocated rank's admissions (pipeline.schedule); "
                                       "set rollout.long_first=false"),
             (self.trainer.train_shares == "tokens", "trainer.train_shares=tokens deals a colocated step's groups to its "
@@ -236,7 +235,8 @@ class TrainConfig:
     def _validate_schedule(self) -> None:
         """What the rollout schedule (pipeline.schedule) supports: one generation round per step, synchronous."""
         chosen = [k for k, on in (("rollout.work_stealing", self.rollout.work_stealing),
-                                  ("rollout.split_groups", self.rollout.split_groups),
+                                  # a separated run's rollout ranks split groups on their own (pipeline.separated_rollout)
+                                  ("rollout.split_groups", self.rollout.split_groups and self.pipeline.placement == "colocated"),
                                   ("rollout.long_first", self.rollout.long_first),
                                   ("trainer.train_shares=tokens", self.trainer.train_shares == "tokens")) if on]
         if not chosen:

@@ -81,12 +81,13 @@ def requests_for(tokenizer, problems: list[Problem], n: int, chat: bool,
 
 def roll_out(engine: RolloutBackend, tokenizer, task: Task, problems: list[Problem], params: SamplingParams, n: int,
              chat: bool, reward=None, drafts: dict[str, dict[int, list[int]]] | None = None,
-             predicted: dict[str, int] | None = None) -> ScoredRollouts:
-    """`reward(text, answer) -> float`: the training reward (default: the task's own, correctness).
-    `drafts`: pre-generated responses by prompt id and sample (bubble drafts), for the engine's
-    `pregenerated` drafter; `predicted`: response lengths by prompt id (the length-aware draft
-    budget). Neither changes a token."""
-    requests = requests_for(tokenizer, problems, n, chat, drafts, predicted)
+             predicted: dict[str, int] | None = None, first_sample: int = 0) -> ScoredRollouts:
+    """Samples first_sample .. first_sample + n - 1 of each problem (a part of each group when a
+    group is split over ranks), scored. `reward(text, answer) -> float`: the training reward
+    (default: the task's own, correctness). `drafts`: pre-generated responses by prompt id and
+    sample (bubble drafts), for the engine's `pregenerated` drafter; `predicted`: response lengths
+    by prompt id (the length-aware draft budget). Neither changes a token."""
+    requests = requests_for(tokenizer, problems, n, chat, drafts, predicted, first_sample)
     return score(task, tokenizer, problems, [r.prompt for r in requests], engine.generate(requests, params), n, reward)
 
 

@@ -70,7 +70,7 @@ class SeparatedActor:
         t = time.perf_counter()
         with transfer(f"receiving step {step + 1}'s rollouts from the rollout ranks"):
             shipments = receive_shipments(self.p.rollout_ranks)
-        scored = unpack(shipments, self.share, step)
+        scored = unpack(shipments, self.share, step, self.cfg.rollout.n)
         mine = self.loader.next_step()  # this rank's shard of the step: the loader stays where the run is
         if [p.id for p in mine] != [p.id for p in scored.problems]:
             raise ValueError(f"step {step + 1}: the rollout ranks sent prompts {[p.id for p in scored.problems]}, this "

@@ -3,8 +3,9 @@
 One step on rollout rank j (of R), step t counted from 0:
 
     the step's prompts (the loader's global step: every rank computes it, nothing is sent)
-    -> this rank's groups of it, `generation_shares(P, R)[j]`, rolled out and scored with the
-       step's sampling keys (run seed, step, prompt id, sample: the tokens colocated ranks make)
+    -> this rank's groups of it, `generation_shares(P, R)[j]`, or with rollout.split_groups its
+       part of every group (samples j*n/R .. (j+1)*n/R - 1), rolled out and scored with the step's
+       sampling keys (run seed, step, prompt id, sample: the tokens colocated ranks make)
     -> idle window (common.idle: the wait for the slowest rollout rank)
     -> with history drafts, every rollout rank's responses into every rollout rank's history
        store (pipeline.history, over the rollout group, as colocated ranks do after their window)
@@ -70,8 +71,15 @@ class SeparatedRollout:
         self.loader, self.eval_problems, self.sampling, self.stops = loader, eval_problems, sampling, stops
         self.run_dir = Path(run_dir)
         self.start_step = self.step_index = start_step
-        P = cfg.trainer.prompts_per_step
-        self.groups = generation_shares(P, self.r.world)[self.r.rank]
+        P, n, R = cfg.trainer.prompts_per_step, cfg.rollout.n, self.r.world
+        split = cfg.rollout.split_groups and R > 1
+        if split and n % R:
+            raise ValueError(f"rollout.split_groups gives each of the {R} rollout ranks an equal part of every group of "
+                             f"rollout.n={n} samples: make rollout.n a multiple of {R}, or set rollout.split_groups=false")
+        # the groups this rank generates, and which of each group's samples
+        self.groups = list(range(P)) if split else generation_shares(P, R)[self.r.rank]
+        self.part = n // R if split else n
+        self.first_sample = self.r.rank * self.part if split else 0
         self.actor_shares = shard_shares(P, len(placement.actor_ranks))
         self.reward = training_reward(cfg.task, task)
         group = self.r.group
@@ -108,8 +116,8 @@ class SeparatedRollout:
         mine = [problems[g] for g in self.groups]
         predicted = self.history.predicted([p.id for p in mine]) if self.history is not None else None
         t = time.perf_counter()
-        scored = roll_out(self.engine, self.tok, self.task, mine, self.sampling(step), self.cfg.rollout.n,
-                          self.cfg.task.chat, self.reward, predicted=predicted)
+        scored = roll_out(self.engine, self.tok, self.task, mine, self.sampling(step), self.part,
+                          self.cfg.task.chat, self.reward, predicted=predicted, first_sample=self.first_sample)
         rollout_s = time.perf_counter() - t
         if self.idle_work is not None:
             self.idle_work.rollouts_done(step, scored.batch)

@@ -2,11 +2,13 @@
 actor ranks that train them.
 
 Vocabulary: the step's prompt *groups* are numbered in the loader's global order
-(pipeline.shares); rollout rank j generates `generation_shares(P, R)[j]`, actor rank k trains
-`shard_shares(P, K)[k]` (what colocated rank k would train). A *shipment* is what one rollout
-rank sends one actor rank for one step: the groups of its generation that the actor trains (maybe
-none), with their problems, prompt ids, rollouts (tokens, engine log-probs, finish reasons,
-versions), rewards, and the sender's `RolloutReport`. Every rollout rank sends every actor rank
+(pipeline.shares); rollout rank j generates `generation_shares(P, R)[j]` (with split groups: its
+part of every group, the same n / R samples of each), actor rank k trains `shard_shares(P, K)[k]`
+(what colocated rank k would train). A *shipment* is what one rollout rank sends one actor rank
+for one step: the groups of its generation that the actor trains (maybe none; with split groups,
+its part of each), with their problems, prompt ids, rollouts (tokens, engine log-probs, finish
+reasons, versions), rewards, and the sender's `RolloutReport`. `unpack` joins a split group's
+parts in sample order. Every rollout rank sends every actor rank
 one shipment per step, so an actor rank hears from all of them (their reports feed the step's
 metrics) and the send and receive orders never cross: senders go through the actor ranks in
 order, receivers through the rollout ranks in order.
@@ -37,7 +39,7 @@ class RolloutShipment:
     groups: list[int]  # global group indices, ascending
     problems: list[Problem]  # one per group
     prompts: list[list[int]]  # their token ids
-    rollouts: list[Rollout]  # n per group, in group order
+    rollouts: list[Rollout]  # n per group, in group order (a split group's part: n of its samples)
     rewards: torch.Tensor  # [len(groups) * n] float
     n: int
     report: RolloutReport  # the sender's whole step, not only these groups
@@ -86,24 +88,38 @@ def pack_shipments(scored: ScoredRollouts, groups: list[int], actor_shares: list
     return out
 
 
-def unpack(shipments: list[RolloutShipment], share: list[int], step: int) -> ScoredRollouts:
+def unpack(shipments: list[RolloutShipment], share: list[int], step: int, n: int) -> ScoredRollouts:
     """An actor rank's rollouts of `step`, in global group order, from every rollout rank's
-    shipment; raises ValueError unless they are exactly the groups of `share`, of that step."""
+    shipment, the parts of a split group joined in sample order; raises ValueError unless they are
+    exactly the groups of `share`, of that step, each with its n samples."""
     stale = [s.source for s in shipments if s.step != step]
     if stale:
         raise ValueError(f"rollouts for step {step + 1} expected, rank(s) {stale} sent another step's: the actor and "
                          "rollout ranks disagree on the step (are trainer.async_steps and trainer.resume the same on all?)")
-    parts = sorted(((g, s, i) for s in shipments for i, g in enumerate(s.groups)), key=lambda x: x[0])
-    if [g for g, _, _ in parts] != list(share):
-        raise ValueError(f"step {step + 1}: received groups {[g for g, _, _ in parts]}, this actor rank trains {share}")
-    n = shipments[0].n
-    rollouts = [ro for _, s, i in parts for ro in s.rollouts[i * n : (i + 1) * n]]
+    # group -> its parts (one, or a split group's one per rollout rank): (shipment, index in it)
+    parts: dict[int, list[tuple[RolloutShipment, int]]] = {}
+    for s in shipments:
+        for i, g in enumerate(s.groups):
+            parts.setdefault(g, []).append((s, i))
+    if sorted(parts) != list(share):
+        raise ValueError(f"step {step + 1}: received groups {sorted(parts)}, this actor rank trains {share}")
+    rows = {g: sorted(((ro, float(r)) for s, i in ps for ro, r in zip(s.rollouts[i * s.n : (i + 1) * s.n],
+                                                                         s.rewards[i * s.n : (i + 1) * s.n])),
+                      key=lambda x: x[0].sample)
+            for g, ps in parts.items()}
+    for g, r in rows.items():
+        if [ro.sample for ro, _ in r] != list(range(n)):
+            raise ValueError(f"step {step + 1}: group {g} arrived with samples {[ro.sample for ro, _ in r]}, not 0..{n - 1}: "
+                             "the rollout and actor ranks disagree on rollout.n or rollout.split_groups")
+    order = list(share)
+    rollouts = [ro for g in order for ro, _ in rows[g]]
     versions = {ro.policy_version for ro in rollouts}
     batch = RolloutBatch(rollouts=rollouts, steps=[], prefill_s=0.0, wall_s=0.0,
                          policy_version=min(versions) if versions else 0)
-    rewards = [s.rewards[i * n : (i + 1) * n] for _, s, i in parts]
-    return ScoredRollouts(problems=[s.problems[i] for _, s, i in parts], prompts=[s.prompts[i] for _, s, i in parts],
-                          batch=batch, rewards=torch.cat(rewards) if rewards else torch.zeros(0), n=n)
+    first = {g: ps[0] for g, ps in parts.items()}
+    return ScoredRollouts(problems=[first[g][0].problems[first[g][1]] for g in order],
+                          prompts=[first[g][0].prompts[first[g][1]] for g in order], batch=batch,
+                          rewards=torch.tensor([r for g in order for _, r in rows[g]], dtype=torch.float32), n=n)
 
 
 def send_shipments(shipments: list[RolloutShipment], actor_ranks: tuple[int, ...]) -> None:

@@ -19,8 +19,7 @@ from tests.mp import free_port
 from tests.mp.sync_tensors import tensors
 
 REPO = Path(__file__).resolve().parent.parent
-# configs/tiny.yaml's colocated schedule turned into what a separated placement runs
-SEPARATED = ["pipeline.placement=separated", "pipeline.actor_ranks=1", "trainer.train_shares=shard", "rollout.split_groups=false"]
+SEPARATED = ["pipeline.placement=separated", "pipeline.actor_ranks=1", "trainer.train_shares=shard"]
 
 
 def test_separated_ranks_are_actors_first_then_rollouts_and_a_bad_count_names_the_key():
@@ -30,8 +29,7 @@ def test_separated_ranks_are_actors_first_then_rollouts_and_a_bad_count_names_th
     with pytest.raises(ValueError, match="pipeline.actor_ranks=2 leaves no rollout rank"):
         PipelineSection(placement="separated", actor_ranks=2).roles(2)
     with pytest.raises(ValueError, match="pipeline.actor_ranks >= 1"):
-        load_config(TrainConfig, REPO / "configs" / "tiny.yaml",
-                    ["pipeline.placement=separated", "trainer.train_shares=shard", "rollout.split_groups=false"])
+        load_config(TrainConfig, REPO / "configs" / "tiny.yaml", ["pipeline.placement=separated", "trainer.train_shares=shard"])
     with pytest.raises(ValueError, match="pipeline.actor_ranks=2 is for pipeline.placement=separated"):
         load_config(TrainConfig, REPO / "configs" / "tiny.yaml", ["pipeline.actor_ranks=2"])
 
@@ -39,8 +37,7 @@ def test_separated_ranks_are_actors_first_then_rollouts_and_a_bad_count_names_th
 @pytest.mark.parametrize("overrides, key", [(["engine.backend=vllm"], "spot.enabled trains from the rollout engine's features"),
                                             (["algorithm.name=dapo"], "algorithm.dynamic_sampling"),
                                             (["actor.backend=megatron", "actor.device=cuda"], "actor.backend=megatron"),
-                                            (["rollout.work_stealing=true"], "rollout.work_stealing"),
-                                            (["rollout.split_groups=true"], "rollout.split_groups"),
+                                            (["rollout.work_stealing=true", "rollout.split_groups=false"], "rollout.work_stealing"),
                                             (["rollout.long_first=true"], "rollout.long_first")])
 def test_what_separated_does_not_run_is_a_config_error_naming_the_key(overrides, key):
     with pytest.raises(ValueError, match=f"pipeline.placement=separated: {key}"):
@@ -87,7 +84,7 @@ def test_actor_ranks_get_exactly_their_shard_in_global_order_from_any_generation
         shares = shard_shares(6, actors)
         sent = [pack_shipments(_scored(m), m.groups, shares, 5, m.source, m.report) for m in made]
         for k, share in enumerate(shares):
-            got = unpack([per_rank[k] for per_rank in sent], share, step=5)
+            got = unpack([per_rank[k] for per_rank in sent], share, step=5, n=3)
             want = [(m, i) for m in made for i, g in enumerate(m.groups) if g in share]
             assert got.problems == [m.problems[i] for m, i in want]
             assert got.prompts == [m.prompts[i] for m, i in want]
@@ -95,9 +92,28 @@ def test_actor_ranks_get_exactly_their_shard_in_global_order_from_any_generation
             assert torch.equal(got.rewards, torch.cat([m.rewards[i * 3:(i + 1) * 3] for m, i in want]))
             assert got.n == 3 and all(s.report == m.report for s, m in zip([p[k] for p in sent], made))
     with pytest.raises(ValueError, match="another step's"):
-        unpack([p[0] for p in sent], shard_shares(6, 3)[0], step=6)
+        unpack([p[0] for p in sent], shard_shares(6, 3)[0], step=6, n=3)
     with pytest.raises(ValueError, match="this actor rank trains"):
-        unpack([p[0] for p in sent], [0, 1, 2], step=5)
+        unpack([p[0] for p in sent], [0, 1, 2], step=5, n=3)
+
+
+def test_an_actor_rank_joins_the_parts_of_split_groups_in_sample_order():
+    # two rollout ranks each made half of every group (samples 0-1 on rank 2, 2-3 on rank 3)
+    whole = RolloutShipment.make_dummy(step=1, source=2, groups=(0, 1, 2, 3), n=4)
+    halves = []
+    for source, first in ((2, 0), (3, 2)):
+        rows = [g * 4 + s for g in range(4) for s in (first, first + 1)]
+        half = RolloutShipment(step=1, source=source, groups=list(whole.groups), problems=whole.problems,
+                               prompts=whole.prompts, rollouts=[whole.rollouts[i] for i in rows],
+                               rewards=whole.rewards[rows].clone(), n=2, report=whole.report)
+        halves.append(pack_shipments(_scored(half), half.groups, shard_shares(4, 2), 1, source, half.report))
+    for k, share in enumerate(shard_shares(4, 2)):
+        got = unpack([halves[1][k], halves[0][k]], share, step=1, n=4)  # the order of arrival does not matter
+        assert got.n == 4 and got.problems == [whole.problems[g] for g in share]
+        assert got.batch.rollouts == [whole.rollouts[g * 4 + s] for g in share for s in range(4)]
+        assert torch.equal(got.rewards, torch.cat([whole.rewards[g * 4:(g + 1) * 4] for g in share]))
+    with pytest.raises(ValueError, match=r"group 0 arrived with samples \[0, 1\], not 0..3"):
+        unpack([halves[0][0]], shard_shares(4, 2)[0], step=1, n=4)  # rank 3's halves never came
 
 
 def test_buckets_hold_one_dtype_and_at_most_the_byte_budget_unless_one_tensor_is_larger():

@@ -28,7 +28,7 @@ def base(run_dir: Path) -> list[str]:
             "rollout.max_new_tokens=16", "engine.max_batch=16", "engine.max_len=96", "engine.spec.tuner_arms=[]",
             "spot.enabled=false", "trainer.prompts_per_step=4", "trainer.mini_batches=2", "trainer.eval_every=0",
             "actor.lr=1e-3", "actor.micro_batch_tokens=256", "metrics.wandb=false", "metrics.dashboard=false",
-            # separated trains the loader's shards, each group generated whole
+            # separated trains the loader's shards; each group generated whole unless a test splits it
             "metrics.console=false", "trainer.train_shares=shard", "rollout.split_groups=false"]
 
 
@@ -92,15 +92,16 @@ def assert_same_run(a: Path, b: Path, steps: int, final_weights: bool = True) ->
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("split", ["false", "true"])  # true: each rollout rank makes half of every group
 def test_one_actor_and_two_rollout_ranks_equal_the_one_rank_colocated_run_bit_for_bit(char_model_dir, tmp_path,
-                                                                                      monkeypatch):
+                                                                                      monkeypatch, split):
     from launch.config import load_config
     from launch.run import run
     from launch.run_config import TrainConfig
     from pipeline.dist import Ranks
 
     monkeypatch.setenv("TAILSPEC_CPU_TUNE", "0")
-    extra = [f"model.path={char_model_dir}", "trainer.steps=2", *SPEC["off"]]
+    extra = [f"model.path={char_model_dir}", "trainer.steps=2", *SPEC["off"], f"rollout.split_groups={split}"]
     run(load_config(TrainConfig, REPO / "configs" / "tiny.yaml", [*base(tmp_path / "colocated"), *extra]), Ranks())
     torchrun(3, tmp_path / "separated", *extra, *separated(1))
     assert_same_run(tmp_path / "colocated", tmp_path / "separated", steps=2)

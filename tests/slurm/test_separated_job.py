@@ -23,8 +23,7 @@ from tests.slurm.test_slurm_job import tiny_job_args
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 STEPS = 3
-SEPARATED = ["pipeline.placement=separated", "pipeline.actor_ranks=2", "cluster.procs_per_node=4", "trainer.train_shares=shard",
-             "rollout.split_groups=false"]
+SEPARATED = ["pipeline.placement=separated", "pipeline.actor_ranks=2", "cluster.procs_per_node=4", "trainer.train_shares=shard"]
 
 
 def train_rows(run_dir: Path) -> list[dict]:
