@@ -8,10 +8,10 @@ part of every group, the same n / R samples of each), actor rank k trains `shard
 for one step: the groups of its generation that the actor trains (maybe none; with split groups,
 its part of each), with their problems, prompt ids, rollouts (tokens, engine log-probs, finish
 reasons, versions), rewards, and the sender's `RolloutReport`. `unpack` joins a split group's
-parts in sample order. Every rollout rank sends every actor rank
-one shipment per step, so an actor rank hears from all of them (their reports feed the step's
-metrics) and the send and receive orders never cross: senders go through the actor ranks in
-order, receivers through the rollout ranks in order.
+parts in sample order. Every rollout rank sends every actor rank one shipment per step, so an
+actor rank hears from all of them (their reports feed the step's metrics) and the send and
+receive orders never cross: senders go through the actor ranks in order, receivers through the
+rollout ranks in order.
 
 `pack_shipments` and `unpack` are pure (tested in one process); `send_shipments` /
 `receive_shipments` move them point to point between global ranks (pickled through the job's
