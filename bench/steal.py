@@ -45,22 +45,23 @@ from pipeline.dist import init_ranks, shutdown
 from pipeline.lengths import LengthPredictor
 from pipeline.rollouts import StepSampling, requests_for
 from pipeline.schedule import idle_to_last_start
+from pipeline.shares import split_samples
 from pipeline.stealing import StealingSource, UnitQueue, default_inflight, plan_units
 
 WAYS = ("static", "steal", "steal+history", "split", "bound")
 
 
-def run_way(way, r, store, key, engine, requests, shard, params, inflight, lengths, longest):
+def run_way(way, r, store, key, engine, requests, shard, samples, params, inflight, lengths, longest):
     """One way on this rank: (started, last unit taken or None, ended, {(prompt, sample): tokens});
-    `longest`: the request of the step's longest response alone (the bound's)."""
+    `samples`: this rank's part of every group (the split way's); `longest`: the request of the
+    step's longest response alone (the bound's)."""
     dist.barrier()
     started = time.time()
     if way in ("static", "split", "bound"):
         if way == "static":
             mine = [requests[i] for i in shard]
         elif way == "split":
-            part = requests[0].n // r.world
-            mine = [replace(q, n=part, first_sample=r.rank * part) for q in requests]
+            mine = [replace(q, n=len(samples), first_sample=samples.start) for q in requests]
         else:
             mine = [longest] if r.rank == 0 else []
         batch = engine.generate(mine, params) if mine else None
@@ -89,9 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         print("error: bench.steal compares ways of sharing a step between ranks: run it under torchrun "
               "--nproc-per-node=2", file=sys.stderr)
         return 1
-    if cfg.rollout.n % r.world:
-        print(f"error: the split way gives each of the {r.world} ranks an equal part of every group: rollout.n="
-              f"{cfg.rollout.n} must be a multiple of {r.world}", file=sys.stderr)
+    try:
+        samples = split_samples(cfg.rollout.n, r.world, r.rank)  # the split way's part of every group
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
     store = dist.distributed_c10d._get_default_store()
     tokenizer = load_tokenizer(cfg.model.path)
@@ -112,17 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         requests = requests_for(tokenizer, loader.global_step(), n, cfg.task.chat)
         loader.next_step()
         params = sampling(step)
-        reference = None
+        reference = longest = None  # set by the first (static) pass
         for rep in range(args.repeats):
             for k in range(len(WAYS)):
                 way = WAYS[(k + rep) % len(WAYS)]  # the first pass is static's: the history's and the tokens' reference
-                longest = None
-                if reference is not None:
-                    pid, sample = max(reference, key=lambda key: len(reference[key]))
-                    q = next(q for q in requests if q.prompt_id == pid)
-                    longest = replace(q, n=1, first_sample=sample)
-                got = run_way(way, r, store, f"bench.steal/{step}/{rep}/{k}", engine, requests, shard, params,
-                              inflight, lengths, longest)
+                got = run_way(way, r, store, f"bench.steal/{step}/{rep}/{k}", engine, requests, shard, samples,
+                              params, inflight, lengths, longest)
                 every = [None] * r.world
                 dist.all_gather_object(every, got)
                 tokens = {key: t for *_, toks in every for key, t in toks.items()}
@@ -130,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                     reference = tokens
                     for q in requests:
                         lengths.observe(q.prompt_id, [len(reference[(q.prompt_id, s)]) for s in range(n)])
+                    pid, sample = max(reference, key=lambda key: len(reference[key]))
+                    longest = replace(next(q for q in requests if q.prompt_id == pid), n=1, first_sample=sample)
                 same = same and all(reference[key] == t for key, t in tokens.items())
                 start, end = min(e[0] for e in every), max(e[2] for e in every)
                 walls[way].append(end - start)

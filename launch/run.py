@@ -42,6 +42,7 @@ from pipeline.metrics import MetricsLogger
 from pipeline.records_log import log_step, truncate_after
 from pipeline.rollouts import StepSampling, encode_problem
 from pipeline.run_state import RunState, latest_checkpoint, load_run
+from pipeline.shares import split_samples
 from pipeline.tasks import Problem, Task, get_task
 from pipeline.tasks.eval import EVAL_SEED
 from pipeline.trainer import StepDriver, Trainer
@@ -220,12 +221,12 @@ def _build_idle(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resourc
         bubbles = BubbleStore(cfg.bubble.max_tokens)
 
         split = cfg.rollout.split_groups and r.world > 1
-        part = cfg.rollout.n // r.world if split else cfg.rollout.n
+        samples = split_samples(cfg.rollout.n, r.world, r.rank) if split else range(cfg.rollout.n)
 
         def requests_for() -> list[Request]:  # what this rank rolls out next step: its shard, or its part of every group
             problems = loader.global_step() if split else loader.peek()
-            return [Request(prompt_id=p.id, prompt=encode_problem(tokenizer, p, cfg.task.chat), n=part,
-                            first_sample=r.rank * part if split else 0) for p in problems]
+            return [Request(prompt_id=p.id, prompt=encode_problem(tokenizer, p, cfg.task.chat), n=len(samples),
+                            first_sample=samples.start) for p in problems]
 
         control = ControlPlane(store, r.rank, r.world) if store is not None else None
         bubble = BubbleWork(engine, requests_for, sampling, bubbles, cfg.bubble, control)

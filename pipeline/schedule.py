@@ -40,7 +40,7 @@ from engine.types import RolloutBatch
 from pipeline.dist import Ranks
 from pipeline.lengths import LengthPredictor, correlation, long_first
 from pipeline.rollouts import ScoredRollouts, requests_for, score
-from pipeline.shares import shard_shares, token_shares, update_tokens
+from pipeline.shares import shard_shares, split_samples, token_shares, update_tokens
 from pipeline.stealing import StealingSource, UnitQueue, default_inflight, plan_units
 from pipeline.tasks import Problem
 
@@ -66,10 +66,8 @@ class RolloutSchedule:
         self.stealing, self.n = rollout_cfg.work_stealing and ranks.world > 1, rollout_cfg.n
         self.inflight = rollout_cfg.steal_inflight
         self.split = rollout_cfg.split_groups and ranks.world > 1
-        if self.split and self.n % ranks.world:
-            raise ValueError(f"rollout.split_groups gives each of the {ranks.world} ranks an equal part of every group of "
-                             f"rollout.n={self.n} samples: make rollout.n a multiple of {ranks.world}, or set "
-                             "rollout.split_groups=false")
+        # the samples of each group this rank generates: all, or its part of a split group
+        self.samples = split_samples(self.n, ranks.world, ranks.rank) if self.split else range(self.n)
         self.train_shares, self.mini_batches = train_shares, mini_batches
         self.exchanges = self.stealing or self.split or train_shares == "tokens"
         self.lengths = LengthPredictor() if rollout_cfg.long_first else None
@@ -93,10 +91,10 @@ class RolloutSchedule:
             local = score(task, tokenizer, taken, [requests[i].prompt for i in plan.source.taken],
                           _grouped(batch, taken, range(self.n)), self.n, reward)
         elif self.split:
-            part = self.n // self.r.world
-            requests = requests_for(tokenizer, problems, part, chat, drafts, predicted_len, first_sample=self.r.rank * part)
+            part = len(self.samples)
+            requests = requests_for(tokenizer, problems, part, chat, drafts, predicted_len, first_sample=self.samples.start)
             local = score(task, tokenizer, problems, [r.prompt for r in requests],
-                          self._generate(engine, requests, params, problems, predicted, requests[0].samples), part, reward)
+                          self._generate(engine, requests, params, problems, predicted, self.samples), part, reward)
         else:
             requests = requests_for(tokenizer, mine, self.n, chat, drafts, predicted_len)
             mine_predicted = [self.lengths.predict(p.id) for p in mine] if self.lengths is not None else None

@@ -47,7 +47,7 @@ from pipeline.history import RunHistory
 from pipeline.placement import Placement
 from pipeline.rollouts import StepSampling, held_out_accuracy, roll_out
 from pipeline.run_state import checkpoint_dir
-from pipeline.shares import generation_shares, shard_shares
+from pipeline.shares import generation_shares, shard_shares, split_samples
 from pipeline.shipment import pack_shipments, send_shipments
 from pipeline.step_metrics import RolloutReport
 from pipeline.tasks import Problem, Task
@@ -73,13 +73,9 @@ class SeparatedRollout:
         self.start_step = self.step_index = start_step
         P, n, R = cfg.trainer.prompts_per_step, cfg.rollout.n, self.r.world
         split = cfg.rollout.split_groups and R > 1
-        if split and n % R:
-            raise ValueError(f"rollout.split_groups gives each of the {R} rollout ranks an equal part of every group of "
-                             f"rollout.n={n} samples: make rollout.n a multiple of {R}, or set rollout.split_groups=false")
         # the groups this rank generates, and which of each group's samples
         self.groups = list(range(P)) if split else generation_shares(P, R)[self.r.rank]
-        self.part = n // R if split else n
-        self.first_sample = self.r.rank * self.part if split else 0
+        self.samples = split_samples(n, R, self.r.rank) if split else range(n)
         self.actor_shares = shard_shares(P, len(placement.actor_ranks))
         self.reward = training_reward(cfg.task, task)
         group = self.r.group
@@ -116,8 +112,8 @@ class SeparatedRollout:
         mine = [problems[g] for g in self.groups]
         predicted = self.history.predicted([p.id for p in mine]) if self.history is not None else None
         t = time.perf_counter()
-        scored = roll_out(self.engine, self.tok, self.task, mine, self.sampling(step), self.part,
-                          self.cfg.task.chat, self.reward, predicted=predicted, first_sample=self.first_sample)
+        scored = roll_out(self.engine, self.tok, self.task, mine, self.sampling(step), len(self.samples),
+                          self.cfg.task.chat, self.reward, predicted=predicted, first_sample=self.samples.start)
         rollout_s = time.perf_counter() - t
         if self.idle_work is not None:
             self.idle_work.rollouts_done(step, scored.batch)

@@ -17,6 +17,8 @@ order whichever way the rollout was placed, and the run stays bit for bit the sa
 - `update_tokens`: what a group weighs in `token_shares`: its response tokens, or 0 when the
   update leaves it out (rewards all equal: advantage 0, pipeline.learner).
 - `generation_shares`: which groups each rollout rank of a separated placement generates.
+- `split_samples`: which samples of every group a rank generates when groups are split over the
+  ranks (rollout.split_groups).
 """
 
 from __future__ import annotations
@@ -52,6 +54,16 @@ def update_tokens(lengths: Sequence[int], rewards: Sequence[float], equal_reward
     if equal_rewards_free and len(set(rewards)) <= 1:
         return 0
     return sum(lengths)
+
+
+def split_samples(n: int, world: int, rank: int) -> range:
+    """Rank `rank`'s part of every group of n samples split over `world` ranks (rollout.split_groups):
+    samples rank*n/world .. (rank+1)*n/world - 1. Tokens do not depend on where a sample is made."""
+    if n % world:
+        raise ValueError(f"rollout.split_groups gives each of the {world} ranks an equal part of every group of "
+                         f"rollout.n={n} samples: make rollout.n a multiple of {world}, or set rollout.split_groups=false")
+    part = n // world
+    return range(rank * part, (rank + 1) * part)
 
 
 def generation_shares(groups: int, ranks: int) -> list[list[int]]:

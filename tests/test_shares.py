@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.shares import shard_shares, token_shares, update_tokens
+from pipeline.shares import shard_shares, split_samples, token_shares, update_tokens
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -56,3 +56,9 @@ def test_ranks_training_shares_of_different_sizes_gather_every_rank_s_values(tmp
 def test_groups_that_weigh_nothing_are_spread_over_the_ranks():
     assert token_shares([0, 0, 0, 0], 2) == [[0, 2], [1, 3]]
     assert sorted(len(s) for s in token_shares([90, 0, 0, 0, 0, 0], 3)) == [1, 2, 3]
+
+
+def test_split_samples_give_each_rank_an_equal_run_of_every_groups_samples():
+    assert [split_samples(8, 4, r) for r in range(4)] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    with pytest.raises(ValueError, match="make rollout.n a multiple of 2"):
+        split_samples(3, 2, 0)
