@@ -54,6 +54,13 @@ def test_logprobs_equal_log_softmax_of_hf_logits_at_the_next_token(model_dir):
     torch.testing.assert_close(out.hidden_layers[2][real], ref.hidden_states[2][real], atol=1e-5, rtol=1e-5)
 
 
+def test_a_row_with_a_real_token_after_a_pad_is_refused_by_name(model_dir):
+    batch = make_batch()
+    left_padded = batch.attention_mask.flip(-1)  # pads first: the causal forward would let real tokens see them
+    with pytest.raises(ValueError, match="right-padded"):
+        actor(model_dir).logprobs(batch.input_ids, left_padded)
+
+
 def test_micro_batches_hold_at_most_the_token_budget_and_cover_every_row_once():
     mask = make_batch(rows=9).attention_mask
     groups = micro_batches(mask, budget=30)

@@ -55,9 +55,18 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 def policy_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, entropy: bool = False,
                    hidden: bool = False, hidden_layers: tuple[int, ...] | None = None) -> LogProbs:
-    """One forward of `model` (an HF causal LM, or a DDP / DeepSpeed wrapper of one) on [b, T] rows."""
+    """One forward of `model` (an HF causal LM, or a DDP / DeepSpeed wrapper of one) on [b, T] rows.
+
+    The model gets no padding mask: rows are right-padded and attention is causal, so no real token
+    sees a pad, and SDPA's causal kernel skips the masked half of each score matrix where an explicit
+    mask makes it compute all of it (the update's forward and backward ~5% faster on the mult task).
+    Log-probs and entropies at pads are zeroed below; hidden states at pads mean nothing.
+    """
+    if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+        raise ValueError("policy_forward needs right-padded rows (every row's real tokens first, then pads); "
+                         "a row has a real token after a pad: build rows with pipeline.train_batch")
     want_states = hidden or bool(hidden_layers)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=want_states, use_cache=False)
+    out = model(input_ids=input_ids, attention_mask=None, output_hidden_states=want_states, use_cache=False)
     real = attention_mask.bool()  # [b, T]
     states = out.hidden_states if want_states else None
     return LogProbs(
