@@ -143,19 +143,36 @@ class ClusterSpec:
 @dataclass(kw_only=True)
 class LengthSpec:
     """Response lengths: `lognormal` (median, sigma, clipped at max_len) or `empirical` (a
-    rollouts.jsonl whose `length` fields are resampled with replacement)."""
+    rollouts.jsonl whose `length` fields are resampled with replacement).
+
+    How alike a prompt's samples are decides what splitting its group across rollout groups buys
+    (`Techniques.split`): `prompt_share` is the share of the lognormal's log-length variance that
+    lies between prompts (0: every response drawn alone; 1: a prompt's samples equally long), and
+    `by_prompt` resamples an empirical file's whole groups (one prompt's samples in one step) so
+    they keep the run's likeness.
+    """
 
     kind: Literal["lognormal", "empirical"] = "lognormal"
     median: float = 1000.0
     sigma: float = 1.0
     max_len: int = 8192
     path: str | None = None
+    prompt_share: float = 0.0
+    by_prompt: bool = False
 
     def validate(self) -> None:
         if self.kind == "empirical" and not self.path:
             raise ValueError("rollout.lengths.kind=empirical needs rollout.lengths.path (a rollouts.jsonl)")
         if self.median <= 0 or self.sigma < 0 or self.max_len < 1:
             raise ValueError("rollout.lengths: median > 0, sigma >= 0 and max_len >= 1 are required")
+        if not 0.0 <= self.prompt_share <= 1.0:
+            raise ValueError(f"rollout.lengths.prompt_share must be in [0, 1], got {self.prompt_share}")
+        if self.prompt_share and self.kind != "lognormal":
+            raise ValueError("rollout.lengths.prompt_share shapes the lognormal draw; an empirical file keeps its "
+                             "run's likeness with rollout.lengths.by_prompt=true")
+        if self.by_prompt and self.kind != "empirical":
+            raise ValueError("rollout.lengths.by_prompt resamples an empirical file's groups; a lognormal draw sets "
+                             "rollout.lengths.prompt_share instead")
 
 
 @dataclass(kw_only=True)
@@ -310,6 +327,8 @@ class SweepSpec:
     depths: list[int] = field(default_factory=lambda: [1, 2, 3, 5, 7])
     chain_accept_rate: float = 0.76
     tail_sigmas: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0, 1.25])
+    # rollout.lengths.prompt_share varied: what split groups buy as a prompt's samples grow alike.
+    prompt_shares: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 0.95])
     # Separated placement: the share of devices that train, varied (sim.placement).
     actor_shares: list[float] = field(default_factory=lambda: [0.25, 0.375, 0.5, 0.625, 0.75])
 

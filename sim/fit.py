@@ -210,8 +210,10 @@ def calibrate(run: MeasuredRun) -> tuple[Scenario, dict[str, float]]:
     per_step = Counter(r.step for r in run.rollouts)
     requests = int(np.median(list(per_step.values())))
     samples = max(r.sample for r in run.rollouts) + 1
+    # With several samples a prompt, whole groups are resampled: how alike a prompt's samples are
+    # is what split groups (Techniques.split) act on.
     lengths = LengthSpec(kind="empirical", path=str((run.folder / "rollouts.jsonl").resolve()),
-                         max_len=max(r.length for r in run.rollouts))
+                         max_len=max(r.length for r in run.rollouts), by_prompt=samples > 1)
     scn = Scenario(
         name=f"calibrated-{run.name}", steps=len(per_step), latency=latency,
         cluster=ClusterSpec(devices=[run.world], tensor_parallel=1,

@@ -15,15 +15,28 @@ import numpy as np
 from sim.config import LengthSpec
 
 
-def draw_lengths(spec: LengthSpec, n: int, rng: np.random.Generator,
+def draw_lengths(spec: LengthSpec, prompts: int, samples: int, rng: np.random.Generator,
                  empirical: np.ndarray | None = None) -> np.ndarray:
-    """[n] int64 response lengths >= 1. `empirical` (lengths read from spec.path) is needed for
-    kind=empirical; it is resampled with replacement."""
+    """[prompts * samples] int64 response lengths >= 1, a prompt's samples adjacent.
+
+    `empirical` holds the lengths read from spec.path (`read_rollout_lengths`: [n], or with
+    spec.by_prompt `read_lengths_by_prompt`: [K, samples]); kind=empirical resamples its entries
+    (whole rows, a prompt's samples, with by_prompt) with replacement.
+    """
+    n = prompts * samples
     if spec.kind == "lognormal":
-        x = rng.lognormal(mean=np.log(spec.median), sigma=spec.sigma, size=n)
+        if spec.prompt_share == 0.0:
+            x = rng.lognormal(mean=np.log(spec.median), sigma=spec.sigma, size=n)
+        else:
+            between = rng.standard_normal((prompts, 1))  # [P, 1] shared by a prompt's samples
+            within = rng.standard_normal((prompts, samples))  # [P, n]
+            z = np.sqrt(spec.prompt_share) * between + np.sqrt(1.0 - spec.prompt_share) * within
+            x = np.exp(np.log(spec.median) + spec.sigma * z).ravel()
         return np.clip(np.rint(x), 1, spec.max_len).astype(np.int64)
     if empirical is None or len(empirical) == 0:
         raise ValueError(f"rollout.lengths.kind=empirical: no lengths read from {spec.path}")
+    if spec.by_prompt:
+        return empirical[rng.integers(0, len(empirical), size=prompts)].ravel().astype(np.int64)
     return rng.choice(np.asarray(empirical, dtype=np.int64), size=n, replace=True)
 
 
@@ -42,6 +55,28 @@ def read_rollout_lengths(path: str | Path) -> np.ndarray:
     return np.asarray(out, dtype=np.int64)
 
 
+def read_lengths_by_prompt(path: str | Path, samples: int) -> np.ndarray:
+    """[K, samples] int64: a rollouts.jsonl's response lengths, one row per prompt of each step
+    (its samples by `sample` index) that holds exactly `samples` responses."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"rollouts file not found: {path} (expected runs/<run>/rollouts.jsonl)")
+    prompts: dict[tuple, dict[int, int]] = {}
+    for i, line in enumerate(path.read_text().splitlines()):
+        if line.strip():
+            rec = json.loads(line)
+            missing = [k for k in ("step", "prompt_id", "sample", "length") if k not in rec]
+            if missing:
+                raise ValueError(f"{path}:{i + 1}: rollout.lengths.by_prompt needs the fields {missing} in every "
+                                 "record (a rollouts.jsonl the RL loop wrote)")
+            prompts.setdefault((rec["step"], rec["prompt_id"]), {})[int(rec["sample"])] = int(rec["length"])
+    whole = [[p[s] for s in range(samples)] for p in prompts.values() if sorted(p) == list(range(samples))]
+    if not whole:
+        raise ValueError(f"{path}: no prompt has exactly {samples} samples in one step; set "
+                         "rollout.samples_per_prompt to the run's rollout.n, or rollout.lengths.by_prompt=false")
+    return np.asarray(whole, dtype=np.int64)
+
+
 def deal(lengths: np.ndarray, groups: int) -> list[np.ndarray]:
     """Split requests into `groups` contiguous, near-equal parts (a prompt's samples stay together
     when they are adjacent, as GRPO groups are)."""
@@ -49,3 +84,19 @@ def deal(lengths: np.ndarray, groups: int) -> list[np.ndarray]:
         raise ValueError(f"need at least one rollout group, got {groups}")
     return [part.copy() for part in np.array_split(np.asarray(lengths), groups)]
 
+
+def split_deal(lengths: np.ndarray, groups: int, samples: int) -> list[np.ndarray]:
+    """Deal a prompt's samples to different groups (split groups, Seer's divided rollout).
+
+    lengths [P * samples], a prompt's samples adjacent. The requests are cut sample-major into
+    `groups` contiguous, near-equal parts, each then ordered prompt by prompt as its engine admits
+    them. When `groups` divides `samples` (what the RL loop's rollout.split_groups requires), group
+    g holds samples g*samples/groups .. (g+1)*samples/groups - 1 of every prompt, as a rank does.
+    """
+    if groups < 1:
+        raise ValueError(f"need at least one rollout group, got {groups}")
+    lengths = np.asarray(lengths)
+    if samples < 1 or len(lengths) % samples:
+        raise ValueError(f"{len(lengths)} requests are not whole groups of samples_per_prompt={samples}")
+    index = np.arange(len(lengths)).reshape(-1, samples).T.ravel()  # sample-major request order
+    return [lengths[np.sort(part)] for part in np.array_split(index, groups)]

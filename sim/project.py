@@ -3,7 +3,7 @@
 Every technique sees the same response lengths (common random numbers: the lengths of step s
 at N devices come from `numpy.random.default_rng([seed, N, s])`), so a speedup compares the
 same work. A row averages `scenario.steps` steps. Speedups are against the baseline (no
-speculation, no bubble filling, synchronous) on the same devices.
+speculation, no bubble filling, synchronous, a prompt's samples together) on the same devices.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 
 from sim.config import Scenario
 from sim.latency import LatencyModel, build_latency
-from sim.lengths import draw_lengths, read_rollout_lengths
+from sim.lengths import draw_lengths, read_lengths_by_prompt, read_rollout_lengths
 from sim.step import StepResult, Techniques, simulate_step
 
 COMBOS: dict[str, Techniques] = {
@@ -25,6 +25,23 @@ COMBOS: dict[str, Techniques] = {
     "one_step_async": Techniques(one_step_async=True),
     "all": Techniques(spec=True, spot=True, bubble=True, one_step_async=True),
 }
+# Rows added where a prompt's samples are alike (`lengths_alike`): split groups have nothing to
+# balance when every response is drawn alone.
+SPLIT_COMBOS: dict[str, Techniques] = {
+    "split": Techniques(split=True),
+    "spec+spot+split": Techniques(spec=True, spot=True, split=True),
+}
+
+
+def lengths_alike(scn: Scenario) -> bool:
+    """Whether a prompt's samples are drawn alike (lognormal prompt_share > 0, or an empirical
+    file's whole groups), so that dealing them apart changes the rollout."""
+    spec = scn.rollout.lengths
+    return scn.rollout.samples_per_prompt > 1 and (spec.prompt_share > 0 or spec.by_prompt)
+
+
+def default_combos(scn: Scenario) -> dict[str, Techniques]:
+    return {**COMBOS, **SPLIT_COMBOS} if lengths_alike(scn) else COMBOS
 
 
 @dataclass(frozen=True)
@@ -42,10 +59,13 @@ class Projection:
 
 def step_lengths(scn: Scenario, devices: int) -> list[np.ndarray]:
     """The response lengths of each simulated step at this device count."""
-    spec = scn.rollout.lengths
-    empirical = read_rollout_lengths(spec.path) if spec.kind == "empirical" else None
-    return [draw_lengths(spec, scn.rollout.requests, np.random.default_rng([scn.seed, devices, s]), empirical)
-            for s in range(scn.steps)]
+    spec, ro = scn.rollout.lengths, scn.rollout
+    empirical = None
+    if spec.kind == "empirical":
+        empirical = (read_lengths_by_prompt(spec.path, ro.samples_per_prompt) if spec.by_prompt
+                     else read_rollout_lengths(spec.path))
+    return [draw_lengths(spec, ro.prompts, ro.samples_per_prompt, np.random.default_rng([scn.seed, devices, s]),
+                         empirical) for s in range(scn.steps)]
 
 
 def simulate_steps(scn: Scenario, devices: int, tech: Techniques,
@@ -54,8 +74,10 @@ def simulate_steps(scn: Scenario, devices: int, tech: Techniques,
     return [simulate_step(scn, lengths, devices, tech, latency) for lengths in step_lengths(scn, devices)]
 
 
-def project(scn: Scenario, combos: dict[str, Techniques] = COMBOS,
+def project(scn: Scenario, combos: dict[str, Techniques] | None = None,
             devices: list[int] | None = None) -> list[Projection]:
+    """Each technique combination (default: `default_combos`) at each device count."""
+    combos = default_combos(scn) if combos is None else combos
     latency = build_latency(scn)
     rows = []
     for n in devices or scn.cluster.devices:

@@ -1,7 +1,8 @@
 """A scenario's report: the projection table, the sweeps, and their PNGs, as Markdown.
 
 The accept-length sweep and the timeline use the scenario's largest device count; the trend
-checks (draft depth against verification cost, tail weight, the analytic ceiling) are optional
+checks (draft depth against verification cost, tail weight, the analytic ceiling, split groups
+against how alike a prompt's samples are) are optional
 because they simulate many more steps.
 """
 
@@ -13,7 +14,7 @@ from sim.config import Scenario
 from sim.plots import plot_accept, plot_depth, plot_scaling, plot_tail, plot_timeline
 from sim.project import markdown_table, project, step_lengths
 from sim.step import Techniques, simulate_step
-from sim.sweeps import SweepPoint, accept_sweep, ceiling_limit, depth_sweep, tail_sweep
+from sim.sweeps import SplitPoint, SweepPoint, accept_sweep, ceiling_limit, depth_sweep, prompt_share_sweep, tail_sweep
 
 TIMELINE = Techniques(spec=True, spot=True, bubble=True)
 DEPTH_BATCHES = [1, 16, 64, 256]
@@ -25,6 +26,13 @@ def _sweep_table(points: list[SweepPoint], x_name: str, ceiling: bool = True) ->
     rows = [f"| {p.x:g} | {p.rollout_speedup:.2f}x | {p.step_speedup:.2f}x |" + (f" {p.ceiling:.2f}x |" if ceiling else "")
             for p in points]
     return "\n".join([head, rule, *rows])
+
+
+def _split_table(points: list[SplitPoint]) -> str:
+    rows = [f"| {p.prompt_share:g} | {p.split_rollout:.2f}x | {p.split_step:.2f}x | {p.spec_spot_step:.2f}x "
+            f"| {p.spec_spot_split_step:.2f}x |" for p in points]
+    return "\n".join(["| prompt share | split: rollout | split: step | spec+spot: step | spec+spot+split: step |",
+                      "|---|---|---|---|---|", *rows])
 
 
 def scenario_report(scn: Scenario, out: Path | None = None, checks: bool = False) -> str:
@@ -53,6 +61,9 @@ def scenario_report(scn: Scenario, out: Path | None = None, checks: bool = False
         parts += ["", f"Tail weight at {small} devices (speculation only):", "", _sweep_table(tail, "sigma", False),
                   "", "Analytic limit (every pass the same cost, drafting free, prefill one pass):", "",
                   _sweep_table(limit, "accept length")]
+        split = prompt_share_sweep(scn, ref, scn.sweep.prompt_shares)
+        parts += ["", f"Split groups at {ref} devices against the share of log-length variance between prompts "
+                  "(speedups over the baseline):", "", _split_table(split)]
         if out is not None:
             plot_depth(depth, out / f"{scn.name}_depth.png", f"{scn.name}: chain depth against batch (verify cost)")
             plot_tail(tail, out / f"{scn.name}_tail.png", f"{scn.name}, {small} devices: speedup against tail weight")

@@ -27,7 +27,7 @@ import numpy as np
 from sim.config import Scenario
 from sim.latency import LatencyModel
 from sim.lengths import deal
-from sim.step import StepResult, Techniques, fill_rollout, shard_bytes, train_times
+from sim.step import StepResult, Techniques, fill_rollout, rollout_parts, shard_bytes, train_times
 
 
 def device_split(scn: Scenario, devices: int) -> tuple[int, int] | None:
@@ -64,7 +64,7 @@ def transfer_s(scn: Scenario, lengths: np.ndarray) -> float:
 
 def simulate_separated_step(scn: Scenario, lengths: np.ndarray, devices: int, tech: Techniques,
                             latency: LatencyModel) -> StepResult:
-    """The step for these response lengths ([n], dealt to rollout groups in order) on `devices`."""
+    """The step for these response lengths ([n], a prompt's samples adjacent) on `devices`."""
     tp = scn.cluster.tensor_parallel
     actors, rollout_devices = split_devices(scn, devices)
     logprob_s, update_s = train_times(scn, deal(lengths, actors))
@@ -76,7 +76,8 @@ def simulate_separated_step(scn: Scenario, lengths: np.ndarray, devices: int, te
     else:
         def window(rollout_s: float) -> float:
             return move_s + actor_s
-    groups, used, fill = fill_rollout(scn, deal(lengths, rollout_devices // tp), tech, latency, window)
+    groups, used, fill = fill_rollout(scn, rollout_parts(scn, lengths, rollout_devices // tp, tech), tech, latency,
+                                      window)
     rollout_s = max(g.time_s for g in groups)
     sync_s = push_sync_s(scn)
     step_s = rollout_s + window(rollout_s) + sync_s

@@ -14,6 +14,10 @@ is the *bubble* (idle window) of its devices. Techniques, each switchable:
 - one_step_async: rollout on a share of the devices overlaps training on the rest (steady state:
   step = max(rollout, log-prob + update) + sync); colocated, the share is
   `one_step_async.rollout_share`, separated it is the placement's split.
+- split: a prompt's samples are dealt to different rollout groups (`sim.lengths.split_deal`, the
+  RL loop's rollout.split_groups) rather than kept together: a long prompt's samples run side by
+  side. It pays as much as a prompt's samples are alike (rollout.lengths.prompt_share) and a
+  group's pass costs more with more rows.
 
 Spot training and pre-generation fill the bubble of step t for step t + 1; the model takes the
 steady state by iterating the step twice with the previous pass's fill. A group's idle window is
@@ -34,7 +38,7 @@ import numpy as np
 from sim.config import PhaseSpec, Scenario
 from sim.events import GroupRollout, simulate_group
 from sim.latency import LatencyModel, build_latency
-from sim.lengths import deal
+from sim.lengths import deal, split_deal
 from sim.schedule import OFF, Schedule, build_schedule
 
 FILL_ITERATIONS = 2
@@ -46,10 +50,11 @@ class Techniques:
     spot: bool = False
     bubble: bool = False
     one_step_async: bool = False
+    split: bool = False
 
     @property
     def name(self) -> str:
-        on = [k for k in ("spec", "spot", "bubble", "one_step_async") if getattr(self, k)]
+        on = [k for k in ("spec", "spot", "bubble", "one_step_async", "split") if getattr(self, k)]
         return "+".join(on) or "baseline"
 
 
@@ -99,7 +104,7 @@ class StepResult:
 
 def simulate_step(scn: Scenario, lengths: np.ndarray, devices: int, tech: Techniques,
                   latency: LatencyModel | None = None) -> StepResult:
-    """The step for these response lengths ([n], dealt to groups in order) on `devices`, in the
+    """The step for these response lengths ([n], a prompt's samples adjacent) on `devices`, in the
     scenario's placement."""
     latency = latency or build_latency(scn)
     if scn.placement.kind == "separated":
@@ -108,7 +113,7 @@ def simulate_step(scn: Scenario, lengths: np.ndarray, devices: int, tech: Techni
         return simulate_separated_step(scn, lengths, devices, tech, latency)
     tp = scn.cluster.tensor_parallel
     rollout_devices = _rollout_devices(scn, devices, tech)
-    groups, used, fill = fill_rollout(scn, deal(lengths, rollout_devices // tp), tech, latency)
+    groups, used, fill = fill_rollout(scn, rollout_parts(scn, lengths, rollout_devices // tp, tech), tech, latency)
     rollout_s = max(g.time_s for g in groups)
     trainers = devices - rollout_devices if tech.one_step_async else devices
     logprob_s, update_s, sync_s = phase_times(scn, deal(lengths, trainers))
@@ -119,6 +124,11 @@ def simulate_step(scn: Scenario, lengths: np.ndarray, devices: int, tech: Techni
     return StepResult(devices=devices, techniques=tech, groups=tuple(groups), tensor_parallel=tp,
                       rollout_s=rollout_s, logprob_s=logprob_s, update_s=update_s, sync_s=sync_s,
                       step_s=step_s, fill=fill, used=used, actor_devices=trainers)
+
+
+def rollout_parts(scn: Scenario, lengths: np.ndarray, groups: int, tech: Techniques) -> list[np.ndarray]:
+    """The requests ([n] lengths, a prompt's samples adjacent) each rollout group generates."""
+    return split_deal(lengths, groups, scn.rollout.samples_per_prompt) if tech.split else deal(lengths, groups)
 
 
 def fill_rollout(scn: Scenario, parts: list[np.ndarray], tech: Techniques, latency: LatencyModel,

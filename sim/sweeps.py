@@ -8,6 +8,8 @@
 - `depth_sweep`: chain drafts of depth k (accept length from a per-token acceptance rate),
   always on, in one group holding B requests: a larger B makes verification costlier.
 - `tail_sweep`: the lognormal's sigma varied at a fixed median.
+- `prompt_share_sweep`: the share of log-length variance between prompts varied: what split
+  groups buy, with and without speculation and spot training.
 """
 
 from __future__ import annotations
@@ -98,4 +100,26 @@ def tail_sweep(scn: Scenario, devices: int, sigmas: list[float]) -> list[SweepPo
         lengths = replace(scn.rollout.lengths, kind="lognormal", sigma=sigma)
         roll, step, r_gen = speedups(replace(scn, rollout=replace(scn.rollout, lengths=lengths)), devices)
         out.append(SweepPoint(sigma, roll, step, float("nan")))
+    return out
+
+
+@dataclass(frozen=True)
+class SplitPoint:
+    prompt_share: float
+    split_rollout: float  # split alone over the baseline: rollout speedup
+    split_step: float
+    spec_spot_step: float  # spec + spot over the baseline: step speedup
+    spec_spot_split_step: float  # spec + spot + split over the baseline: step speedup
+
+
+def prompt_share_sweep(scn: Scenario, devices: int, shares: list[float]) -> list[SplitPoint]:
+    """rollout.lengths.prompt_share varied (a lognormal at the scenario's median and sigma)."""
+    out = []
+    for share in shares:
+        lengths = replace(scn.rollout.lengths, kind="lognormal", prompt_share=share, by_prompt=False)
+        at = replace(scn, rollout=replace(scn.rollout, lengths=lengths))
+        roll, step, _ = speedups(at, devices, Techniques(split=True))
+        _, spot, _ = speedups(at, devices, Techniques(spec=True, spot=True))
+        _, both, _ = speedups(at, devices, Techniques(spec=True, spot=True, split=True))
+        out.append(SplitPoint(share, roll, step, spot, both))
     return out

@@ -144,12 +144,12 @@ def test_command_lines_calibrate_validate_and_project(tmp_path, capsys):
 
 def test_run_writes_report_and_small_plots(tmp_path, capsys):
     scn = replace(small_scenario(), steps=1, sweep=replace(small_scenario().sweep, depths=[1, 3], tail_sigmas=[0.5, 1.0],
-                                                           accept_lens=[2.0, 4.0]))
+                                                           accept_lens=[2.0, 4.0], prompt_shares=[0.0, 0.9]))
     path = tmp_path / "small.yaml"
     save_config(scn, path)
     assert run_cli.main(["--scenario", str(path), "--out", str(tmp_path / "out"), "--checks"]) == 0
     text = capsys.readouterr().out
-    assert "Analytic limit" in text and "best k" in text
+    assert "Analytic limit" in text and "best k" in text and "| 0.9 |" in text.split("Split groups")[1]
     pngs = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
     assert pngs == [f"small_{k}.png" for k in ("accept", "depth", "scaling", "tail", "timeline")]
     assert all((tmp_path / "out" / p).stat().st_size < 150_000 for p in pngs)
