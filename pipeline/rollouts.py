@@ -27,6 +27,9 @@ class ScoredRollouts:
     rewards: torch.Tensor  # [N] float, N = len(problems) * n
     n: int
     fill_metrics: dict[str, float] = field(default_factory=dict)  # dynamic sampling's, when it chose these groups
+    # [N] the rank that generated each rollout, where rows came from other ranks (the schedule's
+    # exchange, a separated run's shipments); None: all generated here. The simulator's records.
+    generated_on: list[int] | None = None
 
     @property
     def lengths(self) -> torch.Tensor:  # [N]

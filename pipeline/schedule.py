@@ -148,7 +148,8 @@ class RolloutSchedule:
                              prefill_s=local.batch.prefill_s, wall_s=local.batch.wall_s,
                              policy_version=local.batch.policy_version, counters=local.batch.counters)
         scored = ScoredRollouts(problems=[plan.problems[g] for g in chosen], prompts=[units[g][1] for g in chosen],
-                                batch=batch, rewards=torch.tensor([x for g in chosen for x in units[g][3]]), n=self.n)
+                                batch=batch, rewards=torch.tensor([x for g in chosen for x in units[g][3]]), n=self.n,
+                                generated_on=[k for g in chosen for k in units[g][4]])
         home = {g: k for k, s in enumerate(shard_shares(G, world)) for g in s}
         metrics = {} if self.split else {"rollout/units_stolen": float(sum(home[g] != units[g][0] for g in range(G)))}
         if self.stealing:
@@ -195,8 +196,8 @@ def idle_to_last_start(times: list[tuple[float, float | None, float]]) -> float:
 
 def join_groups(rows, n: int) -> dict[int, tuple]:
     """Group index -> (the rank that generated it, its prompt, its n rollouts in sample order, their
-    rewards) from every rank's (group, rank, prompt, rollouts, rewards); the parts of a split group
-    are joined (its rank: the one with sample 0)."""
+    rewards, the rank that generated each) from every rank's (group, rank, prompt, rollouts,
+    rewards); the parts of a split group are joined (its rank: the one with sample 0)."""
     parts: dict[int, list[tuple]] = {}
     for i, rank, prompt, rollouts, rewards in rows:
         parts.setdefault(i, []).extend((ro.sample, ro, reward, rank, prompt) for ro, reward in zip(rollouts, rewards))
@@ -206,7 +207,8 @@ def join_groups(rows, n: int) -> dict[int, tuple]:
         if [x[0] for x in samples] != list(range(n)):
             raise RuntimeError(f"group {i} came back with samples {[x[0] for x in samples]}, not 0..{n - 1}: a rank "
                                "generated a part of it twice or not at all")
-        units[i] = (samples[0][3], samples[0][4], [x[1] for x in samples], [x[2] for x in samples])
+        units[i] = (samples[0][3], samples[0][4], [x[1] for x in samples], [x[2] for x in samples],
+                    [x[3] for x in samples])
     return units
 
 

@@ -103,23 +103,25 @@ def unpack(shipments: list[RolloutShipment], share: list[int], step: int, n: int
             parts.setdefault(g, []).append((s, i))
     if sorted(parts) != list(share):
         raise ValueError(f"step {step + 1}: received groups {sorted(parts)}, this actor rank trains {share}")
-    rows = {g: sorted(((ro, float(r)) for s, i in ps for ro, r in zip(s.rollouts[i * s.n : (i + 1) * s.n],
-                                                                         s.rewards[i * s.n : (i + 1) * s.n])),
+    # group -> (rollout, reward, the rollout rank that generated it), in sample order
+    rows = {g: sorted(((ro, float(r), s.source) for s, i in ps for ro, r in zip(s.rollouts[i * s.n : (i + 1) * s.n],
+                                                                                   s.rewards[i * s.n : (i + 1) * s.n])),
                       key=lambda x: x[0].sample)
             for g, ps in parts.items()}
     for g, r in rows.items():
-        if [ro.sample for ro, _ in r] != list(range(n)):
-            raise ValueError(f"step {step + 1}: group {g} arrived with samples {[ro.sample for ro, _ in r]}, not 0..{n - 1}: "
+        if [ro.sample for ro, _, _ in r] != list(range(n)):
+            raise ValueError(f"step {step + 1}: group {g} arrived with samples {[ro.sample for ro, _, _ in r]}, not 0..{n - 1}: "
                              "the rollout and actor ranks disagree on rollout.n or rollout.split_groups")
     order = list(share)
-    rollouts = [ro for g in order for ro, _ in rows[g]]
+    rollouts = [ro for g in order for ro, _, _ in rows[g]]
     versions = {ro.policy_version for ro in rollouts}
     batch = RolloutBatch(rollouts=rollouts, steps=[], prefill_s=0.0, wall_s=0.0,
                          policy_version=min(versions) if versions else 0)
     first = {g: ps[0] for g, ps in parts.items()}
     return ScoredRollouts(problems=[first[g][0].problems[first[g][1]] for g in order],
                           prompts=[first[g][0].prompts[first[g][1]] for g in order], batch=batch,
-                          rewards=torch.tensor([r for g in order for _, r in rows[g]], dtype=torch.float32), n=n)
+                          rewards=torch.tensor([r for g in order for _, r, _ in rows[g]], dtype=torch.float32), n=n,
+                          generated_on=[k for g in order for _, _, k in rows[g]])
 
 
 def send_shipments(shipments: list[RolloutShipment], actor_ranks: tuple[int, ...]) -> None:

@@ -283,6 +283,14 @@ class PhaseSpec:
     update_s_per_token: float | None = None
     sync_s: float | None = None  # None: weight bytes per device / sync_gbps
     sync_gbps: float = 100.0
+    # The share of the rollout's tokens the update trains on: GRPO and RLOO leave a group whose
+    # rewards are all equal out of the update (advantage 0); sim.calibrate measures it. The update
+    # phase's tokens are scaled by it.
+    update_share: float = 1.0
+
+    def validate(self) -> None:
+        if not 0.0 <= self.update_share <= 1.0:
+            raise ValueError(f"phases.update_share must be in [0, 1], got {self.update_share}")
 
 
 @dataclass(kw_only=True)

@@ -26,7 +26,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-from sim.config import (ArmSpec, ClusterSpec, LatencySpec, LengthSpec, PhaseSpec, RolloutSpec, Scenario,
+from sim.config import (ArmSpec, BucketSpec, ClusterSpec, LatencySpec, LengthSpec, PhaseSpec, RolloutSpec, Scenario,
                         SpecSpec)
 from sim.runs import DecodeStep, MeasuredRun, parse_shape
 from sim.step import padded_tokens
@@ -123,13 +123,29 @@ def fit_arms(steps: list[DecodeStep]) -> list[ArmSpec]:
 
 
 def fit_schedule(steps: list[DecodeStep], arms: list[ArmSpec]) -> SpecSpec:
-    """The schedule the run ran: its most used shape, on up to the largest batch it ran at."""
-    used = Counter(s.shape for s in steps if s.shape != "off")
-    if not used:
+    """The schedule the run ran: at each batch size, the shape its passes used most ("off"
+    included), as buckets of consecutive batch sizes; one shape up to a batch size and off above
+    it is the threshold schedule. A tuner's run (a shape per batch-size bucket, chosen by a
+    bandit that also explores) gives its settled choice per bucket."""
+    by_batch: dict[int, Counter] = defaultdict(Counter)
+    for s in steps:
+        by_batch[s.batch_size][s.shape] += 1
+    if not any(shape != "off" for c in by_batch.values() for shape in c):
         return SpecSpec(arms=arms)
-    shape = used.most_common(1)[0][0]
-    threshold = max(s.batch_size for s in steps if s.shape == shape)
-    return SpecSpec(arms=arms, schedule="threshold", arm=shape, threshold=threshold)
+    buckets: list[BucketSpec] = []
+    for b in sorted(by_batch):
+        shape = by_batch[b].most_common(1)[0][0]
+        if buckets and buckets[-1].arm == shape:
+            buckets[-1] = BucketSpec(max_batch=b, arm=shape)
+        else:
+            buckets.append(BucketSpec(max_batch=b, arm=shape))
+    while buckets and buckets[-1].arm == "off":  # off above the last bucket anyway
+        buckets.pop()
+    if not buckets:  # speculation was never the choice at any batch size
+        return SpecSpec(arms=arms)
+    if len(buckets) == 1:
+        return SpecSpec(arms=arms, schedule="threshold", arm=buckets[0].arm, threshold=buckets[0].max_batch)
+    return SpecSpec(arms=arms, schedule="buckets", buckets=buckets)
 
 
 def first_contexts(steps: list[DecodeStep]) -> dict[tuple[int, int], float]:
@@ -170,7 +186,7 @@ def fit_phases(run: MeasuredRun, prompt: int) -> PhaseSpec:
     mini_batches, epochs = run.trainer("mini_batches", 0), run.trainer("ppo_epochs", 1)
     micro = run.setting("actor", "micro_batch_tokens", 0) if mini_batches else 0
     probe = PhaseSpec(mini_batches=mini_batches, ppo_epochs=epochs, micro_batch_tokens=micro)
-    by_rank = run.lengths_by_rank()
+    by_rank = run.trained_lengths_by_rank()
     seconds: dict[str, float] = defaultdict(float)
     tokens: dict[str, float] = defaultdict(float)
     sync = []
@@ -192,9 +208,11 @@ def fit_phases(run: MeasuredRun, prompt: int) -> PhaseSpec:
         if "timing/sync" in m:
             sync.append(m["timing/sync"])
     per = {k: seconds[k] / tokens[k] for k in tokens}
+    generated = sum(r.length for r in run.rollouts)
+    trained = sum(sum(sum(v) for v in ranks.values()) for ranks in by_rank.values())
     return PhaseSpec(logprob_s_per_token=per.get("logprob", 0.0), update_s_per_token=per.get("update", 0.0),
                      sync_s=float(np.mean(sync)) if sync else 0.0, mini_batches=mini_batches, ppo_epochs=epochs,
-                     micro_batch_tokens=micro)
+                     micro_batch_tokens=micro, update_share=trained / generated if generated else 1.0)
 
 
 def calibrate(run: MeasuredRun) -> tuple[Scenario, dict[str, float]]:

@@ -251,10 +251,10 @@ def train_times(scn: Scenario, parts: list[np.ndarray]) -> tuple[float, float]:
         up = 6 * scn.model.active_b * 1e9 * per_flop if up is None else up
     if ph.mini_batches:
         real, padded = padded_tokens(ph, parts, prompt)
-        return lp * real * ph.logprob_passes, up * padded * ph.ppo_epochs
+        return lp * real * ph.logprob_passes, up * padded * ph.ppo_epochs * ph.update_share
     tokens = float(sum(p.sum() for p in parts)) + sum(len(p) for p in parts) * prompt
     devices = len(parts)
-    return lp * tokens * ph.logprob_passes / devices, up * tokens * ph.ppo_epochs / devices
+    return lp * tokens * ph.logprob_passes / devices, up * tokens * ph.ppo_epochs * ph.update_share / devices
 
 
 def shard_bytes(scn: Scenario) -> float:

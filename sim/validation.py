@@ -1,9 +1,9 @@
 """Validation: calibrate on one measured run, predict another's step timings, report the error.
 
 The prediction replays each timed step after the warm-up (`sim.runs`) of the predicted run with
-its own requests (the response lengths each rank generated, in batch order, from its
+its own requests (the response lengths each rank generated, and those each rank trained on, from its
 rollouts.jsonl) and its own setup (world size, the engine's largest batch, the speculation shape
-it ran and the largest batch it ran it at, the trainer's mini-batches from its config.yaml), and
+it ran most at each batch size, the trainer's mini-batches from its config.yaml), and
 everything else from the calibration: the latency model, accept lengths, prompt length, prefill
 and phase costs. So the error measures the latency, acceptance and phase models, not the length
 distribution. The error of a quantity is the mean over steps of |predicted - measured| /
@@ -16,13 +16,13 @@ reads off the simulator when asking what a setting buys.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from sim.config import Scenario, SpecSpec
 from sim.events import simulate_group
+from sim.fit import fit_schedule
 from sim.latency import build_latency
 from sim.runs import MeasuredRun, rollout_s
 from sim.schedule import OFF, build_schedule
@@ -84,24 +84,24 @@ class ValidationReport:
 
 
 def predicted_spec(calibrated: Scenario, run: MeasuredRun) -> SpecSpec | None:
-    """The speculation the predicted run ran, with the calibration's accept lengths."""
-    shapes = defaultdict(int)
-    for s in run.decode_steps:
-        if s.shape != "off":
-            shapes[s.shape] += 1
-    if not shapes:
+    """The speculation the predicted run ran (`sim.fit.fit_schedule`: its most used shape at each
+    batch size), with the calibration's accept lengths; None when it never speculated."""
+    spec = fit_schedule(run.decode_steps, calibrated.spec.arms)
+    used = [b.arm for b in spec.buckets] if spec.schedule == "buckets" else [spec.arm]
+    if spec.arm is None and not spec.buckets:
         return None
-    shape = max(shapes, key=shapes.get)
     known = {a.name for a in calibrated.spec.arms}
-    if shape not in known:
-        raise ValueError(f"{run.name} ran shape {shape!r}, which the calibration run never ran, so its accept "
-                         f"length is unknown (calibrated shapes: {', '.join(sorted(known)) or 'none'})")
-    threshold = max(s.batch_size for s in run.decode_steps if s.shape == shape)
-    return replace(calibrated.spec, schedule="threshold", arm=shape, threshold=threshold)
+    for shape in used:
+        if shape != "off" and shape not in known:
+            raise ValueError(f"{run.name} ran shape {shape!r}, which the calibration run never ran, so its accept "
+                             f"length is unknown (calibrated shapes: {', '.join(sorted(known)) or 'none'})")
+    return replace(spec, draft_params_b=calibrated.spec.draft_params_b)
 
 
 def predicted_setup(calibrated: Scenario, run: MeasuredRun) -> Scenario:
-    """The calibrated scenario with the predicted run's trainer mini-batches, epochs and micro-batch budget."""
+    """The calibrated scenario with the predicted run's trainer mini-batches, epochs and micro-batch
+    budget; the update's share of tokens is 1, as the replay gives it the rows it trained on."""
+    calibrated = replace(calibrated, phases=replace(calibrated.phases, update_share=1.0))
     if not calibrated.phases.mini_batches or not run.config:
         return calibrated
     ph = calibrated.phases
@@ -119,6 +119,7 @@ def validate(calibrated: Scenario, run: MeasuredRun, calibrated_on: str = "",
     schedule = build_schedule(spec) if spec is not None else OFF
     max_batch = max((s.batch_size for s in run.decode_steps), default=scn.cluster.max_batch)
     by_rank = run.lengths_by_rank()
+    trained = run.trained_lengths_by_rank()
     out = []
     for m in run.timed_steps():
         step = m["step"]
@@ -129,7 +130,7 @@ def validate(calibrated: Scenario, run: MeasuredRun, calibrated_on: str = "",
         predicted = [simulate_group(lengths, prompt_len=scn.rollout.prompt_len, max_batch=max_batch,
                                     latency=latency, schedule=schedule).time_s if len(lengths) else 0.0
                      for lengths in ranks]
-        lp, up, sync = phase_times(scn, ranks)
+        lp, up, sync = phase_times(scn, [np.asarray(trained[step].get(r, []), dtype=np.int64) for r in range(world)])
         measured_ranks = tuple(float(m[f"timing/rollout/rank{r}"]) for r in range(world)
                                if f"timing/rollout/rank{r}" in m)
         out.append(StepComparison(

@@ -111,6 +111,10 @@ def test_one_actor_and_two_rollout_ranks_equal_the_one_rank_colocated_run_bit_fo
             "timing/update", "timing/sync"} <= row.keys() and "timing/rollout/rank0" not in row
     assert row["timing/idle/rank2"] >= row["timing/update_idle/rank2"] > 0 and row["sync/tensors"] > 0
     assert row["engine/version"] == 2 and row["rollout/policy_version"] == 1
+    made = [json.loads(line) for line in (tmp_path / "separated" / "rollouts.jsonl").read_text().splitlines()]
+    assert {r["rank"] for r in made} == {0} and {r["gen_rank"] for r in made} == {1, 2}  # trained on 0, made on 1-2
+    if split == "true":
+        assert all(r["gen_rank"] == 1 + r["sample"] * 2 // (max(x["sample"] for x in made) + 1) for r in made)
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from sim import run as run_cli
 from sim import validate as validate_cli
 from sim.config import (ArmSpec, ClusterSpec, LatencySpec, LengthSpec, PhaseSpec, RolloutSpec, Scenario, SpecSpec,
                         load_scenario)
-from sim.fit import TABLE_MIN_PASSES, calibrate, fit_latency, forward_table, nnls
+from sim.fit import TABLE_MIN_PASSES, calibrate, fit_latency, fit_schedule, forward_table, nnls
 from sim.latency import Fitted, build_latency
 from sim.lengths import deal
 from sim.project import step_lengths
@@ -253,6 +253,36 @@ def test_validation_times_the_slowest_rank_and_leaves_out_the_warm_up(tmp_path):
     assert report.error("rollout") == pytest.approx(clean.error("rollout")) and report.error("rollout") < 1e-4
     for s, m in zip(report.steps, metrics[1:]):
         assert s.measured_rollout_s == m["timing/rollout_max"] > m["timing/rollout"]  # not the mean over ranks
+
+
+def test_validation_replays_the_requests_each_rank_generated_not_those_it_trained(tmp_path):
+    a = make_run(tmp_path / "a", measured_scenario(2, 8))
+    fitted, _ = calibrate(read_run(a))
+    clean = validate(fitted, read_run(a))
+    rows = [json.loads(line) for line in (a / "rollouts.jsonl").read_text().splitlines()]
+    for r in rows:  # an exchange: every row trained on the other rank than the one that made it
+        r["gen_rank"], r["rank"] = r["rank"], 1 - r["rank"]
+    (a / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    moved = validate(fitted, read_run(a))
+    assert [s.predicted_rank_s for s in moved.steps] == [s.predicted_rank_s for s in clean.steps]
+    for r in rows:  # a record from before runs wrote gen_rank: its trained rank stands in
+        del r["gen_rank"]
+    (a / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    old = validate(fitted, read_run(a))
+    assert [s.predicted_rank_s for s in old.steps] == [s.predicted_rank_s[::-1] for s in clean.steps]
+
+
+def test_the_fitted_schedule_is_the_shape_used_most_at_each_batch_size():
+    arms = [ArmSpec(name=n, depth=d, verify_tokens=d, accept_len=2.0) for n, d in (("d8k1v8", 8), ("d16k1v16", 16))]
+    tuner = ([_pass(b, 0.01, "d8k1v8") for b in (1, 2, 3)] + [_pass(b, 0.01, "d16k1v16") for b in (5, 9, 20)]
+             + [_pass(9, 0.01, "d8k1v8")]  # the bandit exploring at 9 rows: outvoted
+             + [_pass(b, 0.01, "off") for b in (21, 32)])
+    spec = fit_schedule(tuner, arms)
+    assert spec.schedule == "buckets"
+    assert [(b.max_batch, b.arm) for b in spec.buckets] == [(3, "d8k1v8"), (20, "d16k1v16")]  # off above
+    switch = [_pass(b, 0.01, "d8k1v8") for b in (1, 4, 8)] + [_pass(b, 0.01, "off") for b in (9, 32)]
+    assert (fit_schedule(switch, arms).schedule, fit_schedule(switch, arms).threshold) == ("threshold", 8)
+    assert fit_schedule([_pass(4, 0.01, "off")], arms).arm is None  # never speculated
 
 
 def test_step_speedup_is_the_calibration_runs_mean_step_over_the_predicted_runs(tmp_path):

@@ -83,7 +83,8 @@ def test_split_groups_are_joined_in_sample_order_and_a_missing_part_is_an_error(
     # rank 1's parts arrive first: samples 2, 3 of group 0; then rank 0's samples 0, 1
     rows = [(0, 1, [5], [_rollout("p", 2), _rollout("p", 3)], [0.0, 1.0]),
             (0, 0, [5], [_rollout("p", 0), _rollout("p", 1)], [1.0, 0.0])]
-    rank, prompt, rollouts, rewards = join_groups(rows, 4)[0]
+    rank, prompt, rollouts, rewards, made_on = join_groups(rows, 4)[0]
     assert (rank, prompt, [r.sample for r in rollouts], rewards) == (0, [5], [0, 1, 2, 3], [1.0, 0.0, 0.0, 1.0])
+    assert made_on == [0, 0, 1, 1]  # each sample's generating rank, for the simulator's records
     with pytest.raises(RuntimeError, match=r"group 0 came back with samples \[2, 3\], not 0..3"):
         join_groups(rows[:1], 4)

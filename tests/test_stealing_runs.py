@@ -44,6 +44,12 @@ def rollouts(run_dir: Path) -> dict[tuple, tuple]:
     return {(r["step"], r["prompt_id"], r["sample"]): (r["length"], r["reward"], r["rank"]) for r in rows}
 
 
+def generated_on(run_dir: Path) -> dict[tuple, int]:
+    """(step, prompt, sample) -> the rank that generated it (what the simulator replays per rank)."""
+    rows = [json.loads(x) for x in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    return {(r["step"], r["prompt_id"], r["sample"]): r["gen_rank"] for r in rows}
+
+
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -81,6 +87,11 @@ def test_a_rank_that_generates_the_other_ranks_shard_gives_the_same_tokens(char_
     rows = steps(run)
     assert [r["rollout/units_stolen"] for r in rows] == [2.0, 2.0]  # rank 1's 2 groups, each step, made on rank 0
     assert_same_run(static_run, run)
+    assert set(generated_on(run).values()) == {0}  # the records say so, though rank 1 trained on half
+    assert {r for _, _, r in rollouts(run).values()} == {0, 1}
+    static = generated_on(static_run)  # its loader shards: each rank makes 2 whole groups a step
+    assert sorted(sum(1 for (s, _, _), r in static.items() if s == 1 and r == rank) for rank in (0, 1)) == [8, 8]
+    assert all(static[(s, p, k)] == static[(s, p, 0)] for s, p, k in static)
 
 
 @pytest.mark.slow
@@ -90,6 +101,7 @@ def test_split_groups_with_speculation_are_the_same_run_as_whole_groups(char_mod
                     "engine.spec.verify_tokens=4")
     assert_same_run(static_run, run)
     assert not any("rollout/units_stolen" in r for r in steps(run))  # every group is made on both ranks: none stolen
+    assert all(rank == sample // 2 for (_, _, sample), rank in generated_on(run).items())  # samples 0-1 on rank 0
 
 
 @pytest.mark.slow
