@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from common.atomic import atomic_write  # noqa: E402
 from sim.project import Projection  # noqa: E402
 from sim.step import StepResult  # noqa: E402
-from sim.sweeps import SweepPoint  # noqa: E402
+from sim.sweeps import SplitPoint, SweepPoint  # noqa: E402
 
 if TYPE_CHECKING:
     from sim.placement import PlacementRow
@@ -88,6 +88,21 @@ def plot_tail(points: list[SweepPoint], path: str | Path, title: str) -> None:
     ax.plot([p.x for p in points], [p.step_speedup for p in points], marker="o", label="step")
     ax.set_xlabel("lognormal sigma of response length (median fixed)")
     ax.set_ylabel("speculation speedup (x)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=9)
+    _save(fig, path)
+
+
+def plot_split(points: list[SplitPoint], path: str | Path, title: str) -> None:
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    x = [p.prompt_share for p in points]
+    ax.plot(x, [p.split_step for p in points], marker="o", label="split alone")
+    ax.plot(x, [p.spec_spot_step for p in points], marker="o", label="spec+spot")
+    ax.plot(x, [p.spec_spot_split_step for p in points], marker="o", label="spec+spot+split")
+    ax.set_xlabel("share of log-length variance between prompts")
+    ax.set_ylabel("step speedup over the baseline (x)")
+    ax.axhline(1.0, color="#bbbbbb", lw=0.8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     ax.set_title(title, fontsize=9)

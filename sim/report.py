@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sim.config import Scenario
-from sim.plots import plot_accept, plot_depth, plot_scaling, plot_tail, plot_timeline
+from sim.plots import plot_accept, plot_depth, plot_scaling, plot_split, plot_tail, plot_timeline
 from sim.project import markdown_table, project, step_lengths
 from sim.step import Techniques, simulate_step
 from sim.sweeps import SplitPoint, SweepPoint, accept_sweep, ceiling_limit, depth_sweep, prompt_share_sweep, tail_sweep
@@ -64,6 +64,9 @@ def scenario_report(scn: Scenario, out: Path | None = None, checks: bool = False
         split = prompt_share_sweep(scn, ref, scn.sweep.prompt_shares)
         parts += ["", f"Split groups at {ref} devices against the share of log-length variance between prompts "
                   "(speedups over the baseline):", "", _split_table(split)]
+        if out is not None:
+            plot_split(split, out / f"{scn.name}_split.png",
+                       f"{scn.name}, {ref} devices: split groups")
         if out is not None:
             plot_depth(depth, out / f"{scn.name}_depth.png", f"{scn.name}: chain depth against batch (verify cost)")
             plot_tail(tail, out / f"{scn.name}_tail.png", f"{scn.name}, {small} devices: speedup against tail weight")

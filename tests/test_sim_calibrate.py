@@ -151,7 +151,7 @@ def test_run_writes_report_and_small_plots(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "Analytic limit" in text and "best k" in text and "| 0.9 |" in text.split("Split groups")[1]
     pngs = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
-    assert pngs == [f"small_{k}.png" for k in ("accept", "depth", "scaling", "tail", "timeline")]
+    assert pngs == [f"small_{k}.png" for k in ("accept", "depth", "scaling", "split", "tail", "timeline")]
     assert all((tmp_path / "out" / p).stat().st_size < 150_000 for p in pngs)
     assert (tmp_path / "out" / "small.md").read_text() == text
 
