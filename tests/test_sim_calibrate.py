@@ -139,7 +139,9 @@ def test_command_lines_calibrate_validate_and_project(tmp_path, capsys):
     assert validate_cli.main(["--calibrate-on", str(a), "--predict", str(b), "--tolerance", "0.0001"]) == 1
     capsys.readouterr()
     assert run_cli.main(["--scenario", str(out), "cluster.devices=[2,4]", "steps=1"]) == 0
-    assert "| 4 | spec |" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "| 4 | spec |" in text
+    assert "| 4 | spec+spot+split |" in text  # 2 samples a prompt, resampled by prompt: split has rows to act on
 
 
 def test_run_writes_report_and_small_plots(tmp_path, capsys):
