@@ -54,6 +54,20 @@ def test_logprobs_equal_log_softmax_of_hf_logits_at_the_next_token(model_dir):
     torch.testing.assert_close(out.hidden_layers[2][real], ref.hidden_states[2][real], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_the_forward_without_a_padding_mask_gives_each_real_token_what_the_masked_forward_gives(hf_folders, family):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_folders[family], dtype=torch.float32).eval()
+    batch = make_batch()
+    with torch.no_grad():
+        out = policy_forward(model, batch.input_ids, batch.attention_mask)
+        masked = torch.log_softmax(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits, -1)
+    picked = masked[:, :-1].gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
+    real = batch.attention_mask[:, 1:].bool()
+    torch.testing.assert_close(out.logprobs[:, 1:][real], picked[real], atol=1e-5, rtol=1e-5)
+
+
 def test_a_row_with_a_real_token_after_a_pad_is_refused_by_name(model_dir):
     batch = make_batch()
     left_padded = batch.attention_mask.flip(-1)  # pads first: the causal forward would let real tokens see them

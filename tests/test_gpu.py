@@ -41,3 +41,22 @@ def test_cuda_speculative_rollouts_equal_autoregressive(hf_folders):
     ar = RolloutEngine(target, EngineConfig(max_batch=8, max_len=64, device="cuda")).generate(requests(), PARAMS)
     sp = RolloutEngine(target, cfg, drafter).generate(requests(), PARAMS)
     assert [r.tokens for r in sp] == [r.tokens for r in ar]
+
+
+def test_cuda_actor_forward_without_a_padding_mask_equals_the_masked_forward_at_real_tokens(hf_folders):
+    # pipeline.actors.forward.policy_forward gives the model no padding mask (right-padded rows,
+    # causal attention); on CUDA the unmasked SDPA path must agree with the masked one too.
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.actors.forward import policy_forward
+    from tests.mp.actor_worker import make_batch
+
+    model = AutoModelForCausalLM.from_pretrained(hf_folders["qwen2"], dtype=torch.float32).cuda().eval()
+    batch = make_batch()
+    ids, mask = batch.input_ids.cuda(), batch.attention_mask.cuda()
+    with torch.no_grad():
+        out = policy_forward(model, ids, mask)
+        masked = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), -1)
+    picked = masked[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    real = mask[:, 1:].bool()
+    torch.testing.assert_close(out.logprobs[:, 1:][real], picked[real], atol=1e-4, rtol=1e-4)
