@@ -172,3 +172,17 @@ def test_sensitivity_varies_one_key_and_can_grow_the_batch_with_the_devices(tmp_
     fixed, grown = speedups(scn, [2, 4]), speedups(scn, [2, 4], rows_per_device=32)
     assert fixed[(2, "spec")] == pytest.approx(grown[(2, "spec")])  # 32 rows a device at 2 devices: the scenario's 64
     assert fixed[(4, "spec")] != pytest.approx(grown[(4, "spec")])
+
+
+def test_sensitivity_shows_split_groups_paying_only_once_a_prompts_samples_are_alike(tmp_path):
+    from launch.config import save_config
+    from sim.sensitivity import WITH_SPLIT, variation_rows
+
+    path = tmp_path / "s.yaml"
+    rows_cost = LatencySpec(kind="fitted", base_s=0.001, query_s=5e-4)  # a pass costs more with more rows, as on a CPU
+    save_config(scenario("colocated", cluster=ClusterSpec(devices=[4], max_batch=64), latency=rows_cost, steps=32), path)
+    table = variation_rows(str(path), [], ["rollout.lengths.prompt_share=0.95"], [4], WITH_SPLIT).splitlines()
+    assert table[0] == "| variation | spec @ 4 | spec+spot @ 4 | spec+spot+split @ 4 |"
+    as_is, alike = ([float(x.strip(" x|")) for x in row.split(" | ")[1:]] for row in table[2:])
+    assert as_is[2] == pytest.approx(as_is[1], rel=0.05)  # each response drawn alone: split changes ~nothing
+    assert alike[2] > alike[1]
