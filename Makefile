@@ -171,7 +171,7 @@ bench-bubble: setup $(TINY_READY)
 		engine.spec.max_active_batch=null
 
 bench-longtail: setup $(TINY_READY)
-	$(PY) -m bench.longtail --model $(TINY) --drafter checkpoints/tiny-reason-drafter --requests 16 --n 4 \
+	$(PY) -m bench.longtail --model $(TINY) --drafter checkpoints/tiny-reason-drafter --requests 16 --n 4 --repeats 5 \
 		--plot docs/figures/longtail_tiny.png
 
 # Spot training is free and keeps the drafter on the policy: 20 steps at a learning rate that moves it.

@@ -13,6 +13,9 @@ seed, timed end to end for each policy on the same requests:
   it explores only arms within `--explore-within` of its bucket's best (a deep draft over 256
   rows costs as much as twenty plain steps: exploring it at random lost more than the tail gains).
 
+With `--repeats R` the whole set of runs goes R times in turn (each round's tuner from scratch,
+then from that round's saved state) and each run's time is its median over the rounds: a run of
+the tiny model takes well under a second, where one-off noise moves a single ratio by 5-10%.
 Every run must produce the same tokens (the bench fails otherwise). Prompts: for a model with a
 chat template, test-split prompts of pipeline.tasks.prompts (varied answer lengths); otherwise the
 test problems of a tiny model's task (`--task`: mult, the RL run's, with its long-tailed counts;
@@ -166,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--plot", default=None, help="PNG for the per-step trace of the adaptive runs")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every run; each run's time is its median")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -177,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         depth, topk, verify = limits_of(arms)
         if args.requests < 1 or args.n < 1:
             raise ValueError("--requests and --n must be >= 1")
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
         target = load_checkpoint(args.model, device=args.device)
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         prompts = longtail_prompts(tokenizer, args.requests, args.seed, args.task, args.max_digits, args.tail)
@@ -204,23 +210,28 @@ def main(argv: list[str] | None = None) -> int:
         if arm is not None:
             timed_rollout(sp, FixedPolicy(arm), warm, warm_params)
 
-    seconds, runs = {}, {}
-    t = time.perf_counter()
-    ref = ar.generate(requests, params)
-    seconds["off"] = t_ar = time.perf_counter() - t
-    runs["off"] = ref
-    for label, arm in zip(labels, arms):
-        if arm is not None:
-            runs[label], seconds[label] = timed_rollout(sp, FixedPolicy(arm), requests, params)
     deepest = max((a for a in arms if a is not None), key=lambda a: (a.depth * a.topk, a.verify_tokens))
-    runs["tail"], seconds["tail"] = timed_rollout(sp, TailPolicy(deepest, args.tail_batch), requests, params)
-    scratch = TunerPolicy(arms, args.buckets, epsilon=args.epsilon, seed=args.seed, explore_within=args.explore_within)
-    runs["adaptive_scratch"], seconds["adaptive_scratch"] = timed_rollout(sp, scratch, requests, params)
-    warm_tuner = TunerPolicy(arms, args.buckets, epsilon=args.epsilon, seed=args.seed + 1, explore_within=args.explore_within)
-    warm_tuner.load_state_dict(json.loads(json.dumps(scratch.state_dict())))  # as a checkpoint carries it
-    runs["adaptive"], seconds["adaptive"] = timed_rollout(sp, warm_tuner, requests, params)
-
-    identical = all([a.tokens for a in out] == [a.tokens for a in ref] for out in runs.values())
+    rounds: list[dict[str, float]] = []  # per round: run -> seconds
+    identical = True
+    for _ in range(args.repeats):
+        seconds, runs = {}, {}
+        t = time.perf_counter()
+        runs["off"] = ar.generate(requests, params)
+        seconds["off"] = time.perf_counter() - t
+        for label, arm in zip(labels, arms):
+            if arm is not None:
+                runs[label], seconds[label] = timed_rollout(sp, FixedPolicy(arm), requests, params)
+        runs["tail"], seconds["tail"] = timed_rollout(sp, TailPolicy(deepest, args.tail_batch), requests, params)
+        scratch = TunerPolicy(arms, args.buckets, epsilon=args.epsilon, seed=args.seed, explore_within=args.explore_within)
+        runs["adaptive_scratch"], seconds["adaptive_scratch"] = timed_rollout(sp, scratch, requests, params)
+        warm_tuner = TunerPolicy(arms, args.buckets, epsilon=args.epsilon, seed=args.seed + 1, explore_within=args.explore_within)
+        warm_tuner.load_state_dict(json.loads(json.dumps(scratch.state_dict())))  # as a checkpoint carries it
+        runs["adaptive"], seconds["adaptive"] = timed_rollout(sp, warm_tuner, requests, params)
+        ref = runs["off"]
+        identical = identical and all([a.tokens for a in out] == [a.tokens for a in ref] for out in runs.values())
+        rounds.append(seconds)
+    seconds = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    t_ar = seconds["off"]
     best = min(labels, key=lambda k: seconds[k])  # the fixed arms, off (autoregressive) included
     tokens = sum(len(r.tokens) for r in ref)
     lengths = sorted(len(r.tokens) for r in ref)
@@ -239,9 +250,13 @@ def main(argv: list[str] | None = None) -> int:
         "tuner_medians": tuner_medians(warm_tuner, labels),
         "draft_ms_per_row": draft_after_switch([runs["tail"], runs["adaptive_scratch"], runs["adaptive"]]),
         "explore_within": args.explore_within,
+        "repeats": args.repeats,
+        "adaptive_vs_ar_by_round": [round(r["off"] / r["adaptive"], 3) for r in rounds],
         "by_batch": {k: by_batch(runs[k].steps, [1, 2, 5, 21, 65]) for k in labels},
     }
-    print(f"cpu: {cpu_model()}; {len(ref)} rollouts, {tokens} tokens, lengths p50/p90/max {result['length_p50_p90_max']}", file=sys.stderr)
+    print(f"cpu: {cpu_model()}; {len(ref)} rollouts, {tokens} tokens, lengths p50/p90/max {result['length_p50_p90_max']}"
+          + (f"; medians of {args.repeats} rounds (adaptive vs ar by round: {result['adaptive_vs_ar_by_round']})"
+             if args.repeats > 1 else ""), file=sys.stderr)
     print(f"{'run':>18} {'wall s':>8} {'vs ar':>6} {'steps':>6} {'accept len':>10}", file=sys.stderr)
     for k, v in seconds.items():
         acc = result["accept_len"].get(k, 1.0)

@@ -14,7 +14,7 @@ def test_every_policy_gives_the_autoregressive_tokens_and_the_json_has_the_ratio
     plot = tmp_path / "trace.png"
     rc = longtail.main(["--model", str(char_model_dir), "--drafter", str(char_drafter_dir), "--requests", "3", "--n", "2",
                         "--arms", "off,d2k1v2,d3k2v4", "--new-tokens", "12", "--tail-batch", "2", "--threads", "1",
-                        "--plot", str(plot), "--json"])
+                        "--plot", str(plot), "--repeats", "2", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0
     assert out["identical"] is True
@@ -23,7 +23,14 @@ def test_every_policy_gives_the_autoregressive_tokens_and_the_json_has_the_ratio
     assert set(out["seconds"]) == {"off", "d2k1v2", "d3k2v4", "tail", "adaptive_scratch", "adaptive"}
     assert out["adaptive_vs_best_fixed"] == pytest.approx(out["seconds"][out["best_fixed"]] / out["seconds"]["adaptive"], rel=0.01)
     assert out["rollouts"] == 6
+    assert out["repeats"] == 2 and len(out["adaptive_vs_ar_by_round"]) == 2
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_repeat_count_below_one_is_refused(char_model_dir, char_drafter_dir, capsys):
+    rc = longtail.main(["--model", str(char_model_dir), "--drafter", str(char_drafter_dir), "--repeats", "0"])
+    assert rc == 1
+    assert "--repeats must be >= 1" in capsys.readouterr().err
 
 
 def test_an_arm_set_without_a_draft_shape_is_refused(char_model_dir, char_drafter_dir, capsys):
