@@ -144,3 +144,41 @@ def test_a_chain_drafted_with_the_steps_noise_is_the_chain_drafted_with_its_own(
         )
         drafts.append(drafter.propose(ctx).tokens.tolist())
     assert drafts[0] == drafts[1] and len(drafts[0]) == D
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["compiled", "python"])
+def test_a_verified_chain_prefix_keeps_its_draft_entries_and_only_the_rest_waits_for_catch_up(target, reference):
+    from engine.spec.verify import Verdict
+
+    torch.manual_seed(2)
+    drafter = EagleDrafter(EagleModel(EagleConfig.for_target(target.config), target), reference=reference)
+    prompt = torch.tensor([[5, 9, 14, 20, 7, 3, 12]])
+    with torch.no_grad():
+        out = target(prompt, torch.arange(7)[None], hidden_layers=drafter.feature_layers)
+    feats = torch.cat([out.layer_hidden[i] for i in drafter.feature_layers] + [out.hidden], -1)
+    params, shape = SamplingParams(temperature=0.0), DraftShape(depth=4, topk=1, verify_tokens=4)
+    drafter.reset(2, 64, params, shape)
+    drafter.admit(Admission(slots=torch.arange(2), owner=torch.zeros(2, dtype=torch.long), tokens=prompt,
+                            lengths=torch.tensor([7]), features=feats, first_tokens=torch.full((2,), 11)))
+    ctx = DraftContext(
+        roots=torch.full((2,), 11), positions=torch.zeros(2, dtype=torch.long),
+        keys=row_keys(0, 0, torch.full((2,), 3), torch.zeros(2, dtype=torch.long)), responses=torch.full((2, 1), 11),
+        generated=torch.ones(2, dtype=torch.long), prompts=[prompt[0]] * 2, prompt_ids=["p"] * 2,
+        samples=torch.zeros(2, dtype=torch.long), drafts=[None] * 2, params=params, shape=shape,
+    )
+    drafted = drafter.propose(ctx).tokens.view(2, 4)
+    lengths = drafter.cache.lengths[:2].clone()  # after the catch-up: nothing pending
+    assert drafter.pend_n[:2].tolist() == [0, 0]
+    # Row 0 verified the chain's first 2 tokens, then a bonus 7; row 1's first token is not the
+    # chain's (another drafter's draft in a composition): it keeps nothing.
+    tokens = torch.stack([torch.cat([drafted[0, :2], torch.tensor([7, 0, 0])]),
+                          torch.cat([(drafted[1, :1] + 1) % 40, drafted[1, 1:2], torch.tensor([7, 0, 0])])])
+    two = torch.tensor([2, 2])
+    verdict = Verdict(accepted=torch.zeros(2, 4, dtype=torch.bool), num_accepted=two, last_index=two,
+                      path=torch.tensor([[0, 1, -1, -1]] * 2), tokens=tokens, num_emitted=two + 1, chain=True)
+    features = torch.randn(2, 5, feats.shape[-1])
+    drafter.update(verdict, features)
+    assert drafter.cache.lengths[:2].tolist() == [int(lengths[0]) + 2, int(lengths[1])]
+    assert drafter.pend_n[:2].tolist() == [1, 3]  # row 0: only the bonus pair; row 1: all three
+    assert drafter.pend_tok[0, 0] == 7 and torch.equal(drafter.pend_feat[0, 0], features[0, 2])
+    assert torch.equal(drafter.pend_tok[1, :3], tokens[1, :3]) and torch.equal(drafter.pend_feat[1, :3], features[1, :3])
