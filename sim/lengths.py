@@ -8,6 +8,7 @@ Randomness comes only from the `numpy.random.Generator` passed in.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -40,36 +41,36 @@ def draw_lengths(spec: LengthSpec, prompts: int, samples: int, rng: np.random.Ge
     return rng.choice(np.asarray(empirical, dtype=np.int64), size=n, replace=True)
 
 
-def read_rollout_lengths(path: str | Path) -> np.ndarray:
-    """The `length` of every line of a rollouts.jsonl, [n] int64."""
+def _records(path: str | Path) -> Iterator[tuple[str, dict]]:
+    """(where, record) of every line of a rollouts.jsonl; `where` is `path:line` for errors."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"rollouts file not found: {path} (expected runs/<run>/rollouts.jsonl)")
-    out = []
     for i, line in enumerate(path.read_text().splitlines()):
         if line.strip():
-            rec = json.loads(line)
-            if "length" not in rec:
-                raise ValueError(f"{path}:{i + 1}: a rollout record needs a 'length' field")
-            out.append(int(rec["length"]))
+            yield f"{path}:{i + 1}", json.loads(line)
+
+
+def read_rollout_lengths(path: str | Path) -> np.ndarray:
+    """The `length` of every line of a rollouts.jsonl, [n] int64."""
+    out = []
+    for where, rec in _records(path):
+        if "length" not in rec:
+            raise ValueError(f"{where}: a rollout record needs a 'length' field")
+        out.append(int(rec["length"]))
     return np.asarray(out, dtype=np.int64)
 
 
 def read_lengths_by_prompt(path: str | Path, samples: int) -> np.ndarray:
     """[K, samples] int64: a rollouts.jsonl's response lengths, one row per prompt of each step
     (its samples by `sample` index) that holds exactly `samples` responses."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"rollouts file not found: {path} (expected runs/<run>/rollouts.jsonl)")
     prompts: dict[tuple, dict[int, int]] = {}
-    for i, line in enumerate(path.read_text().splitlines()):
-        if line.strip():
-            rec = json.loads(line)
-            missing = [k for k in ("step", "prompt_id", "sample", "length") if k not in rec]
-            if missing:
-                raise ValueError(f"{path}:{i + 1}: rollout.lengths.by_prompt needs the fields {missing} in every "
-                                 "record (a rollouts.jsonl the RL loop wrote)")
-            prompts.setdefault((rec["step"], rec["prompt_id"]), {})[int(rec["sample"])] = int(rec["length"])
+    for where, rec in _records(path):
+        missing = [k for k in ("step", "prompt_id", "sample", "length") if k not in rec]
+        if missing:
+            raise ValueError(f"{where}: rollout.lengths.by_prompt needs the fields {missing} in every record "
+                             "(a rollouts.jsonl the RL loop wrote)")
+        prompts.setdefault((rec["step"], rec["prompt_id"]), {})[int(rec["sample"])] = int(rec["length"])
     whole = [[p[s] for s in range(samples)] for p in prompts.values() if sorted(p) == list(range(samples))]
     if not whole:
         raise ValueError(f"{path}: no prompt has exactly {samples} samples in one step; set "

@@ -35,6 +35,18 @@ def _save(fig, path: str | Path) -> None:
     plt.close(fig)
 
 
+def _finish(fig, ax, path: str | Path, title: str, xlabel: str, ylabel: str, unit_line: bool = False) -> None:
+    """Labels, grid, legend and title of a single-axes line plot, then the PNG."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if unit_line:
+        ax.axhline(1.0, color="#bbbbbb", lw=0.8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=9)
+    _save(fig, path)
+
+
 def plot_scaling(rows: list[Projection], path: str | Path, title: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharex=True)
     for combo in dict.fromkeys(r.combo for r in rows):
@@ -61,37 +73,21 @@ def plot_accept(points: list[SweepPoint], path: str | Path, title: str) -> None:
     ax.plot(x, [p.rollout_speedup for p in points], marker="o", label="rollout (simulated)")
     ax.plot(x, [p.step_speedup for p in points], marker="o", label="step (simulated)")
     ax.plot(x, [p.ceiling for p in points], ls="--", color="k", label="step ceiling 1/(R/a+1-R)")
-    ax.set_xlabel("accept length (tokens per verify pass)")
-    ax.set_ylabel("speedup (x)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title(title, fontsize=9)
-    _save(fig, path)
+    _finish(fig, ax, path, title, "accept length (tokens per verify pass)", "speedup (x)")
 
 
 def plot_depth(sweep: dict[int, list[SweepPoint]], path: str | Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     for batch, points in sweep.items():
         ax.plot([p.x for p in points], [p.rollout_speedup for p in points], marker="o", label=f"batch {batch}")
-    ax.set_xlabel("chain draft depth k")
-    ax.set_ylabel("rollout speedup (x)")
-    ax.axhline(1.0, color="#bbbbbb", lw=0.8)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title(title, fontsize=9)
-    _save(fig, path)
+    _finish(fig, ax, path, title, "chain draft depth k", "rollout speedup (x)", unit_line=True)
 
 
 def plot_tail(points: list[SweepPoint], path: str | Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     ax.plot([p.x for p in points], [p.rollout_speedup for p in points], marker="o", label="rollout")
     ax.plot([p.x for p in points], [p.step_speedup for p in points], marker="o", label="step")
-    ax.set_xlabel("lognormal sigma of response length (median fixed)")
-    ax.set_ylabel("speculation speedup (x)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title(title, fontsize=9)
-    _save(fig, path)
+    _finish(fig, ax, path, title, "lognormal sigma of response length (median fixed)", "speculation speedup (x)")
 
 
 def plot_split(points: list[SplitPoint], path: str | Path, title: str) -> None:
@@ -100,13 +96,8 @@ def plot_split(points: list[SplitPoint], path: str | Path, title: str) -> None:
     ax.plot(x, [p.split_step for p in points], marker="o", label="split alone")
     ax.plot(x, [p.spec_spot_step for p in points], marker="o", label="spec+spot")
     ax.plot(x, [p.spec_spot_split_step for p in points], marker="o", label="spec+spot+split")
-    ax.set_xlabel("share of log-length variance between prompts")
-    ax.set_ylabel("step speedup over the baseline (x)")
-    ax.axhline(1.0, color="#bbbbbb", lw=0.8)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title(title, fontsize=9)
-    _save(fig, path)
+    _finish(fig, ax, path, title, "share of log-length variance between prompts", "step speedup over the baseline (x)",
+            unit_line=True)
 
 
 LAYOUT_STYLE = {"colocated": "-", "separated": "--", "separated+async": ":"}

@@ -20,7 +20,7 @@ import numpy as np
 
 from sim.config import ArmSpec, ClusterSpec, LatencySpec, PlacementSpec, Scenario, SpecSpec
 from sim.latency import build_latency
-from sim.project import simulate_steps
+from sim.project import COMBOS, SPLIT_COMBOS, project, simulate_steps
 from sim.schedule import chain_arm
 from sim.step import Techniques
 
@@ -114,12 +114,11 @@ class SplitPoint:
 
 def prompt_share_sweep(scn: Scenario, devices: int, shares: list[float]) -> list[SplitPoint]:
     """rollout.lengths.prompt_share varied (a lognormal at the scenario's median and sigma)."""
+    combos = {"baseline": COMBOS["baseline"], "spec+spot": COMBOS["spec+spot"], **SPLIT_COMBOS}
     out = []
     for share in shares:
         lengths = replace(scn.rollout.lengths, kind="lognormal", prompt_share=share, by_prompt=False)
-        at = replace(scn, rollout=replace(scn.rollout, lengths=lengths))
-        roll, step, _ = speedups(at, devices, Techniques(split=True))
-        _, spot, _ = speedups(at, devices, Techniques(spec=True, spot=True))
-        _, both, _ = speedups(at, devices, Techniques(spec=True, spot=True, split=True))
-        out.append(SplitPoint(share, roll, step, spot, both))
+        rows = {r.combo: r for r in project(replace(scn, rollout=replace(scn.rollout, lengths=lengths)), combos, [devices])}
+        out.append(SplitPoint(share, rows["split"].rollout_speedup, rows["split"].step_speedup,
+                              rows["spec+spot"].step_speedup, rows["spec+spot+split"].step_speedup))
     return out

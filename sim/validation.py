@@ -87,11 +87,10 @@ def predicted_spec(calibrated: Scenario, run: MeasuredRun) -> SpecSpec | None:
     """The speculation the predicted run ran (`sim.fit.fit_schedule`: its most used shape at each
     batch size), with the calibration's accept lengths; None when it never speculated."""
     spec = fit_schedule(run.decode_steps, calibrated.spec.arms)
-    used = [b.arm for b in spec.buckets] if spec.schedule == "buckets" else [spec.arm]
     if spec.arm is None and not spec.buckets:
         return None
     known = {a.name for a in calibrated.spec.arms}
-    for shape in used:
+    for shape in [b.arm for b in spec.buckets] if spec.schedule == "buckets" else [spec.arm]:
         if shape != "off" and shape not in known:
             raise ValueError(f"{run.name} ran shape {shape!r}, which the calibration run never ran, so its accept "
                              f"length is unknown (calibrated shapes: {', '.join(sorted(known)) or 'none'})")
