@@ -3,8 +3,9 @@
     rewards -> advantages (pipeline.algorithms) -> a TrainBatch (pipeline.train_batch)
     -> old log-probs (the engine's, or the actor's forward) and reference log-probs
     -> the asynchronous mode's truncated importance weight on the advantages
-    -> PPO epochs over mini-batches (the actor backend's update with the algorithm's loss; rows of
-       advantage 0 left out when no KL term reaches them: trainer.skip_zero_advantage)
+    -> PPO epochs over mini-batches (those the schedule dealt, else even chunks of the rows; the
+       actor backend's update with the algorithm's loss; rows of advantage 0 left out when no KL
+       term reaches them: trainer.skip_zero_advantage)
 
 `ranks` are the data-parallel ranks of the actor (the whole job when colocated, the actor group
 when separated: pipeline.placement); loss weights are normalised over the mini-batch of all of
@@ -75,7 +76,8 @@ class Learner:
             ratio = (batch.old_logprobs - batch.engine_logprobs).clamp(max=20).exp().clamp(max=self.cfg.trainer.is_cap)
             batch.advantages = batch.advantages * torch.where(batch.response_mask.bool(), ratio, 0)
         t = time.perf_counter()
-        metrics.update(self._update(batch))
+        metrics.update(self._update(batch, mini_batch_rows(len(scored.batch), scored.n, scored.mini_batch_groups,
+                                                           self.cfg.trainer.mini_batches)))
         return metrics, logprob_s, time.perf_counter() - t
 
     def train_batch(self, scored: ScoredRollouts) -> tuple[TrainBatch, dict[str, float]]:
@@ -100,15 +102,14 @@ class Learner:
             metrics["spot/entries_put"] = all_sum(self.r, float(put))  # over all ranks
         return metrics
 
-    def _update(self, batch: TrainBatch) -> dict[str, float]:
+    def _update(self, batch: TrainBatch, mini_batches: list[torch.Tensor]) -> dict[str, float]:
         tc = self.cfg.trainer
-        rows = torch.arange(batch.size)
         sums: dict[str, float] = {}
         count = 0
         first: dict[str, float] = {}
         tokens = kept = 0.0  # response tokens of the mini-batches, and of the rows that went through the actor
         for epoch in range(tc.ppo_epochs):
-            for chunk in rows.chunk(tc.mini_batches):
+            for chunk in mini_batches:
                 mb = batch.select(chunk)
                 mb.loss_weights = self._global_weights(mb.response_mask)  # normalised over every row
                 tokens += float(mb.response_mask.sum())
@@ -145,3 +146,16 @@ class Learner:
 def row_prompts(scored: ScoredRollouts) -> list[list[int]]:
     """The prompt of each rollout (row) of the batch: rollouts come n per prompt."""
     return [scored.prompts[i // scored.n] for i in range(len(scored.batch))]
+
+
+def mini_batch_rows(rows: int, n: int, groups: list[int] | None, mini_batches: int) -> list[torch.Tensor]:
+    """A rank's rows of each mini-batch: `groups` groups of n rows each, as the schedule dealt them
+    (balanced over the ranks in each mini-batch: pipeline.shares.mini_batch_shares), else (None)
+    `mini_batches` even chunks of the rows."""
+    index = torch.arange(rows)
+    if groups is None:
+        return list(index.chunk(mini_batches))
+    if len(groups) != mini_batches or sum(groups) * n != rows:
+        raise ValueError(f"the rollouts came as mini-batches of {groups} groups of {n} ({rows} rows); the trainer "
+                         f"takes trainer.mini_batches={mini_batches}")
+    return list(index.split([g * n for g in groups]))

@@ -30,6 +30,9 @@ class ScoredRollouts:
     # [N] the rank that generated each rollout, where rows came from other ranks (the schedule's
     # exchange, a separated run's shipments); None: all generated here. The simulator's records.
     generated_on: list[int] | None = None
+    # the count of groups in each of this rank's mini-batches, in order, where the schedule dealt
+    # the mini-batches (trainer.train_shares=tokens); None: the learner cuts the rows evenly.
+    mini_batch_groups: list[int] | None = None
 
     @property
     def lengths(self) -> torch.Tensor:  # [N]

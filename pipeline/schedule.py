@@ -12,9 +12,11 @@ Chosen once from the config (`rollout.work_stealing`, `rollout.split_groups`, `r
   requests, or the plan (a token-balanced deal, each list longest first), follow the predicted
   lengths (pipeline.lengths: a prompt's history, else the running mean).
 - *training share*: which groups each rank trains (pipeline.shares: its loader shard, or a
-  token-balanced share), a function of the whole step's batch only. Where rows were generated
+  token-balanced share of each mini-batch, its mini-batches in order), a function of the whole
+  step's batch only. Where rows were generated
   elsewhere than they are trained, `share` exchanges them (all_gather_object over the process
-  group) after the idle window: every rank then holds its share in global order, the same rows,
+  group) after the idle window: every rank then holds its share (its mini-batches in turn, each in
+  global order), the same rows,
   bits and order whichever rank generated them, so stealing or split groups on or off is the same
   run. Split groups are joined there, their samples in order.
 
@@ -40,7 +42,7 @@ from engine.types import RolloutBatch
 from pipeline.dist import Ranks
 from pipeline.lengths import LengthPredictor, correlation, long_first
 from pipeline.rollouts import ScoredRollouts, requests_for, score
-from pipeline.shares import shard_shares, split_samples, token_shares, update_tokens
+from pipeline.shares import mini_batch_shares, shard_shares, split_samples, update_tokens
 from pipeline.stealing import StealingSource, UnitQueue, default_inflight, plan_units
 from pipeline.tasks import Problem
 
@@ -118,7 +120,8 @@ class RolloutSchedule:
         return self.inflight or default_inflight(groups, self.n, self.r.world)
 
     def share(self, local: ScoredRollouts) -> tuple[ScoredRollouts, dict[str, float]]:
-        """The rollouts this rank trains on, in global order, and the step's scheduling metrics."""
+        """The rollouts this rank trains on (its mini-batches in turn, each in global order), and the step's
+        scheduling metrics."""
         plan = self.plan
         assert plan is not None, "share() follows generate()"
         index = {p.id: i for i, p in enumerate(plan.problems)}
@@ -134,22 +137,20 @@ class RolloutSchedule:
         parts = self._all((mine, (plan.started, plan.source.last_at if plan.source else None, plan.ended)))
         units = join_groups([row for rows, _ in parts for row in rows], self.n)
         G, world = len(plan.problems), self.r.world
+        sizes = None  # groups of each of this rank's mini-batches, where the deal chose them
         if self.train_shares == "tokens":
-            shares = token_shares([update_tokens([len(ro.tokens) for ro in units[g][2]], units[g][3], self.equal_rewards_free)
-                                   for g in range(G)], world)
-            if min(len(share) for share in shares) * self.n < self.mini_batches:  # every rank takes every optimiser step
-                raise ValueError(f"trainer.train_shares=tokens left a rank {min(len(share) for share in shares) * self.n} "
-                                 f"rows, fewer than trainer.mini_batches={self.mini_batches}: lower trainer.mini_batches, "
-                                 "raise trainer.prompts_per_step, or use trainer.train_shares=shard")
+            cells = mini_batch_shares([update_tokens([len(ro.tokens) for ro in units[g][2]], units[g][3],
+                                                     self.equal_rewards_free) for g in range(G)], world, self.mini_batches)
+            chosen = [g for cell in cells[self.r.rank] for g in cell]
+            sizes = [len(cell) for cell in cells[self.r.rank]]
         else:
-            shares = shard_shares(G, world)
-        chosen = shares[self.r.rank]
+            chosen = shard_shares(G, world)[self.r.rank]
         batch = RolloutBatch(rollouts=[ro for g in chosen for ro in units[g][2]], steps=local.batch.steps,
                              prefill_s=local.batch.prefill_s, wall_s=local.batch.wall_s,
                              policy_version=local.batch.policy_version, counters=local.batch.counters)
         scored = ScoredRollouts(problems=[plan.problems[g] for g in chosen], prompts=[units[g][1] for g in chosen],
                                 batch=batch, rewards=torch.tensor([x for g in chosen for x in units[g][3]]), n=self.n,
-                                generated_on=[k for g in chosen for k in units[g][4]])
+                                generated_on=[k for g in chosen for k in units[g][4]], mini_batch_groups=sizes)
         home = {g: k for k, s in enumerate(shard_shares(G, world)) for g in s}
         metrics = {} if self.split else {"rollout/units_stolen": float(sum(home[g] != units[g][0] for g in range(G)))}
         if self.stealing:

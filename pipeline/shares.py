@@ -14,6 +14,10 @@ order whichever way the rollout was placed, and the run stays bit for bit the sa
   rank's groups then in global order: ranks finish their updates together when
   lengths are long-tailed. A different assignment from `shard_shares` sums gradients in another
   order, so it is a different (equally valid) run, not the same bits.
+- `mini_batch_shares`: the same deal over (mini-batch, rank) cells, each mini-batch holding an
+  equal count of groups: every mini-batch ends in a gradient all-reduce that waits for its
+  slowest rank, so it is each mini-batch that must be balanced over the ranks, not only the
+  step. With one mini-batch it is `token_shares`.
 - `update_tokens`: what a group weighs in `token_shares`: its response tokens, or 0 when the
   update leaves it out (rewards all equal: advantage 0, pipeline.learner).
 - `generation_shares`: which groups each rollout rank of a separated placement generates.
@@ -37,15 +41,32 @@ def shard_shares(groups: int, world: int) -> list[list[int]]:
 
 def token_shares(group_tokens: Sequence[int], world: int) -> list[list[int]]:
     """Longest-first greedy balance of the groups' token counts over `world` ranks."""
-    if world < 1:
-        raise ValueError(f"world must be >= 1, got {world}")
-    load = [0] * world
-    shares: list[list[int]] = [[] for _ in range(world)]
-    for g in sorted(range(len(group_tokens)), key=lambda g: (-group_tokens[g], g)):
-        r = min(range(world), key=lambda r: (load[r], len(shares[r]), r))
-        shares[r].append(g)
-        load[r] += group_tokens[g]
-    return [sorted(s) for s in shares]
+    return [cells[0] for cells in mini_batch_shares(group_tokens, world, 1)]
+
+
+def mini_batch_shares(group_tokens: Sequence[int], world: int, mini_batches: int) -> list[list[list[int]]]:
+    """[rank][mini-batch] -> groups in global order. Groups go longest first to the cell with the
+    fewest tokens so far (ties: fewer groups, then the lower mini-batch, then the lower rank) among
+    the mini-batches not yet full; mini-batch k holds len(groups) // mini_batches groups, one more
+    for the first len(groups) % mini_batches. Every cell gets a group (the first world *
+    mini_batches groups go to empty cells), so every rank runs a backward in every optimiser step."""
+    if world < 1 or mini_batches < 1:
+        raise ValueError(f"world and mini_batches must be >= 1, got {world} and {mini_batches}")
+    G = len(group_tokens)
+    if G < world * mini_batches:
+        raise ValueError(f"{G} prompt groups cannot give each of {world} ranks a group in each of {mini_batches} "
+                         "mini-batches: lower trainer.mini_batches, raise trainer.prompts_per_step, or use "
+                         "trainer.train_shares=shard")
+    room = [G // mini_batches + (k < G % mini_batches) for k in range(mini_batches)]
+    load = [[0] * world for _ in range(mini_batches)]
+    cells: list[list[list[int]]] = [[[] for _ in range(mini_batches)] for _ in range(world)]
+    for g in sorted(range(G), key=lambda g: (-group_tokens[g], g)):
+        k, r = min(((k, r) for k in range(mini_batches) if room[k] for r in range(world)),
+                   key=lambda c: (load[c[0]][c[1]], len(cells[c[1]][c[0]]), c))
+        cells[r][k].append(g)
+        load[k][r] += group_tokens[g]
+        room[k] -= 1
+    return [[sorted(c) for c in rank] for rank in cells]
 
 
 def update_tokens(lengths: Sequence[int], rewards: Sequence[float], equal_rewards_free: bool) -> int:

@@ -180,6 +180,14 @@ def fit_prefill(run: MeasuredRun) -> float | None:
     return gap / tokens if tokens > 0 else None
 
 
+def step_cut(cuts: dict[int, dict[int, list[list[int]]]] | None, step: int, ranks) -> list[list[np.ndarray]] | None:
+    """A step's [rank][mini-batch] trained lengths from MeasuredRun.trained_mini_batches (None: the
+    records name no mini-batches, so padded_tokens cuts each rank's rows evenly)."""
+    if cuts is None or step not in cuts:
+        return None
+    return [[np.asarray(mb, dtype=np.int64) for mb in cuts[step][r]] for r in ranks]
+
+
 def fit_phases(run: MeasuredRun, prompt: int) -> PhaseSpec:
     """Log-prob and update costs per token (padded, per rank, when config.yaml names the
     trainer's mini-batches; else device-seconds per real token) and the sync time."""
@@ -187,6 +195,7 @@ def fit_phases(run: MeasuredRun, prompt: int) -> PhaseSpec:
     micro = run.setting("actor", "micro_batch_tokens", 0) if mini_batches else 0
     probe = PhaseSpec(mini_batches=mini_batches, ppo_epochs=epochs, micro_batch_tokens=micro)
     by_rank = run.trained_lengths_by_rank()
+    cuts = run.trained_mini_batches()
     seconds: dict[str, float] = defaultdict(float)
     tokens: dict[str, float] = defaultdict(float)
     sync = []
@@ -196,7 +205,7 @@ def fit_phases(run: MeasuredRun, prompt: int) -> PhaseSpec:
         if not parts:
             continue
         if mini_batches:
-            real, padded = padded_tokens(probe, parts, prompt)
+            real, padded = padded_tokens(probe, parts, prompt, step_cut(cuts, step, sorted(by_rank[step])))
             counts = {"logprob": real, "update": padded * epochs}
         else:  # device-seconds per token: seconds x devices / tokens
             per_device = float(sum(p.sum() + len(p) * prompt for p in parts)) / m.get("world_size", 1)

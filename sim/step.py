@@ -220,13 +220,15 @@ def micro_padded(lengths: np.ndarray, budget: int) -> float:
     return padded
 
 
-def padded_tokens(phases: PhaseSpec, parts: list[np.ndarray], prompt_len: int) -> tuple[float, float]:
+def padded_tokens(phases: PhaseSpec, parts: list[np.ndarray], prompt_len: int,
+                  cut: list[list[np.ndarray]] | None = None) -> tuple[float, float]:
     """(the largest rank's real tokens, one epoch's padded tokens) of ranks holding these
     responses ([n_r] lengths in batch order each): every rank cuts its rows into
-    `phases.mini_batches` mini-batches, each into micro-batches (`micro_padded`), and a
+    `phases.mini_batches` mini-batches (`cut`: [rank][mini-batch] rows as a run's records name
+    them; else even chunks of each rank's rows), each into micro-batches (`micro_padded`), and a
     mini-batch waits for its largest rank."""
     real = max(float(p.sum()) + len(p) * prompt_len for p in parts)
-    cut = [chunks(p, phases.mini_batches) for p in parts]
+    cut = cut if cut is not None else [chunks(p, phases.mini_batches) for p in parts]
     padded = 0.0
     for i in range(max(len(c) for c in cut)):
         padded += max((micro_padded(c[i] + prompt_len, phases.micro_batch_tokens) for c in cut if i < len(c)),
@@ -234,14 +236,17 @@ def padded_tokens(phases: PhaseSpec, parts: list[np.ndarray], prompt_len: int) -
     return real, padded
 
 
-def phase_times(scn: Scenario, parts: list[np.ndarray]) -> tuple[float, float, float]:
+def phase_times(scn: Scenario, parts: list[np.ndarray],
+                cut: list[list[np.ndarray]] | None = None) -> tuple[float, float, float]:
     """(log-prob, update, weight-sync) seconds of a colocated step whose trainer ranks (one per
-    device) hold these responses ([n_r] lengths each)."""
-    return (*train_times(scn, parts), colocated_sync_s(scn))
+    device) hold these responses ([n_r] lengths each; `cut`: their mini-batches, padded_tokens)."""
+    return (*train_times(scn, parts, cut), colocated_sync_s(scn))
 
 
-def train_times(scn: Scenario, parts: list[np.ndarray]) -> tuple[float, float]:
-    """(log-prob, update) seconds of trainer ranks (one per device) holding these responses."""
+def train_times(scn: Scenario, parts: list[np.ndarray],
+                cut: list[list[np.ndarray]] | None = None) -> tuple[float, float]:
+    """(log-prob, update) seconds of trainer ranks (one per device) holding these responses
+    (`cut`: their mini-batches, padded_tokens)."""
     ph = scn.phases
     prompt = scn.rollout.prompt_len
     lp, up = ph.logprob_s_per_token, ph.update_s_per_token
@@ -250,7 +255,7 @@ def train_times(scn: Scenario, parts: list[np.ndarray]) -> tuple[float, float]:
         lp = 2 * scn.model.active_b * 1e9 * per_flop if lp is None else lp
         up = 6 * scn.model.active_b * 1e9 * per_flop if up is None else up
     if ph.mini_batches:
-        real, padded = padded_tokens(ph, parts, prompt)
+        real, padded = padded_tokens(ph, parts, prompt, cut)
         return lp * real * ph.logprob_passes, up * padded * ph.ppo_epochs * ph.update_share
     tokens = float(sum(p.sum() for p in parts)) + sum(len(p) for p in parts) * prompt
     devices = len(parts)

@@ -22,7 +22,7 @@ import numpy as np
 
 from sim.config import Scenario, SpecSpec
 from sim.events import simulate_group
-from sim.fit import fit_schedule
+from sim.fit import fit_schedule, step_cut
 from sim.latency import build_latency
 from sim.runs import MeasuredRun, rollout_s
 from sim.schedule import OFF, build_schedule
@@ -119,6 +119,7 @@ def validate(calibrated: Scenario, run: MeasuredRun, calibrated_on: str = "",
     max_batch = max((s.batch_size for s in run.decode_steps), default=scn.cluster.max_batch)
     by_rank = run.lengths_by_rank()
     trained = run.trained_lengths_by_rank()
+    cuts = run.trained_mini_batches()
     out = []
     for m in run.timed_steps():
         step = m["step"]
@@ -129,7 +130,8 @@ def validate(calibrated: Scenario, run: MeasuredRun, calibrated_on: str = "",
         predicted = [simulate_group(lengths, prompt_len=scn.rollout.prompt_len, max_batch=max_batch,
                                     latency=latency, schedule=schedule).time_s if len(lengths) else 0.0
                      for lengths in ranks]
-        lp, up, sync = phase_times(scn, [np.asarray(trained[step].get(r, []), dtype=np.int64) for r in range(world)])
+        lp, up, sync = phase_times(scn, [np.asarray(trained[step].get(r, []), dtype=np.int64) for r in range(world)],
+                                   step_cut(cuts, step, range(world)))
         measured_ranks = tuple(float(m[f"timing/rollout/rank{r}"]) for r in range(world)
                                if f"timing/rollout/rank{r}" in m)
         out.append(StepComparison(
@@ -153,3 +155,4 @@ def report_table(reports: list[ValidationReport], tolerance: float = TOLERANCE) 
                      f"| {r.error('step'):.1%} | {r.error('rank'):.1%} | {speedup} "
                      f"| {'yes' if r.passed(tolerance) else 'no'} |")
     return "\n".join(lines)
+

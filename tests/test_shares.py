@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.shares import shard_shares, split_samples, token_shares, update_tokens
+from pipeline.learner import mini_batch_rows
+from pipeline.shares import mini_batch_shares, shard_shares, split_samples, token_shares, update_tokens
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -62,3 +63,41 @@ def test_split_samples_give_each_rank_an_equal_run_of_every_groups_samples():
     assert [split_samples(8, 4, r) for r in range(4)] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
     with pytest.raises(ValueError, match="make rollout.n a multiple of 2"):
         split_samples(3, 2, 0)
+
+
+def _wait(tokens, cells):
+    """Tokens the ranks' updates take when every mini-batch waits for its largest rank: cells[rank][k]."""
+    return sum(max(sum(tokens[g] for g in rank[k]) for rank in cells) for k in range(len(cells[0])))
+
+
+def test_mini_batch_shares_balance_each_mini_batch_not_only_the_step():
+    tokens = [900, 10, 10, 10, 10, 10, 10, 900]  # the long groups at either end of the step
+    cells = mini_batch_shares(tokens, 2, 2)
+    assert sorted(g for rank in cells for cell in rank for g in cell) == list(range(8))
+    assert [sum(len(rank[k]) for rank in cells) for k in range(2)] == [4, 4]  # equal mini-batches
+    assert all(cell and cell == sorted(cell) for rank in cells for cell in rank)
+    # the step's token shares cut into even halves of each rank's rows (what the learner did before):
+    # rank 0 trains its long group in the first mini-batch, rank 1 in the second, and each waits
+    halves = [[s[: (len(s) + 1) // 2], s[(len(s) + 1) // 2:]] for s in token_shares(tokens, 2)]
+    assert _wait(tokens, halves) == 1820
+    assert _wait(tokens, cells) == 930
+
+
+def test_mini_batch_shares_with_one_mini_batch_are_token_shares():
+    for tokens in ([900, 800, 30, 40, 5, 10, 20, 60], [0, 0, 0, 0], [5, 5, 5, 90, 1, 7]):
+        assert [rank[0] for rank in mini_batch_shares(tokens, 2, 1)] == token_shares(tokens, 2)
+
+
+def test_every_rank_gets_a_group_in_every_mini_batch_even_behind_one_long_group():
+    cells = mini_batch_shares([10_000, 0, 0, 0, 0], 2, 2)  # mini-batches of 3 and 2 groups
+    assert all(cell for rank in cells for cell in rank)
+    assert [sum(len(rank[k]) for rank in cells) for k in range(2)] == [3, 2]
+    with pytest.raises(ValueError, match="lower trainer.mini_batches"):
+        mini_batch_shares([1, 2, 3], 2, 2)
+
+
+def test_the_learner_cuts_the_rows_where_the_schedule_dealt_the_mini_batches():
+    assert [c.tolist() for c in mini_batch_rows(12, 4, [1, 2], 2)] == [[0, 1, 2, 3], list(range(4, 12))]
+    assert [c.tolist() for c in mini_batch_rows(12, 4, None, 2)] == [list(range(6)), list(range(6, 12))]
+    with pytest.raises(ValueError, match="trainer.mini_batches=3"):
+        mini_batch_rows(12, 4, [1, 2], 3)

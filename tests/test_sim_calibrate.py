@@ -16,7 +16,7 @@ from sim import run as run_cli
 from sim import validate as validate_cli
 from sim.config import (ArmSpec, ClusterSpec, LatencySpec, LengthSpec, PhaseSpec, RolloutSpec, Scenario, SpecSpec,
                         load_scenario)
-from sim.fit import TABLE_MIN_PASSES, calibrate, fit_latency, fit_schedule, forward_table, nnls
+from sim.fit import TABLE_MIN_PASSES, calibrate, fit_latency, fit_schedule, forward_table, nnls, step_cut
 from sim.latency import Fitted, build_latency
 from sim.lengths import deal
 from sim.project import step_lengths
@@ -296,3 +296,27 @@ def test_step_speedup_is_the_calibration_runs_mean_step_over_the_predicted_runs(
     measured = np.mean([s.measured_step_s for s in own.steps]) / np.mean([s.measured_step_s for s in report.steps])
     assert report.speedup("measured") == pytest.approx(measured)
     assert report.speedup_error() < 0.15 and report.passed()
+
+
+def test_the_replayed_update_cuts_mini_batches_where_the_run_recorded_them(tmp_path):
+    a = make_run(tmp_path / "a", measured_scenario(2, 8))
+    rows = [json.loads(line) for line in (a / "rollouts.jsonl").read_text().splitlines()]
+    assert read_run(a).trained_mini_batches() is None  # no record names its mini-batch: even chunks
+    seen = set()
+    for r in rows:  # the first row of each rank's step in mini-batch 0, the rest in 1 (not an even cut)
+        r["mini_batch"] = 0 if (r["step"], r["rank"]) not in seen else 1
+        seen.add((r["step"], r["rank"]))
+    (a / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = read_run(a)
+    cuts = run.trained_mini_batches()
+    step = rows[0]["step"]
+    mine = [r["length"] for r in rows if (r["step"], r["rank"]) == (step, 0)]
+    assert cuts[step][0] == [mine[:1], mine[1:]]
+    phases = PhaseSpec(mini_batches=2, micro_batch_tokens=0)
+    parts = [np.asarray(run.trained_lengths_by_rank()[step][r]) for r in (0, 1)]
+    cut = step_cut(cuts, step, (0, 1))
+    expected = sum(max(len(c[k]) * (max(c[k]) + 20) for c in cut) for k in range(2))
+    assert padded_tokens(phases, parts, 20, cut)[1] == expected != padded_tokens(phases, parts, 20)[1]
+    del rows[-1]["mini_batch"]  # records that do not all name one: the even cut
+    (a / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert read_run(a).trained_mini_batches() is None

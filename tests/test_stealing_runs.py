@@ -120,6 +120,22 @@ def test_token_shares_train_every_row_once_with_the_ranks_tokens_balanced(char_m
 
 
 @pytest.mark.slow
+def test_token_shares_give_each_rank_whole_groups_of_every_mini_batch_in_order(static_run):
+    # tiny.yaml's trainer: train_shares=tokens, 2 mini-batches; 4 prompts a step -> 2 groups a mini-batch
+    rows = [json.loads(x) for x in (static_run / "rollouts.jsonl").read_text().splitlines()]
+    for step in (1, 2):
+        for rank in (0, 1):
+            marks = [r["mini_batch"] for r in rows if (r["step"], r["rank"]) == (step, rank)]
+            assert marks == sorted(marks) and set(marks) == {0, 1}  # in mini-batch order, a part of each
+        for k in (0, 1):
+            cell = [r for r in rows if (r["step"], r["mini_batch"]) == (step, k)]
+            groups: dict[str, list] = {}
+            for r in cell:
+                groups.setdefault(r["prompt_id"], []).append(r)
+            assert len(groups) == 2 and all(len(g) == 4 and len({r["rank"] for r in g}) == 1 for g in groups.values())
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["rollout.work_stealing=true", "rollout.split_groups=true"])
 def test_stealing_or_split_groups_with_bubble_drafts_and_speculation_are_the_same_run_as_static_shards(
         char_model_dir, static_run, tmp_path, schedule):
