@@ -1,9 +1,10 @@
 """The actor's half of an RL step, the same in every placement: scored rollouts in, one update out.
 
-    rewards -> advantages (pipeline.algorithms) -> a TrainBatch (pipeline.train_batch)
+    rewards -> advantages over whole groups (pipeline.algorithms) -> a TrainBatch of the rows this
+    rank trains (pipeline.train_batch)
     -> old log-probs (the engine's, or the actor's forward) and reference log-probs
     -> the asynchronous mode's truncated importance weight on the advantages
-    -> PPO epochs over mini-batches (those the schedule dealt, else even chunks of the rows; the
+    -> PPO epochs over mini-batches (the rows the schedule dealt this rank, else even chunks; the
        actor backend's update with the algorithm's loss; rows of advantage 0 left out when no KL
        term reaches them: trainer.skip_zero_advantage)
 
@@ -76,17 +77,20 @@ class Learner:
             ratio = (batch.old_logprobs - batch.engine_logprobs).clamp(max=20).exp().clamp(max=self.cfg.trainer.is_cap)
             batch.advantages = batch.advantages * torch.where(batch.response_mask.bool(), ratio, 0)
         t = time.perf_counter()
-        metrics.update(self._update(batch, mini_batch_rows(len(scored.batch), scored.n, scored.mini_batch_groups,
-                                                           self.cfg.trainer.mini_batches)))
+        metrics.update(self._update(batch, mini_batch_cut(batch.size, scored.mini_batch_rows, self.cfg.trainer.mini_batches)))
         return metrics, logprob_s, time.perf_counter() - t
 
     def train_batch(self, scored: ScoredRollouts) -> tuple[TrainBatch, dict[str, float]]:
+        """The rows this rank trains (`scored.trained`, in training order), with advantages computed
+        over the whole groups `scored` holds."""
         n = scored.n
         rewards, metrics = self.algo.shape_rewards(scored.rewards, scored.lengths)
         adv, m = self.algo.advantages(rewards.view(-1, n), None)
         metrics.update(m)
-        batch = pack_rollouts(row_prompts(scored), [r.tokens for r in scored.batch], [r.logprobs for r in scored.batch],
-                              adv.reshape(-1), self.pad_id)
+        rows = scored.trained
+        prompts = row_prompts(scored)
+        batch = pack_rollouts([prompts[i] for i in rows], [scored.batch[i].tokens for i in rows],
+                              [scored.batch[i].logprobs for i in rows], adv.reshape(-1)[rows], self.pad_id)
         return batch, metrics
 
     def _actor_old_logprobs(self, batch: TrainBatch, scored: ScoredRollouts, step: int) -> dict[str, float]:
@@ -98,7 +102,9 @@ class Learner:
         batch.old_logprobs = out.logprobs.cpu() * batch.response_mask
         metrics = mismatch_kl(batch.engine_logprobs, batch.old_logprobs, batch.response_mask)[1]
         if self.actor_features is not None:
-            put = self.actor_features.put(scored.batch.rollouts, row_prompts(scored), batch.input_ids, out, step)
+            rows, prompts = scored.trained, row_prompts(scored)
+            put = self.actor_features.put([scored.batch[i] for i in rows], [prompts[i] for i in rows], batch.input_ids,
+                                          out, step)
             metrics["spot/entries_put"] = all_sum(self.r, float(put))  # over all ranks
         return metrics
 
@@ -148,14 +154,14 @@ def row_prompts(scored: ScoredRollouts) -> list[list[int]]:
     return [scored.prompts[i // scored.n] for i in range(len(scored.batch))]
 
 
-def mini_batch_rows(rows: int, n: int, groups: list[int] | None, mini_batches: int) -> list[torch.Tensor]:
-    """A rank's rows of each mini-batch: `groups` groups of n rows each, as the schedule dealt them
-    (balanced over the ranks in each mini-batch: pipeline.shares.mini_batch_shares), else (None)
-    `mini_batches` even chunks of the rows."""
+def mini_batch_cut(rows: int, sizes: list[int] | None, mini_batches: int) -> list[torch.Tensor]:
+    """A rank's rows of each mini-batch: `sizes` rows each, as the schedule dealt them (balanced over
+    the ranks in each mini-batch: pipeline.shares.row_shares), else (None) `mini_batches` even
+    chunks of the rows."""
     index = torch.arange(rows)
-    if groups is None:
+    if sizes is None:
         return list(index.chunk(mini_batches))
-    if len(groups) != mini_batches or sum(groups) * n != rows:
-        raise ValueError(f"the rollouts came as mini-batches of {groups} groups of {n} ({rows} rows); the trainer "
-                         f"takes trainer.mini_batches={mini_batches}")
-    return list(index.split([g * n for g in groups]))
+    if len(sizes) != mini_batches or sum(sizes) != rows:
+        raise ValueError(f"the rollouts came as mini-batches of {sizes} rows ({rows} in all); the trainer takes "
+                         f"trainer.mini_batches={mini_batches}")
+    return list(index.split(sizes))

@@ -1,12 +1,13 @@
 """Per-rank records of every RL step, for the simulator's calibration (sim.runs reads them).
 
 `decode_steps.jsonl`: one line per engine decode step of one rank (engine.types.StepRecord.as_dict
-plus the RL step and the rank that generated); `rollouts.jsonl`: one line per rollout (step, the
-rank that trained on it, the rank that generated it as `gen_rank`, prompt id, sample, length,
-finish reason, reward; and `mini_batch`, the index of the trainer's mini-batch that took it, where
-the schedule dealt the mini-batches: pipeline.shares.mini_batch_shares). Every rank appends to the same files, one `write` per
-line on a file opened with O_APPEND, which Linux keeps whole for lines this short; a resumed run
-first drops the lines of the steps it is about to redo (rank 0, before the others start).
+plus the RL step and the rank that generated); `rollouts.jsonl`: one line per rollout, written by
+the rank that trained it, in its training order (step, that rank, the rank that generated it as
+`gen_rank`, prompt id, sample, length, finish reason, reward; and `mini_batch`, the index of the
+trainer's mini-batch that took it, where the schedule dealt the rows: pipeline.shares.row_shares).
+Every rank appends to the same files, one `write` per line on a file opened with O_APPEND, which
+Linux keeps whole for lines this short; a resumed run first drops the lines of the steps it is
+about to redo (rank 0, before the others start).
 """
 
 from __future__ import annotations
@@ -36,13 +37,16 @@ def log_step(run_dir: Path, step: int, rank: int, decode_steps, scored) -> None:
     if scored is None:
         return
     generated_on = scored.generated_on or [rank] * len(scored.batch.rollouts)
-    mini_batch = ([k for k, groups in enumerate(scored.mini_batch_groups) for _ in range(groups * scored.n)]
-                  if scored.mini_batch_groups is not None else None)
+    rows = scored.trained
+    mini_batch = ([k for k, size in enumerate(scored.mini_batch_rows) for _ in range(size)]
+                  if scored.mini_batch_rows is not None else None)
+    rewards = scored.rewards.tolist()
     _append(run_dir / FILES[1], [
-        {"step": step, "rank": rank, "gen_rank": generated_on[i], "prompt_id": ro.prompt_id, "sample": ro.sample, "prompt_len": len(scored.prompts[i // scored.n]),
-         "length": len(ro.tokens), "finish_reason": ro.finish_reason.value, "reward": float(rew)}
-        | ({"mini_batch": mini_batch[i]} if mini_batch is not None else {})
-        for i, (ro, rew) in enumerate(zip(scored.batch, scored.rewards.tolist()))
+        {"step": step, "rank": rank, "gen_rank": generated_on[i], "prompt_id": scored.batch[i].prompt_id,
+         "sample": scored.batch[i].sample, "prompt_len": len(scored.prompts[i // scored.n]),
+         "length": len(scored.batch[i].tokens), "finish_reason": scored.batch[i].finish_reason.value,
+         "reward": float(rewards[i])} | ({"mini_batch": mini_batch[j]} if mini_batch is not None else {})
+        for j, i in enumerate(rows)
     ])
 
 

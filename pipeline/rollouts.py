@@ -30,13 +30,21 @@ class ScoredRollouts:
     # [N] the rank that generated each rollout, where rows came from other ranks (the schedule's
     # exchange, a separated run's shipments); None: all generated here. The simulator's records.
     generated_on: list[int] | None = None
-    # the count of groups in each of this rank's mini-batches, in order, where the schedule dealt
-    # the mini-batches (trainer.train_shares=tokens); None: the learner cuts the rows evenly.
-    mini_batch_groups: list[int] | None = None
+    # Where the schedule dealt a step's rows over the ranks (trainer.train_shares=tokens): the rows
+    # (indices into batch) this rank trains, in training order, and how many of them each of its
+    # mini-batches takes. The batch holds whole groups, for their advantages; another rank trains
+    # the rest of a group. None: every row, cut into even mini-batches.
+    train_rows: list[int] | None = None
+    mini_batch_rows: list[int] | None = None
 
     @property
     def lengths(self) -> torch.Tensor:  # [N]
         return torch.tensor([len(r.tokens) for r in self.batch], dtype=torch.long)
+
+    @property
+    def trained(self) -> list[int]:
+        """The rows this rank trains, in training order (each row of the step on exactly one rank)."""
+        return self.train_rows if self.train_rows is not None else list(range(len(self.batch)))
 
 
 @dataclass(frozen=True)

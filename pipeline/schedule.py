@@ -11,12 +11,12 @@ Chosen once from the config (`rollout.work_stealing`, `rollout.split_groups`, `r
   together, at the cost of every rank prefilling every prompt. With `long_first` a rank's own
   requests, or the plan (a token-balanced deal, each list longest first), follow the predicted
   lengths (pipeline.lengths: a prompt's history, else the running mean).
-- *training share*: which groups each rank trains (pipeline.shares: its loader shard, or a
-  token-balanced share of each mini-batch, its mini-batches in order), a function of the whole
-  step's batch only. Where rows were generated
+- *training share*: which rows each rank trains (pipeline.shares: its loader shard's groups, or a
+  token-balanced share of each mini-batch's rows, its mini-batches in turn, holding the whole
+  groups of those rows for their advantages), a function of the whole step's batch only. Where rows were generated
   elsewhere than they are trained, `share` exchanges them (all_gather_object over the process
-  group) after the idle window: every rank then holds its share (its mini-batches in turn, each in
-  global order), the same rows,
+  group) after the idle window: every rank then holds its share (whole groups in global order,
+  with the rows it trains, its mini-batches in turn), the same rows,
   bits and order whichever rank generated them, so stealing or split groups on or off is the same
   run. Split groups are joined there, their samples in order.
 
@@ -42,7 +42,7 @@ from engine.types import RolloutBatch
 from pipeline.dist import Ranks
 from pipeline.lengths import LengthPredictor, correlation, long_first
 from pipeline.rollouts import ScoredRollouts, requests_for, score
-from pipeline.shares import mini_batch_shares, shard_shares, split_samples, update_tokens
+from pipeline.shares import row_shares, shard_shares, split_samples, update_tokens
 from pipeline.stealing import StealingSource, UnitQueue, default_inflight, plan_units
 from pipeline.tasks import Problem
 
@@ -120,8 +120,8 @@ class RolloutSchedule:
         return self.inflight or default_inflight(groups, self.n, self.r.world)
 
     def share(self, local: ScoredRollouts) -> tuple[ScoredRollouts, dict[str, float]]:
-        """The rollouts this rank trains on (its mini-batches in turn, each in global order), and the step's
-        scheduling metrics."""
+        """The rollouts this rank trains on (whole groups in global order; with token shares, the rows
+        it trains in `train_rows`, its mini-batches in turn), and the step's scheduling metrics."""
         plan = self.plan
         assert plan is not None, "share() follows generate()"
         index = {p.id: i for i, p in enumerate(plan.problems)}
@@ -137,12 +137,16 @@ class RolloutSchedule:
         parts = self._all((mine, (plan.started, plan.source.last_at if plan.source else None, plan.ended)))
         units = join_groups([row for rows, _ in parts for row in rows], self.n)
         G, world = len(plan.problems), self.r.world
-        sizes = None  # groups of each of this rank's mini-batches, where the deal chose them
+        train_rows = mini_batch_rows = None  # where the deal split groups over the ranks (row_shares)
         if self.train_shares == "tokens":
-            cells = mini_batch_shares([update_tokens([len(ro.tokens) for ro in units[g][2]], units[g][3],
-                                                     self.equal_rewards_free) for g in range(G)], world, self.mini_batches)
-            chosen = [g for cell in cells[self.r.rank] for g in cell]
-            sizes = [len(cell) for cell in cells[self.r.rank]]
+            weights = [[len(ro.tokens) for ro in units[g][2]]
+                       if update_tokens([len(ro.tokens) for ro in units[g][2]], units[g][3], self.equal_rewards_free)
+                       else [0] * self.n for g in range(G)]
+            cells = row_shares(weights, world, self.mini_batches)[self.r.rank]
+            chosen = sorted({g for cell in cells for g, _ in cell})  # the whole groups of this rank's rows
+            at = {g: j * self.n for j, g in enumerate(chosen)}
+            train_rows = [at[g] + s for cell in cells for g, s in cell]
+            mini_batch_rows = [len(cell) for cell in cells]
         else:
             chosen = shard_shares(G, world)[self.r.rank]
         batch = RolloutBatch(rollouts=[ro for g in chosen for ro in units[g][2]], steps=local.batch.steps,
@@ -150,7 +154,8 @@ class RolloutSchedule:
                              policy_version=local.batch.policy_version, counters=local.batch.counters)
         scored = ScoredRollouts(problems=[plan.problems[g] for g in chosen], prompts=[units[g][1] for g in chosen],
                                 batch=batch, rewards=torch.tensor([x for g in chosen for x in units[g][3]]), n=self.n,
-                                generated_on=[k for g in chosen for k in units[g][4]], mini_batch_groups=sizes)
+                                generated_on=[k for g in chosen for k in units[g][4]], train_rows=train_rows,
+                                mini_batch_rows=mini_batch_rows)
         home = {g: k for k, s in enumerate(shard_shares(G, world)) for g in s}
         metrics = {} if self.split else {"rollout/units_stolen": float(sum(home[g] != units[g][0] for g in range(G)))}
         if self.stealing:

@@ -14,10 +14,16 @@ order whichever way the rollout was placed, and the run stays bit for bit the sa
   rank's groups then in global order: ranks finish their updates together when
   lengths are long-tailed. A different assignment from `shard_shares` sums gradients in another
   order, so it is a different (equally valid) run, not the same bits.
-- `mini_batch_shares`: the same deal over (mini-batch, rank) cells, each mini-batch holding an
-  equal count of groups: every mini-batch ends in a gradient all-reduce that waits for its
-  slowest rank, so it is each mini-batch that must be balanced over the ranks, not only the
-  step. With one mini-batch it is `token_shares`.
+- `mini_batch_shares`: the same deal over (mini-batch, rank) cells with equal group counts per
+  mini-batch (over one rank: which groups form each mini-batch, about equal in tokens).
+- `row_shares`: what `trainer.train_shares: tokens` trains. Whole groups form the mini-batches
+  (`mini_batch_shares` over one rank); each mini-batch's *rows* are then dealt longest first over
+  the ranks (`token_shares`). Every mini-batch ends in a gradient all-reduce that waits for its
+  slowest rank, so it is each mini-batch that must be balanced, and a prompt group (4 samples of
+  up to ~800 tokens on the mult task) is too coarse a unit for that: dealt whole, the ranks'
+  parts of a mini-batch were 0.85 of balanced on `make train`'s records, dealt by rows 0.998. A
+  group's samples may then train on different ranks; advantages are per group, so each rank
+  holds the whole groups of its rows (pipeline.schedule) and trains only its rows.
 - `update_tokens`: what a group weighs in `token_shares`: its response tokens, or 0 when the
   update leaves it out (rewards all equal: advantage 0, pipeline.learner).
 - `generation_shares`: which groups each rollout rank of a separated placement generates.
@@ -67,6 +73,24 @@ def mini_batch_shares(group_tokens: Sequence[int], world: int, mini_batches: int
         load[k][r] += group_tokens[g]
         room[k] -= 1
     return [[sorted(c) for c in rank] for rank in cells]
+
+
+def row_shares(row_tokens: Sequence[Sequence[int]], world: int, mini_batches: int) -> list[list[list[tuple[int, int]]]]:
+    """[rank][mini-batch] -> the (group, sample) rows the rank trains in that mini-batch, in global
+    order. row_tokens[g][s]: what sample s of group g weighs (0: the update leaves it out)."""
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    groups_of = mini_batch_shares([sum(t) for t in row_tokens], 1, mini_batches)[0]
+    out: list[list[list[tuple[int, int]]]] = [[[] for _ in range(mini_batches)] for _ in range(world)]
+    for k, groups in enumerate(groups_of):
+        rows = [(g, s) for g in groups for s in range(len(row_tokens[g]))]  # global order
+        if len(rows) < world:
+            raise ValueError(f"mini-batch {k} holds {len(rows)} rows, fewer than the {world} ranks that each train a "
+                             "part of it: lower trainer.mini_batches, raise trainer.prompts_per_step, or use "
+                             "trainer.train_shares=shard")
+        for r, share in enumerate(token_shares([row_tokens[g][s] for g, s in rows], world)):
+            out[r][k] = [rows[i] for i in share]
+    return out
 
 
 def update_tokens(lengths: Sequence[int], rewards: Sequence[float], equal_rewards_free: bool) -> int:

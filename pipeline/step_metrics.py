@@ -28,10 +28,13 @@ class RolloutReport:
 
     @classmethod
     def of(cls, scored, rollout_s: float, idle_s: float) -> RolloutReport:
-        """scored: a pipeline.rollouts.ScoredRollouts this rank generated."""
+        """scored: a pipeline.rollouts.ScoredRollouts of this rank: its tokens and rewards are those of
+        the rows it trains (`trained`: each row of the step on one rank), its speculation counts those
+        of the passes it ran."""
         stats = scored.batch.stats
-        return cls(rollout_s=rollout_s, idle_s=idle_s, new_tokens=float(stats.new_tokens),
-                   reward_sum=float(scored.rewards.sum()), rollouts=float(scored.rewards.numel()),
+        rows = scored.trained
+        return cls(rollout_s=rollout_s, idle_s=idle_s, new_tokens=float(sum(len(scored.batch[i].tokens) for i in rows)),
+                   reward_sum=float(scored.rewards[rows].sum()), rollouts=float(len(rows)),
                    accept_len=stats.accept_len, speculative_steps=float(stats.speculative_steps),
                    accepted=float(stats.accepted), drafted=float(stats.drafted), prefill_s=stats.prefill_s)
 

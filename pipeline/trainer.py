@@ -172,7 +172,8 @@ class Trainer:
         if self.engine.policy is not None:
             metrics.update(self.engine.policy.metrics())
         # every rank's trained rows (as many as its share: token shares differ by rank)
-        lengths = [int(x) for part in gather_objects(self.r, scored.lengths.tolist()) for x in part]
+        mine = scored.lengths[scored.trained].tolist()
+        lengths = [int(x) for part in gather_objects(self.r, mine) for x in part]
         return StepResult(metrics=metrics, lengths=lengths, rollouts=scored, decode_steps=scored.batch.steps)
 
     def sync(self, version: int) -> None:
@@ -224,7 +225,8 @@ class Trainer:
         m = {"step": float(self.step_index), "timing/step": step_s, "timing/logprob": logprob_s, "timing/update": update_s,
              "timing/sync": sync_s, "world_size": float(self.r.world)}
         m.update(rollout_metrics(reports))
-        m["reward/std"] = float(scored.rewards.std()) if scored.rewards.numel() > 1 else 0.0
+        rewards = scored.rewards[scored.trained]
+        m["reward/std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
         return m
 
     # -- eval and checkpoints --------------------------------------------------------------

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.learner import mini_batch_rows
-from pipeline.shares import mini_batch_shares, shard_shares, split_samples, token_shares, update_tokens
+from pipeline.learner import mini_batch_cut
+from pipeline.shares import mini_batch_shares, row_shares, shard_shares, split_samples, token_shares, update_tokens
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -96,8 +96,28 @@ def test_every_rank_gets_a_group_in_every_mini_batch_even_behind_one_long_group(
         mini_batch_shares([1, 2, 3], 2, 2)
 
 
+def test_row_shares_train_every_row_once_with_each_mini_batch_balanced_over_the_ranks():
+    # one long group (4 x ~800 tokens) and short ones: dealt whole, a rank's part of a mini-batch is
+    # the long group against the other's short ones; dealt by rows, the long group's samples split
+    rows = [[800, 790, 810, 20], [30, 40, 50, 60], [0, 0, 0, 0], [25, 35, 45, 55]]
+    cells = row_shares(rows, 2, 2)
+    dealt = sorted(x for rank in cells for cell in rank for x in cell)
+    assert dealt == [(g, s) for g in range(4) for s in range(4)]  # every row once
+    assert all(cell and cell == sorted(cell) for rank in cells for cell in rank)  # global order, no empty part
+    groups_of = [{g for rank in cells for g, _ in rank[k]} for k in range(2)]
+    assert [len(g) for g in groups_of] == [2, 2] and not groups_of[0] & groups_of[1]  # whole groups per mini-batch
+    load = lambda k, r: sum(rows[g][s] for g, s in cells[r][k])  # noqa: E731
+    wait_rows = sum(max(load(k, 0), load(k, 1)) for k in range(2))
+    whole = mini_batch_shares([sum(t) for t in rows], 2, 2)
+    wait_whole = sum(max(sum(sum(rows[g]) for g in whole[r][k]) for r in range(2)) for k in range(2))
+    # the long group's mini-batch waits for two of its long samples on one rank, not all four
+    assert wait_rows == 1590 + 170 < wait_whole == 2420 + 160
+    with pytest.raises(ValueError, match="lower trainer.mini_batches"):
+        row_shares([[5], [6]], 2, 2)  # a mini-batch of one row cannot give both ranks a part
+
+
 def test_the_learner_cuts_the_rows_where_the_schedule_dealt_the_mini_batches():
-    assert [c.tolist() for c in mini_batch_rows(12, 4, [1, 2], 2)] == [[0, 1, 2, 3], list(range(4, 12))]
-    assert [c.tolist() for c in mini_batch_rows(12, 4, None, 2)] == [list(range(6)), list(range(6, 12))]
+    assert [c.tolist() for c in mini_batch_cut(12, [4, 8], 2)] == [[0, 1, 2, 3], list(range(4, 12))]
+    assert [c.tolist() for c in mini_batch_cut(12, None, 2)] == [list(range(6)), list(range(6, 12))]
     with pytest.raises(ValueError, match="trainer.mini_batches=3"):
-        mini_batch_rows(12, 4, [1, 2], 3)
+        mini_batch_cut(12, [4, 8], 3)
