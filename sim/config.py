@@ -279,6 +279,11 @@ class PhaseSpec:
     # cut into micro-batches, rows longest first, each at most this many padded tokens, each padded
     # to its own longest row; 0: a mini-batch is one micro-batch padded to its longest row.
     micro_batch_tokens: int = 0
+    # With mini_batches: how the trainer ranks split the step's rows. False: each rank its contiguous
+    # shard, cut into even mini-batches (trainer.train_shares=shard); True: the token shares'
+    # deal, each mini-batch's rows balanced over the ranks (sim.lengths.row_deal; sim.calibrate
+    # sets it from a run's trainer.train_shares=tokens).
+    row_deal: bool = False
     logprob_s_per_token: float | None = None
     update_s_per_token: float | None = None
     sync_s: float | None = None  # None: weight bytes per device / sync_gbps

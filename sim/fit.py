@@ -221,7 +221,8 @@ def fit_phases(run: MeasuredRun, prompt: int) -> PhaseSpec:
     trained = sum(sum(sum(v) for v in ranks.values()) for ranks in by_rank.values())
     return PhaseSpec(logprob_s_per_token=per.get("logprob", 0.0), update_s_per_token=per.get("update", 0.0),
                      sync_s=float(np.mean(sync)) if sync else 0.0, mini_batches=mini_batches, ppo_epochs=epochs,
-                     micro_batch_tokens=micro, update_share=trained / generated if generated else 1.0)
+                     micro_batch_tokens=micro, update_share=trained / generated if generated else 1.0,
+                     row_deal=bool(mini_batches) and (run.config.get("trainer") or {}).get("train_shares") == "tokens")
 
 
 def calibrate(run: MeasuredRun) -> tuple[Scenario, dict[str, float]]:

@@ -101,3 +101,36 @@ def split_deal(lengths: np.ndarray, groups: int, samples: int) -> list[np.ndarra
         raise ValueError(f"{len(lengths)} requests are not whole groups of samples_per_prompt={samples}")
     index = np.arange(len(lengths)).reshape(-1, samples).T.ravel()  # sample-major request order
     return [lengths[np.sort(part)] for part in np.array_split(index, groups)]
+
+
+def row_deal(lengths: np.ndarray, ranks: int, samples: int, mini_batches: int) -> list[list[np.ndarray]]:
+    """[rank][mini-batch] the response lengths each trainer rank trains, as the RL loop's token
+    shares deal them (trainer.train_shares=tokens, pipeline.shares.row_shares): whole prompt groups
+    form `mini_batches` mini-batches (equal group counts, the heaviest group first to the lightest
+    mini-batch with room), then each mini-batch's rows go longest first to the rank with the fewest
+    tokens. lengths [P * samples], a prompt's samples adjacent."""
+    lengths = np.asarray(lengths)
+    if samples < 1 or len(lengths) % samples:
+        raise ValueError(f"{len(lengths)} requests are not whole groups of samples_per_prompt={samples}")
+    groups = lengths.reshape(-1, samples)
+    G = len(groups)
+    room = [G // mini_batches + (k < G % mini_batches) for k in range(mini_batches)]
+    load = [0] * mini_batches
+    members: list[list[int]] = [[] for _ in range(mini_batches)]
+    for g in sorted(range(G), key=lambda g: (-int(groups[g].sum()), g)):
+        k = min((k for k in range(mini_batches) if room[k]), key=lambda k: (load[k], len(members[k]), k))
+        members[k].append(g)
+        load[k] += int(groups[g].sum())
+        room[k] -= 1
+    out: list[list[np.ndarray]] = [[] for _ in range(ranks)]
+    for k in range(mini_batches):
+        rows = groups[sorted(members[k])].ravel()
+        part = [0] * ranks
+        mine: list[list[int]] = [[] for _ in range(ranks)]
+        for i in sorted(range(len(rows)), key=lambda i: (-int(rows[i]), i)):
+            r = min(range(ranks), key=lambda r: (part[r], len(mine[r]), r))
+            mine[r].append(i)
+            part[r] += int(rows[i])
+        for r in range(ranks):
+            out[r].append(rows[sorted(mine[r])])
+    return out

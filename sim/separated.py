@@ -26,8 +26,7 @@ import numpy as np
 
 from sim.config import Scenario
 from sim.latency import LatencyModel
-from sim.lengths import deal
-from sim.step import StepResult, Techniques, fill_rollout, rollout_parts, shard_bytes, train_times
+from sim.step import StepResult, Techniques, fill_rollout, rollout_parts, shard_bytes, train_times, trainer_parts
 
 
 def device_split(scn: Scenario, devices: int) -> tuple[int, int] | None:
@@ -67,7 +66,7 @@ def simulate_separated_step(scn: Scenario, lengths: np.ndarray, devices: int, te
     """The step for these response lengths ([n], a prompt's samples adjacent) on `devices`."""
     tp = scn.cluster.tensor_parallel
     actors, rollout_devices = split_devices(scn, devices)
-    logprob_s, update_s = train_times(scn, deal(lengths, actors))
+    logprob_s, update_s = train_times(scn, *trainer_parts(scn, lengths, actors))
     actor_s = logprob_s + update_s
     move_s = transfer_s(scn, lengths)
     if tech.one_step_async:

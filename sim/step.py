@@ -38,7 +38,7 @@ import numpy as np
 from sim.config import PhaseSpec, Scenario
 from sim.events import GroupRollout, simulate_group
 from sim.latency import LatencyModel, build_latency
-from sim.lengths import deal, split_deal
+from sim.lengths import deal, row_deal, split_deal
 from sim.schedule import OFF, Schedule, build_schedule
 
 FILL_ITERATIONS = 2
@@ -116,7 +116,7 @@ def simulate_step(scn: Scenario, lengths: np.ndarray, devices: int, tech: Techni
     groups, used, fill = fill_rollout(scn, rollout_parts(scn, lengths, rollout_devices // tp, tech), tech, latency)
     rollout_s = max(g.time_s for g in groups)
     trainers = devices - rollout_devices if tech.one_step_async else devices
-    logprob_s, update_s, sync_s = phase_times(scn, deal(lengths, trainers))
+    logprob_s, update_s, sync_s = phase_times(scn, *trainer_parts(scn, lengths, trainers))
     if tech.one_step_async:
         step_s = max(rollout_s, logprob_s + update_s) + sync_s
     else:
@@ -234,6 +234,16 @@ def padded_tokens(phases: PhaseSpec, parts: list[np.ndarray], prompt_len: int,
         padded += max((micro_padded(c[i] + prompt_len, phases.micro_batch_tokens) for c in cut if i < len(c)),
                       default=0.0)
     return real, padded
+
+
+def trainer_parts(scn: Scenario, lengths: np.ndarray, trainers: int) -> tuple[list[np.ndarray], list[list[np.ndarray]] | None]:
+    """(each trainer rank's responses, their [rank][mini-batch] cut or None) for the step's lengths:
+    the token shares' row deal where `phases.row_deal` (with mini-batches), else contiguous shards."""
+    ph = scn.phases
+    if ph.mini_batches and ph.row_deal:
+        cut = row_deal(lengths, trainers, scn.rollout.samples_per_prompt, ph.mini_batches)
+        return [np.concatenate(c) for c in cut], cut
+    return deal(lengths, trainers), None
 
 
 def phase_times(scn: Scenario, parts: list[np.ndarray],

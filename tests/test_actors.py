@@ -379,14 +379,15 @@ def zero_advantage_update(model_dir, batch, skip: bool):
     from launch.config import load_config
     from launch.run_config import TrainConfig
     from pipeline.dist import Ranks
-    from pipeline.learner import Learner
+    from pipeline.learner import Learner, mini_batch_cut
 
     cfg = load_config(TrainConfig, None, ["model.path=unused", "trainer.mini_batches=2",
                                           f"trainer.skip_zero_advantage={str(skip).lower()}"])
     a = actor(model_dir, lr=1e-4, micro_batch_tokens=20)
     batch.old_logprobs = a.logprobs(batch.input_ids, batch.attention_mask).logprobs * batch.response_mask
     batch.engine_logprobs = batch.old_logprobs.clone()
-    return a, Learner(cfg, Ranks(), a, pad_id=0, engine_old_logprobs=True)._update(batch)
+    learner = Learner(cfg, Ranks(), a, pad_id=0, engine_old_logprobs=True)
+    return a, learner._update(batch, mini_batch_cut(batch.size, None, 2))
 
 
 def test_rows_of_zero_advantage_left_out_of_the_update_change_no_weight(model_dir):

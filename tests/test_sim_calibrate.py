@@ -320,3 +320,26 @@ def test_the_replayed_update_cuts_mini_batches_where_the_run_recorded_them(tmp_p
     del rows[-1]["mini_batch"]  # records that do not all name one: the even cut
     (a / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert read_run(a).trained_mini_batches() is None
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_simulators_row_deal_is_the_rl_loops(seed):
+    from pipeline.shares import row_shares
+    from sim.lengths import row_deal
+
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(np.log(40), 1.0, size=16 * 4).astype(np.int64), 1, 800)  # 16 prompts x 4
+    cut = row_deal(lengths, 2, 4, 2)
+    loop = row_shares(lengths.reshape(16, 4).tolist(), 2, 2)
+    assert [[c.tolist() for c in rank] for rank in cut] == [[[int(lengths[g * 4 + s]) for g, s in cell] for cell in rank]
+                                                            for rank in loop]
+
+
+def test_a_projection_with_the_row_deal_waits_less_for_the_slowest_rank_than_contiguous_shards():
+    scn = measured_scenario(2, 16)
+    ph = replace(scn.phases, mini_batches=2, micro_batch_tokens=512)  # micro-batches as configs/tiny.yaml's
+    lengths = np.array([700, 650, 720, 690] + [20] * 28 + [300, 20, 20, 20] + [20] * 28)  # one long group
+    shards = simulate_step(replace(scn, phases=ph), lengths, 2, Techniques())
+    rows = simulate_step(replace(scn, phases=replace(ph, row_deal=True)), lengths, 2, Techniques())
+    assert rows.update_s < 0.75 * shards.update_s
+    assert rows.rollout_s == shards.rollout_s  # the deal is the update's, not the rollout's
