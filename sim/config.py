@@ -96,7 +96,11 @@ class LatencySpec:
       linear interpolation between its points, and the slope query_s beyond its ends;
     - draft_s = depth * (draft_base_s + draft_token_s * rows * topk);
     - other_s = other_base_s + other_row_s * rows + other_verify_s * (query_tokens - rows)
-      (sampling and emission per row; verification and KV commit per verified draft token);
+      (sampling and emission per row; verification and KV commit per verified draft token), plus
+      other_drafter_s on every pass of an engine with a drafter loaded ("off" passes included:
+      the drafter follows the target's features); `sim.calibrate --plain` fits it from a run
+      without a drafter, else it is 0 and other_base_s holds it, so a drafter-less run is
+      predicted with the drafter's bookkeeping;
     - prefill: prefill_token_s per prompt token admitted (the prefill pass and the admission's
       bookkeeping, measured); None charges one forward pass over the prompts instead.
     """
@@ -113,6 +117,7 @@ class LatencySpec:
     other_base_s: float = 0.0
     other_row_s: float = 0.0
     other_verify_s: float = 0.0
+    other_drafter_s: float = 0.0
     prefill_token_s: float | None = None
 
     def validate(self) -> None:

@@ -136,6 +136,7 @@ def _decode_segment(t, remaining, context, bub, latency, schedule, bubble) -> tu
     drafted = passes * (spec_rows * (arm.verify_tokens if spec_rows else 0) + bubble_rows * (bubble.depth if bubble_rows else 0))
     seg = Segment(start_s=t, passes=passes, kind=kind, rows=b, spec_rows=spec_rows, bubble_rows=bubble_rows,
                   depth=depth, query_tokens=query, kv_tokens=kv_mid, forward_s=latency.forward_s(b, query, kv_mid),
-                  draft_s=draft_s, other_s=latency.other_s(b, query), emitted=float(emitted.sum()),
+                  draft_s=draft_s, other_s=latency.other_s(b, query, schedule.drafts or bubble_rows > 0),
+                  emitted=float(emitted.sum()),
                   drafted=float(drafted), accepted=float(passes * (rate - 1.0).sum()))
     return seg, emitted

@@ -76,15 +76,21 @@ def forward_table(steps: list[DecodeStep], kv_s: float, attn_s: float = 0.0,
     return [float(np.median(q)) for q, _ in pools], [float(np.median(y)) for _, y in pools]
 
 
-def fit_latency(steps: list[DecodeStep]) -> tuple[LatencySpec, dict[str, float]]:
+def fit_latency(steps: list[DecodeStep], drafter: list[bool] | None = None) -> tuple[LatencySpec, dict[str, float]]:
+    """`drafter[i]`: pass i ran on an engine with a drafter loaded (None: all did). Passes of both
+    kinds tell the drafter's per-pass bookkeeping (other_drafter_s) apart from the rest."""
     if not steps:
         raise ValueError("calibration needs decode passes (decode_steps.jsonl is empty)")
+    drafter = [True] * len(steps) if drafter is None else drafter
     x = np.array([[1.0, s.query_tokens, s.kv_tokens, s.attn_pairs] for s in steps])  # [P, 4]
     y = np.array([s.forward_s for s in steps])
     fwd = nnls(x, y)
-    xo = np.array([[1.0, s.batch_size, s.query_tokens - s.batch_size] for s in steps])  # [P, 3]
+    xo = np.array([[1.0, s.batch_size, s.query_tokens - s.batch_size, float(d)]
+                   for s, d in zip(steps, drafter)])  # [P, 4]
     if len({s.query_tokens // s.batch_size for s in steps}) == 1:
         xo[:, 2] = 0.0  # one verify width throughout: its cost is not told apart from the rows'
+    if len(set(drafter)) == 1:
+        xo[:, 3] = 0.0  # one kind of engine throughout: the intercept holds the drafter's share
     other = nnls(xo, np.array([s.other_s for s in steps]))
     spec = [(s, parse_shape(s.shape)) for s in steps if s.shape != "off"]
     draft = np.zeros(2)
@@ -95,7 +101,8 @@ def fit_latency(steps: list[DecodeStep]) -> tuple[LatencySpec, dict[str, float]]
     fitted = LatencySpec(kind="fitted", base_s=float(fwd[0]), query_s=float(fwd[1]), kv_s=float(fwd[2]), attn_s=float(fwd[3]),
                          table_tokens=tokens, table_s=seconds,
                          draft_base_s=float(draft[0]), draft_token_s=float(draft[1]),
-                         other_base_s=float(other[0]), other_row_s=float(other[1]), other_verify_s=float(other[2]))
+                         other_base_s=float(other[0]), other_row_s=float(other[1]), other_verify_s=float(other[2]),
+                         other_drafter_s=float(other[3]))
     return fitted, {"calibrate/forward_r2": r_squared(x, y, fwd), "calibrate/decode_passes": float(len(steps)),
                     "calibrate/table_points": float(len(tokens))}
 
@@ -225,11 +232,22 @@ def fit_phases(run: MeasuredRun, prompt: int) -> PhaseSpec:
                      row_deal=bool(mini_batches) and (run.config.get("trainer") or {}).get("train_shares") == "tokens")
 
 
-def calibrate(run: MeasuredRun) -> tuple[Scenario, dict[str, float]]:
+def calibrate(run: MeasuredRun, plain: MeasuredRun | None = None) -> tuple[Scenario, dict[str, float]]:
+    """The scenario of `run`; with `plain`, a run of the same model and machine without a drafter
+    (engine.spec.enabled=false), whose passes join the latency fit so that a drafter-less pass is
+    priced as measured (other_drafter_s) and the forward table reaches one token a row."""
     if not run.rollouts:
         raise ValueError(f"{run.folder}: rollouts.jsonl is empty; the length distribution comes from it")
     passes = run.settled_passes()
-    latency, metrics = fit_latency(passes)
+    flags = [run.has_drafter] * len(passes)
+    fit_passes = passes
+    if plain is not None:
+        if plain.has_drafter:
+            raise ValueError(f"--plain {plain.folder} ran with a drafter (engine.spec.enabled is not false in its "
+                             "config.yaml): give a run without speculation")
+        extra = plain.settled_passes()
+        fit_passes, flags = passes + extra, flags + [False] * len(extra)
+    latency, metrics = fit_latency(fit_passes, flags)
     prefill = fit_prefill(run)
     if prefill is not None:
         latency.prefill_token_s = prefill

@@ -32,7 +32,7 @@ class LatencyModel(Protocol):
 
     def draft_level_s(self, tokens: float) -> float: ...
 
-    def other_s(self, rows: int, query_tokens: float) -> float: ...
+    def other_s(self, rows: int, query_tokens: float, drafter: bool) -> float: ...
 
     def prefill_s(self, rows: int, prompt_len: int) -> float: ...
 
@@ -65,7 +65,7 @@ class Roofline:
         flops = 2 * self.draft_params_b * 1e9 * tokens
         return self._time(bytes_, flops) + self.hardware.step_overhead_s
 
-    def other_s(self, rows: int, query_tokens: float) -> float:
+    def other_s(self, rows: int, query_tokens: float, drafter: bool) -> float:
         return 0.0
 
     def prefill_s(self, rows: int, prompt_len: int) -> float:
@@ -95,9 +95,10 @@ class Fitted:
     def draft_level_s(self, tokens: float) -> float:
         return self.spec.draft_base_s + self.spec.draft_token_s * tokens
 
-    def other_s(self, rows: int, query_tokens: float) -> float:
+    def other_s(self, rows: int, query_tokens: float, drafter: bool) -> float:
         s = self.spec
-        return s.other_base_s + s.other_row_s * rows + s.other_verify_s * (query_tokens - rows)
+        return (s.other_base_s + s.other_row_s * rows + s.other_verify_s * (query_tokens - rows)
+                + (s.other_drafter_s if drafter else 0.0))
 
     def prefill_s(self, rows: int, prompt_len: int) -> float:
         if self.spec.prefill_token_s is None:

@@ -150,6 +150,15 @@ class MeasuredRun:
             rewards[(r.step, r.prompt_id)].add(r.reward)
         return (r for r in self.rollouts if not (r.step in skipping and len(rewards[(r.step, r.prompt_id)]) == 1))
 
+    @property
+    def has_drafter(self) -> bool:
+        """Whether the run's engine held a drafter (engine.spec.enabled; a run without config.yaml:
+        whether any pass speculated)."""
+        spec = ((self.config.get("engine") or {}).get("spec") or {})
+        if "enabled" in spec:
+            return bool(spec["enabled"])
+        return any(s.shape != "off" for s in self.decode_steps)
+
     def trainer(self, key: str, default: int) -> int:
         """An integer of the run's trainer config section (e.g. mini_batches), default without config.yaml."""
         return self.setting("trainer", key, default)

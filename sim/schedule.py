@@ -27,6 +27,11 @@ class Schedule:
                 return arm
         return None
 
+    @property
+    def drafts(self) -> bool:
+        """Whether some batch size speculates (the engine then holds a drafter)."""
+        return any(a is not None for a in self.arms)
+
     def scaled(self, accept_gain: float) -> Schedule:
         return Schedule(self.thresholds, tuple(None if a is None else boost(a, accept_gain) for a in self.arms))
 

@@ -1,6 +1,6 @@
-"""`python -m sim.validate --calibrate-on RUN --predict RUN2 [RUN3 ...] [--tolerance 0.15]`.
+"""`python -m sim.validate --calibrate-on RUN [--plain RUN0] --predict RUN2 [RUN3 ...] [--tolerance 0.15]`.
 
-Calibrates on RUN, replays each step of RUN itself (the fit's own error, the first row) and of
+Calibrates on RUN (with RUN0, a run without a drafter, in the latency fit: `sim.calibrate --plain`), replays each step of RUN itself (the fit's own error, the first row) and of
 every predicted run (`sim.validation`), prints the errors as a Markdown table, and exits 1 when
 a predicted run's rollout, step or step-speedup error exceeds the tolerance.
 """
@@ -18,11 +18,13 @@ from sim.validation import TOLERANCE, report_table, validate
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sim.validate", description=__doc__.splitlines()[0])
     ap.add_argument("--calibrate-on", required=True, help="run folder (or its metrics.jsonl) to fit")
+    ap.add_argument("--plain", help="a run of the same model without a drafter (engine.spec.enabled=false), to price "
+                                    "drafter-less passes as measured")
     ap.add_argument("--predict", required=True, nargs="+", help="run folders whose timings to predict")
     ap.add_argument("--tolerance", type=float, default=TOLERANCE, help="largest mean relative error")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     base = read_run(args.calibrate_on)
-    scn, _ = calibrate(base)
+    scn, _ = calibrate(base, read_run(args.plain) if args.plain else None)
     own = validate(scn, base, calibrated_on=base.name)
     reports = [validate(scn, read_run(p), calibrated_on=base.name, reference=own) for p in args.predict]
     print(report_table([own, *reports], args.tolerance))

@@ -191,8 +191,8 @@ def test_prefill_is_charged_per_prompt_token_once_measured():
 
 def test_other_cost_tells_verified_tokens_from_rows():
     model = Fitted(TRUTH)
-    assert model.other_s(8, 8) == pytest.approx(TRUTH.other_base_s + 8 * TRUTH.other_row_s)
-    assert model.other_s(8, 32) - model.other_s(8, 8) == pytest.approx(24 * TRUTH.other_verify_s)
+    assert model.other_s(8, 8, True) == pytest.approx(TRUTH.other_base_s + 8 * TRUTH.other_row_s)
+    assert model.other_s(8, 32, True) - model.other_s(8, 8, True) == pytest.approx(24 * TRUTH.other_verify_s)
 
 
 def test_padded_update_waits_for_the_longest_row_of_each_mini_batch_on_the_largest_rank():
@@ -343,3 +343,23 @@ def test_a_projection_with_the_row_deal_waits_less_for_the_slowest_rank_than_con
     rows = simulate_step(replace(scn, phases=replace(ph, row_deal=True)), lengths, 2, Techniques())
     assert rows.update_s < 0.75 * shards.update_s
     assert rows.rollout_s == shards.rollout_s  # the deal is the update's, not the rollout's
+
+
+def test_a_plain_run_tells_the_drafters_bookkeeping_apart_from_every_passs_overhead(tmp_path):
+    truth = replace(TRUTH, other_drafter_s=3e-4)  # every pass of an engine holding a drafter, "off" ones too
+    scn = measured_scenario(2, 8, latency=truth)
+    spec = make_run(tmp_path / "spec", scn)
+    latency, n = build_latency(scn), scn.cluster.devices[0]
+    lengths = step_lengths(scn, n)
+    results = [simulate_step(scn, ls, n, Techniques(), latency) for ls in lengths]  # no drafter
+    plain = write_run(tmp_path / "plain", scn, results, [deal(ls, n) for ls in lengths], latency, np.random.default_rng(0))
+    assert read_run(spec).has_drafter and not read_run(plain).has_drafter
+    alone, _ = calibrate(read_run(spec))
+    assert alone.latency.other_drafter_s == 0.0
+    assert alone.latency.other_base_s == pytest.approx(truth.other_base_s + 3e-4, rel=1e-3)  # the intercept holds it
+    both, _ = calibrate(read_run(spec), read_run(plain))
+    assert both.latency.other_drafter_s == pytest.approx(3e-4, rel=1e-3)
+    assert both.latency.other_base_s == pytest.approx(truth.other_base_s, rel=1e-3)
+    assert validate(both, read_run(plain)).error("rollout") < 1e-3 < validate(alone, read_run(plain)).error("rollout")
+    with pytest.raises(ValueError, match="ran with a drafter"):
+        calibrate(read_run(spec), read_run(spec))
