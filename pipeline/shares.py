@@ -54,15 +54,14 @@ def mini_batch_shares(group_tokens: Sequence[int], world: int, mini_batches: int
     """[rank][mini-batch] -> groups in global order. Groups go longest first to the cell with the
     fewest tokens so far (ties: fewer groups, then the lower mini-batch, then the lower rank) among
     the mini-batches not yet full; mini-batch k holds len(groups) // mini_batches groups, one more
-    for the first len(groups) % mini_batches. Every cell gets a group (the first world *
-    mini_batches groups go to empty cells), so every rank runs a backward in every optimiser step."""
+    for the first len(groups) % mini_batches. With at least world * mini_batches groups every cell
+    gets one (the first world * mini_batches groups go to empty cells)."""
     if world < 1 or mini_batches < 1:
         raise ValueError(f"world and mini_batches must be >= 1, got {world} and {mini_batches}")
     G = len(group_tokens)
-    if G < world * mini_batches:
-        raise ValueError(f"{G} prompt groups cannot give each of {world} ranks a group in each of {mini_batches} "
-                         "mini-batches: lower trainer.mini_batches, raise trainer.prompts_per_step, or use "
-                         "trainer.train_shares=shard")
+    if G < mini_batches:
+        raise ValueError(f"{G} prompt groups cannot fill {mini_batches} mini-batches: lower trainer.mini_batches, "
+                         "raise trainer.prompts_per_step, or use trainer.train_shares=shard")
     room = [G // mini_batches + (k < G % mini_batches) for k in range(mini_batches)]
     load = [[0] * world for _ in range(mini_batches)]
     cells: list[list[list[int]]] = [[[] for _ in range(mini_batches)] for _ in range(world)]

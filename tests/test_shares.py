@@ -93,7 +93,8 @@ def test_every_rank_gets_a_group_in_every_mini_batch_even_behind_one_long_group(
     assert all(cell for rank in cells for cell in rank)
     assert [sum(len(rank[k]) for rank in cells) for k in range(2)] == [3, 2]
     with pytest.raises(ValueError, match="lower trainer.mini_batches"):
-        mini_batch_shares([1, 2, 3], 2, 2)
+        mini_batch_shares([1], 1, 2)
+    assert token_shares([7], 2) == [[0], []]  # fewer groups than ranks: a rank trains none (stealing's plan)
 
 
 def test_row_shares_train_every_row_once_with_each_mini_batch_balanced_over_the_ranks():
