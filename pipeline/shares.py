@@ -24,6 +24,8 @@ order whichever way the rollout was placed, and the run stays bit for bit the sa
   parts of a mini-batch were 0.85 of balanced on `make train`'s records, dealt by rows 0.998. A
   group's samples may then train on different ranks; advantages are per group, so each rank
   holds the whole groups of its rows (pipeline.schedule) and trains only its rows.
+- `update_balance`: how evenly a deal loads the ranks in each mini-batch (the step's
+  `train/update_balance`); `even_cut`: the learner's cut where no deal chose the mini-batches.
 - `update_tokens`: what a group weighs in `token_shares`: its response tokens, or 0 when the
   update leaves it out (rewards all equal: advantage 0, pipeline.learner).
 - `generation_shares`: which groups each rollout rank of a separated placement generates.
@@ -90,6 +92,24 @@ def row_shares(row_tokens: Sequence[Sequence[int]], world: int, mini_batches: in
         for r, share in enumerate(token_shares([row_tokens[g][s] for g, s in rows], world)):
             out[r][k] = [rows[i] for i in share]
     return out
+
+
+def even_cut(rows: list, mini_batches: int) -> list[list]:
+    """rows cut as the learner cuts a rank's rows without a deal (torch.chunk): ceil(n / k) per
+    mini-batch, the last shorter, fewer than k when n < k."""
+    size = -(-len(rows) // mini_batches) if rows else 1
+    return [rows[i:i + size] for i in range(0, len(rows), size)]
+
+
+def update_balance(loads: Sequence[Sequence[float]]) -> float:
+    """loads[rank][mini-batch]: the tokens each rank trains in each mini-batch. Every mini-batch
+    waits for its slowest rank, so the update takes sum_k max_r; balanced it would take sum_k
+    mean_r. Their ratio (1: no rank waits; 0.5 on 2 ranks: one rank does all the work)."""
+    k = max((len(rank) for rank in loads), default=0)
+    at = lambda rank, i: rank[i] if i < len(rank) else 0.0  # noqa: E731
+    worst = sum(max(at(rank, i) for rank in loads) for i in range(k))
+    mean = sum(sum(at(rank, i) for rank in loads) / len(loads) for i in range(k))
+    return mean / worst if worst > 0 else 1.0
 
 
 def update_tokens(lengths: Sequence[int], rewards: Sequence[float], equal_rewards_free: bool) -> int:

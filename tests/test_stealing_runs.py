@@ -137,6 +137,7 @@ def test_token_shares_deal_each_mini_batchs_rows_over_the_ranks(static_run):
                               and r["prompt_id"] in live) for rank in (0, 1)}
             longest = max((r["length"] for r in mine if r["prompt_id"] in live), default=0)
             assert abs(load[0] - load[1]) <= longest  # the longest-first greedy deal's bound, by rows
+    assert all(0.5 <= r["train/update_balance"] <= 1.0 for r in steps(static_run))  # logged every step
 
 
 @pytest.mark.slow
