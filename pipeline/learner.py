@@ -8,6 +8,9 @@
        actor backend's update with the algorithm's loss; rows of advantage 0 left out when no KL
        term reaches them: trainer.skip_zero_advantage)
 
+Its metrics include `train/update_balance` (pipeline.shares.update_balance over every rank's
+tokens in each mini-batch: 1 when no rank waits at a mini-batch's gradient all-reduce).
+
 `ranks` are the data-parallel ranks of the actor (the whole job when colocated, the actor group
 when separated: pipeline.placement); loss weights are normalised over the mini-batch of all of
 them, as the actor backends expect. The learner knows nothing of engines, prompts or where the
@@ -22,9 +25,10 @@ import time
 import torch
 
 from pipeline.algorithms import build_algorithm, mismatch_kl
-from pipeline.dist import Ranks, all_sum
+from pipeline.dist import Ranks, all_sum, gather_floats
 from pipeline.records import TrainBatch
 from pipeline.rollouts import ScoredRollouts
+from pipeline.shares import update_balance
 from pipeline.train_batch import gradient_rows, pack_rollouts
 
 
@@ -114,6 +118,7 @@ class Learner:
         count = 0
         first: dict[str, float] = {}
         tokens = kept = 0.0  # response tokens of the mini-batches, and of the rows that went through the actor
+        loads: list[float] = []  # this rank's tokens through the actor in each mini-batch
         for epoch in range(tc.ppo_epochs):
             for chunk in mini_batches:
                 mb = batch.select(chunk)
@@ -122,6 +127,7 @@ class Learner:
                 if self.skip_inert:
                     mb = mb.select(gradient_rows(mb))
                 kept += float(mb.response_mask.sum())
+                loads.append(float(mb.response_mask.sum()))
                 measure = self.engine_old_logprobs and count == 0
 
                 def loss_fn(lp, ent, micro, measure=measure):
@@ -138,6 +144,8 @@ class Learner:
                 count += 1
         total = all_sum(self.r, tokens)  # over all ranks
         first["train/skipped_token_share"] = 1 - all_sum(self.r, kept) / total if total else 0.0
+        loads += [0.0] * (tc.ppo_epochs * tc.mini_batches - len(loads))  # the same length on every rank
+        first["train/update_balance"] = update_balance(gather_floats(self.r, loads))
         return {k: v / count for k, v in sums.items()} | first
 
     def _global_weights(self, mask: torch.Tensor) -> torch.Tensor:

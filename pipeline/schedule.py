@@ -25,8 +25,7 @@ Chosen once from the config (`rollout.work_stealing`, `rollout.split_groups`, `r
 and the step's scheduling metrics: `rollout/units_stolen` (units generated off their loader
 shard's rank), `rollout/length_pred_corr` (Pearson's r of predicted and actual group lengths,
 where predictions differ), `rollout/idle_to_last_start` (idle share of the ranks' seconds from
-their rollout's start until the step's last unit was taken), `train/update_balance` (how evenly
-the update's tokens fall on the ranks in each mini-batch: pipeline.shares.update_balance).
+their rollout's start until the step's last unit was taken).
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ from engine.types import RolloutBatch
 from pipeline.dist import Ranks
 from pipeline.lengths import LengthPredictor, correlation, long_first
 from pipeline.rollouts import ScoredRollouts, requests_for, score
-from pipeline.shares import even_cut, row_shares, shard_shares, split_samples, update_balance, update_tokens
+from pipeline.shares import row_shares, shard_shares, split_samples, update_tokens
 from pipeline.stealing import StealingSource, UnitQueue, default_inflight, plan_units
 from pipeline.tasks import Problem
 
@@ -139,20 +138,17 @@ class RolloutSchedule:
         units = join_groups([row for rows, _ in parts for row in rows], self.n)
         G, world = len(plan.problems), self.r.world
         train_rows = mini_batch_rows = None  # where the deal split groups over the ranks (row_shares)
-        weights = [[len(ro.tokens) for ro in units[g][2]]
-                   if update_tokens([len(ro.tokens) for ro in units[g][2]], units[g][3], self.equal_rewards_free)
-                   else [0] * self.n for g in range(G)]
         if self.train_shares == "tokens":
-            deal = row_shares(weights, world, self.mini_batches)
-            cells = deal[self.r.rank]
+            weights = [[len(ro.tokens) for ro in units[g][2]]
+                       if update_tokens([len(ro.tokens) for ro in units[g][2]], units[g][3], self.equal_rewards_free)
+                       else [0] * self.n for g in range(G)]
+            cells = row_shares(weights, world, self.mini_batches)[self.r.rank]
             chosen = sorted({g for cell in cells for g, _ in cell})  # the whole groups of this rank's rows
             at = {g: j * self.n for j, g in enumerate(chosen)}
             train_rows = [at[g] + s for cell in cells for g, s in cell]
             mini_batch_rows = [len(cell) for cell in cells]
         else:
-            shards = shard_shares(G, world)
-            deal = [even_cut([(g, s) for g in shard for s in range(self.n)], self.mini_batches) for shard in shards]
-            chosen = shards[self.r.rank]
+            chosen = shard_shares(G, world)[self.r.rank]
         batch = RolloutBatch(rollouts=[ro for g in chosen for ro in units[g][2]], steps=local.batch.steps,
                              prefill_s=local.batch.prefill_s, wall_s=local.batch.wall_s,
                              policy_version=local.batch.policy_version, counters=local.batch.counters)
@@ -164,8 +160,6 @@ class RolloutSchedule:
         metrics = {} if self.split else {"rollout/units_stolen": float(sum(home[g] != units[g][0] for g in range(G)))}
         if self.stealing:
             metrics["rollout/idle_to_last_start"] = idle_to_last_start([t for _, t in parts])
-        metrics["train/update_balance"] = update_balance([[sum(weights[g][s] for g, s in cell) for cell in rank]
-                                                          for rank in deal])
         return scored, metrics | self._observe({g: [len(ro.tokens) for ro in units[g][2]] for g in range(G)})
 
     def _all(self, mine):

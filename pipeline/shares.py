@@ -24,8 +24,8 @@ order whichever way the rollout was placed, and the run stays bit for bit the sa
   parts of a mini-batch were 0.85 of balanced on `make train`'s records, dealt by rows 0.998. A
   group's samples may then train on different ranks; advantages are per group, so each rank
   holds the whole groups of its rows (pipeline.schedule) and trains only its rows.
-- `update_balance`: how evenly a deal loads the ranks in each mini-batch (the step's
-  `train/update_balance`); `even_cut`: the learner's cut where no deal chose the mini-batches.
+- `update_balance`: how evenly the ranks' update tokens fall in each mini-batch (the learner's
+  `train/update_balance`).
 - `update_tokens`: what a group weighs in `token_shares`: its response tokens, or 0 when the
   update leaves it out (rewards all equal: advantage 0, pipeline.learner).
 - `generation_shares`: which groups each rollout rank of a separated placement generates.
@@ -92,13 +92,6 @@ def row_shares(row_tokens: Sequence[Sequence[int]], world: int, mini_batches: in
         for r, share in enumerate(token_shares([row_tokens[g][s] for g, s in rows], world)):
             out[r][k] = [rows[i] for i in share]
     return out
-
-
-def even_cut(rows: list, mini_batches: int) -> list[list]:
-    """rows cut as the learner cuts a rank's rows without a deal (torch.chunk): ceil(n / k) per
-    mini-batch, the last shorter, fewer than k when n < k."""
-    size = -(-len(rows) // mini_batches) if rows else 1
-    return [rows[i:i + size] for i in range(0, len(rows), size)]
 
 
 def update_balance(loads: Sequence[Sequence[float]]) -> float:
