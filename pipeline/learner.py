@@ -117,8 +117,8 @@ class Learner:
         sums: dict[str, float] = {}
         count = 0
         first: dict[str, float] = {}
-        tokens = kept = 0.0  # response tokens of the mini-batches, and of the rows that went through the actor
-        loads: list[float] = []  # this rank's tokens through the actor in each mini-batch
+        tokens = 0.0  # response tokens of the mini-batches
+        loads: list[float] = []  # this rank's response tokens through the actor in each mini-batch
         for epoch in range(tc.ppo_epochs):
             for chunk in mini_batches:
                 mb = batch.select(chunk)
@@ -126,7 +126,6 @@ class Learner:
                 tokens += float(mb.response_mask.sum())
                 if self.skip_inert:
                     mb = mb.select(gradient_rows(mb))
-                kept += float(mb.response_mask.sum())
                 loads.append(float(mb.response_mask.sum()))
                 measure = self.engine_old_logprobs and count == 0
 
@@ -143,7 +142,7 @@ class Learner:
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
         total = all_sum(self.r, tokens)  # over all ranks
-        first["train/skipped_token_share"] = 1 - all_sum(self.r, kept) / total if total else 0.0
+        first["train/skipped_token_share"] = 1 - all_sum(self.r, sum(loads)) / total if total else 0.0
         loads += [0.0] * (tc.ppo_epochs * tc.mini_batches - len(loads))  # the same length on every rank
         first["train/update_balance"] = update_balance(gather_floats(self.r, loads))
         return {k: v / count for k, v in sums.items()} | first

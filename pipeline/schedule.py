@@ -139,9 +139,9 @@ class RolloutSchedule:
         G, world = len(plan.problems), self.r.world
         train_rows = mini_batch_rows = None  # where the deal split groups over the ranks (row_shares)
         if self.train_shares == "tokens":
-            weights = [[len(ro.tokens) for ro in units[g][2]]
-                       if update_tokens([len(ro.tokens) for ro in units[g][2]], units[g][3], self.equal_rewards_free)
-                       else [0] * self.n for g in range(G)]
+            lengths = [[len(ro.tokens) for ro in units[g][2]] for g in range(G)]
+            weights = [lengths[g] if update_tokens(lengths[g], units[g][3], self.equal_rewards_free) else [0] * self.n
+                       for g in range(G)]
             cells = row_shares(weights, world, self.mini_batches)[self.r.rank]
             chosen = sorted({g for cell in cells for g, _ in cell})  # the whole groups of this rank's rows
             at = {g: j * self.n for j, g in enumerate(chosen)}
