@@ -40,9 +40,8 @@ from engine.spec.factory import build_drafter
 from engine.types import Request
 from launch.config import load_config
 from launch.run_config import TrainConfig
-from launch.run import problems_for
+from launch.run import problems_for, prompt_loader
 from pipeline.actors import build_actor
-from pipeline.data import PromptLoader
 from pipeline.dist import Ranks
 from pipeline.rollouts import encode_problem
 from pipeline.trainer import Trainer
@@ -62,7 +61,7 @@ def one_lr(cfg: TrainConfig, lr: float, out: Path, batch1: int = 0) -> dict:
     cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, lr=lr))
     tok = load_tokenizer(cfg.model.path)
     task, train_problems, _ = problems_for(cfg)
-    loader = PromptLoader(train_problems, cfg.trainer.prompts_per_step, cfg.run.seed)
+    loader = prompt_loader(cfg, train_problems)
     base = cfg.engine.spec.drafter
     bubble_cfg = dataclasses.replace(cfg.engine, spec=dataclasses.replace(cfg.engine.spec, drafter=f"pregenerated+{base}"))
     engine = RolloutEngine.from_pretrained(cfg.model.path, bubble_cfg)

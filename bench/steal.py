@@ -38,9 +38,8 @@ from bench.common import cpu_model, finish
 from common.text import load_tokenizer, stop_tokens
 from engine.backends.factory import build_rollout_engine
 from launch.config import load_config
-from launch.run import problems_for
+from launch.run import problems_for, prompt_loader
 from launch.run_config import TrainConfig
-from pipeline.data import PromptLoader
 from pipeline.dist import init_ranks, shutdown
 from pipeline.lengths import LengthPredictor
 from pipeline.rollouts import StepSampling, requests_for
@@ -98,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     store = dist.distributed_c10d._get_default_store()
     tokenizer = load_tokenizer(cfg.model.path)
     _, problems, _ = problems_for(cfg)
-    loader = PromptLoader(problems, cfg.trainer.prompts_per_step, cfg.run.seed, world_size=r.world, rank=r.rank)
+    loader = prompt_loader(cfg, problems, world_size=r.world, rank=r.rank)
     engine = build_rollout_engine(cfg.model.path, cfg.engine, seed=cfg.run.seed)
     sampling = StepSampling.of(cfg.rollout, cfg.run.seed, stop_tokens(engine.model_config, tokenizer))
     n, G = cfg.rollout.n, cfg.trainer.prompts_per_step

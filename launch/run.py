@@ -155,7 +155,7 @@ def build_run(cfg: TrainConfig, r: Ranks) -> Run:
 def _build(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: ExitStack) -> Run:
     tokenizer = load_tokenizer(cfg.model.path)
     task, train_problems, held_out = problems_for(cfg)
-    loader = PromptLoader(train_problems, cfg.trainer.prompts_per_step, cfg.run.seed, world_size=r.world, rank=r.rank)
+    loader = prompt_loader(cfg, train_problems, world_size=r.world, rank=r.rank)
     history = history_of(cfg, r)
     engine = build_rollout_engine(cfg.model.path, cfg.engine, seed=cfg.run.seed,
                                   history=history.store if history is not None else None)
@@ -286,3 +286,20 @@ def problems_for(cfg: TrainConfig) -> tuple[Task, list[Problem], list[Problem]]:
         return task, train, held
     shape = {k: v for k, v in (("max_digits", cfg.task.max_digits), ("tail", cfg.task.tail)) if v is not None}
     return task, task.make_problems("train", cfg.task.train_problems, cfg.run.seed, **shape), held
+
+
+def prompt_loader(cfg: TrainConfig, problems: list[Problem], *, world_size: int = 1, rank: int = 0) -> PromptLoader:
+    """The run's PromptLoader over `problems` (world_size / rank: whose shard; 1 / 0: the global step).
+
+    trainer.prompt_order=stratified sizes each problem by the characters of its reference response.
+    """
+    sizes = None
+    if cfg.trainer.prompt_order == "stratified":
+        bare = [p.id for p in problems if not p.response]
+        if bare:
+            raise ValueError(f"trainer.prompt_order=stratified sizes problems by their reference response, and "
+                             f"{len(bare)} of {len(problems)} have none (first: {bare[0]}; a math file's rows carry none): "
+                             "use trainer.prompt_order=shuffled")
+        sizes = [len(p.response) for p in problems]
+    return PromptLoader(problems, cfg.trainer.prompts_per_step, cfg.run.seed, world_size=world_size, rank=rank,
+                        sizes=sizes)

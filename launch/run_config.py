@@ -118,6 +118,10 @@ class TrainerSection:
     # generated them: with rollout.work_stealing too, the same run bit for bit); tokens, groups dealt
     # longest first to balance the ranks' update tokens (another, equally valid, run).
     train_shares: Literal["shard", "tokens"] = "shard"
+    # Which problems share a step (pipeline.data): shuffled epochs, or stratified ones where every
+    # step takes one problem of each size stratum, a problem's size being the length of its reference
+    # response, so every step has the whole set's spread of lengths (its longest from the top stratum).
+    prompt_order: Literal["shuffled", "stratified"] = "shuffled"
     # Rows whose advantage is 0 on every token (a GRPO / RLOO group whose rewards are all equal)
     # give the policy loss no gradient when algorithm.kl_coef is 0: the update's forward and
     # backward leave them out (the loss weights still count them, so the step's gradient is the

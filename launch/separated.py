@@ -32,9 +32,8 @@ from common.idle import PushFlag
 from common.text import load_tokenizer, stop_tokens
 from engine.backends.factory import build_rollout_engine
 from launch.config import to_dict
-from launch.run import RankLog, Run, history_of, problems_for, resume_state
+from launch.run import RankLog, Run, history_of, problems_for, prompt_loader, resume_state
 from launch.run_config import TrainConfig
-from pipeline.data import PromptLoader
 from pipeline.dist import Ranks, job_store
 from pipeline.learner import Learner, uses_engine_logprobs
 from pipeline.metrics import MetricsLogger
@@ -63,8 +62,7 @@ def build_separated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
         from pipeline.actors import build_actor
         from pipeline.separated_actor import SeparatedActor
 
-        loader = PromptLoader(train_problems, cfg.trainer.prompts_per_step, cfg.run.seed, world_size=K,
-                              rank=placement.actors.rank)
+        loader = prompt_loader(cfg, train_problems, world_size=K, rank=placement.actors.rank)
         actor = build_actor(cfg.actor, cfg.model.path, group=placement.actors.group)
         reference = None
         if cfg.algorithm.kl_coef > 0:
@@ -84,7 +82,7 @@ def build_separated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
     else:
         from pipeline.separated_rollout import SeparatedRollout
 
-        loader = PromptLoader(train_problems, cfg.trainer.prompts_per_step, cfg.run.seed)  # the whole global step
+        loader = prompt_loader(cfg, train_problems)  # the whole global step
         history = history_of(cfg, placement.rollouts)  # over the rollout ranks: every one keeps the same store
         engine = build_rollout_engine(cfg.model.path, cfg.engine, seed=cfg.run.seed,
                                       history=history.store if history is not None else None)

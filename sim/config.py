@@ -154,7 +154,9 @@ class LengthSpec:
     (`Techniques.split`): `prompt_share` is the share of the lognormal's log-length variance that
     lies between prompts (0: every response drawn alone; 1: a prompt's samples equally long), and
     `by_prompt` resamples an empirical file's whole groups (one prompt's samples in one step) so
-    they keep the run's likeness.
+    they keep the run's likeness; with `stratified` too, a step of P prompts takes one group from
+    each of P strata of the file's groups by mean length, as the RL loop's stratified prompt order
+    (trainer.prompt_order=stratified) gives every step the set's spread.
     """
 
     kind: Literal["lognormal", "empirical"] = "lognormal"
@@ -164,6 +166,7 @@ class LengthSpec:
     path: str | None = None
     prompt_share: float = 0.0
     by_prompt: bool = False
+    stratified: bool = False
 
     def validate(self) -> None:
         if self.kind == "empirical" and not self.path:
@@ -178,6 +181,9 @@ class LengthSpec:
         if self.by_prompt and self.kind != "empirical":
             raise ValueError("rollout.lengths.by_prompt resamples an empirical file's groups; a lognormal draw sets "
                              "rollout.lengths.prompt_share instead")
+        if self.stratified and not self.by_prompt:
+            raise ValueError("rollout.lengths.stratified draws an empirical file's groups by stratum: it needs "
+                             "rollout.lengths.kind=empirical and by_prompt=true")
 
 
 @dataclass(kw_only=True)

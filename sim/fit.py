@@ -258,8 +258,10 @@ def calibrate(run: MeasuredRun, plain: MeasuredRun | None = None) -> tuple[Scena
     samples = max(r.sample for r in run.rollouts) + 1
     # With several samples a prompt, whole groups are resampled: how alike a prompt's samples are
     # is what split groups (Techniques.split) act on.
+    # A run with a stratified prompt order has every step hold its set's spread; its projection too.
+    stratified = samples > 1 and (run.config.get("trainer") or {}).get("prompt_order") == "stratified"
     lengths = LengthSpec(kind="empirical", path=str((run.folder / "rollouts.jsonl").resolve()),
-                         max_len=max(r.length for r in run.rollouts), by_prompt=samples > 1)
+                         max_len=max(r.length for r in run.rollouts), by_prompt=samples > 1, stratified=stratified)
     scn = Scenario(
         name=f"calibrated-{run.name}", steps=len(per_step), latency=latency,
         cluster=ClusterSpec(devices=[run.world], tensor_parallel=1,

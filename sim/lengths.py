@@ -22,7 +22,8 @@ def draw_lengths(spec: LengthSpec, prompts: int, samples: int, rng: np.random.Ge
 
     `empirical` holds the lengths read from spec.path (`read_rollout_lengths`: [n], or with
     spec.by_prompt `read_lengths_by_prompt`: [K, samples]); kind=empirical resamples its entries
-    (whole rows, a prompt's samples, with by_prompt) with replacement.
+    (whole rows, a prompt's samples, with by_prompt) with replacement; with spec.stratified, one row
+    from each of `prompts` strata of the rows by mean length, in random order.
     """
     n = prompts * samples
     if spec.kind == "lognormal":
@@ -36,9 +37,21 @@ def draw_lengths(spec: LengthSpec, prompts: int, samples: int, rng: np.random.Ge
         return np.clip(np.rint(x), 1, spec.max_len).astype(np.int64)
     if empirical is None or len(empirical) == 0:
         raise ValueError(f"rollout.lengths.kind=empirical: no lengths read from {spec.path}")
+    if spec.by_prompt and spec.stratified:
+        return empirical[stratified_rows(empirical, prompts, rng)].ravel().astype(np.int64)
     if spec.by_prompt:
         return empirical[rng.integers(0, len(empirical), size=prompts)].ravel().astype(np.int64)
     return rng.choice(np.asarray(empirical, dtype=np.int64), size=n, replace=True)
+
+
+def stratified_rows(groups: np.ndarray, prompts: int, rng: np.random.Generator) -> np.ndarray:
+    """[prompts] indices into groups [K, samples]: one from each of `prompts` strata of the rows
+    by mean length (nearly equal sizes, shortest first), in random order."""
+    if len(groups) < prompts:
+        raise ValueError(f"rollout.lengths.stratified needs at least as many prompt groups as prompts a step: "
+                         f"the file has {len(groups)}, a step {prompts}; use a longer run's rollouts.jsonl")
+    strata = np.array_split(np.argsort(groups.mean(axis=1), kind="stable"), prompts)
+    return rng.permutation([stratum[rng.integers(0, len(stratum))] for stratum in strata])
 
 
 def _records(path: str | Path) -> Iterator[tuple[str, dict]]:

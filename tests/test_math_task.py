@@ -197,3 +197,17 @@ def test_chat_prompt_wraps_the_question_in_the_tokenizers_template():
                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     text = chat_prompt(tok, "Tom has 3 apples. How many?")
     assert text == f"<|user|>Tom has 3 apples. How many?\n{BOXED_INSTRUCTION}\n<|assistant|>"
+
+
+def test_stratified_prompt_order_needs_reference_responses():
+    from launch.config import load_config
+    from launch.run import prompt_loader
+    from launch.run_config import TrainConfig
+
+    cfg = load_config(TrainConfig, None, ["model.path=unused", "trainer.prompts_per_step=4",
+                                          "trainer.prompt_order=stratified"])
+    bare, _ = load_math_file(TEST)  # no response_field: the rows carry no reference response
+    with pytest.raises(ValueError, match="200 of 200 have none.*prompt_order=shuffled"):
+        prompt_loader(cfg, bare)
+    worked, _ = load_math_file(TEST, response_field="solution")
+    assert prompt_loader(cfg, worked).sizes == [len(p.response) for p in worked]

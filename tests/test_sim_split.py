@@ -67,6 +67,8 @@ def test_length_settings_that_do_not_apply_are_refused_by_name():
         LengthSpec(kind="empirical", path="r.jsonl", prompt_share=0.5).validate()
     with pytest.raises(ValueError, match="prompt_share instead"):
         LengthSpec(by_prompt=True).validate()
+    with pytest.raises(ValueError, match="by_prompt=true"):
+        LengthSpec(kind="empirical", path="r.jsonl", stratified=True).validate()
 
 
 def test_lengths_by_prompt_keep_each_prompts_samples_and_drop_partial_prompts(tmp_path):
@@ -83,9 +85,27 @@ def test_lengths_by_prompt_keep_each_prompts_samples_and_drop_partial_prompts(tm
     assert {tuple(r) for r in drawn.tolist()} == {(10, 11), (50, 51)}
 
 
+def test_stratified_draws_take_one_group_of_each_length_stratum():
+    groups = np.arange(64)[:, None] * np.ones((1, 2), dtype=np.int64) + 1  # [64, 2]: group k's samples are k + 1
+    spec = LengthSpec(kind="empirical", path="r.jsonl", by_prompt=True, stratified=True)
+    orders = set()
+    for seed in range(20):
+        drawn = draw_lengths(spec, 16, 2, np.random.default_rng(seed), groups).reshape(16, 2)
+        assert (drawn[:, 0] == drawn[:, 1]).all()  # whole groups
+        assert sorted((drawn[:, 0] - 1) // 4) == list(range(16))  # one from each stratum of 4
+        orders.add(tuple(drawn[:, 0]))
+    assert len(orders) == 20  # which member, and in what order, varies
+    with pytest.raises(ValueError, match="at least as many prompt groups"):
+        draw_lengths(spec, 65, 2, np.random.default_rng(0), groups)
+
+
 def test_calibration_resamples_whole_prompts_when_the_run_drew_several_samples(tmp_path):
     run = read_run(make_run(tmp_path / "a", measured_scenario(2, 8)))
     assert calibrate(run)[0].rollout.lengths.by_prompt
+    assert not calibrate(run)[0].rollout.lengths.stratified
+    folder = make_run(tmp_path / "b", measured_scenario(2, 8))
+    (folder / "config.yaml").write_text("trainer:\n  prompt_order: stratified\n")
+    assert calibrate(read_run(folder))[0].rollout.lengths.stratified  # the run's prompt order, projected
 
 
 def test_split_groups_shorten_a_rollout_whose_tail_is_one_prompt():
