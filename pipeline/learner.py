@@ -25,7 +25,7 @@ import time
 import torch
 
 from pipeline.algorithms import build_algorithm, mismatch_kl
-from pipeline.dist import Ranks, all_sum, gather_floats
+from pipeline.dist import Ranks, all_sum, gather_floats, gather_objects
 from pipeline.records import TrainBatch
 from pipeline.rollouts import ScoredRollouts
 from pipeline.shares import update_balance
@@ -86,16 +86,20 @@ class Learner:
 
     def train_batch(self, scored: ScoredRollouts) -> tuple[TrainBatch, dict[str, float]]:
         """The rows this rank trains (`scored.trained`, in training order), with advantages computed
-        over the whole groups `scored` holds."""
+        over the whole groups `scored` holds, and the step's reward and advantage metrics."""
         n = scored.n
-        rewards, metrics = self.algo.shape_rewards(scored.rewards, scored.lengths)
-        adv, m = self.algo.advantages(rewards.view(-1, n), None)
-        metrics.update(m)
+        rewards, _ = self.algo.shape_rewards(scored.rewards, scored.lengths)
+        adv, _ = self.algo.advantages(rewards.view(-1, n), None)
         rows = scored.trained
         prompts = row_prompts(scored)
         batch = pack_rollouts([prompts[i] for i in rows], [scored.batch[i].tokens for i in rows],
                               [scored.batch[i].logprobs for i in rows], adv.reshape(-1)[rows], self.pad_id)
-        return batch, metrics
+        return batch, self._group_metrics(scored)
+
+    def _group_metrics(self, scored: ScoredRollouts) -> dict[str, float]:
+        """The reward and advantage stages' train/* metrics over every group of the step, each once
+        (`owned_group_metrics` on every rank, `combine_group_metrics` over them: one gather a step)."""
+        return combine_group_metrics(gather_objects(self.r, owned_group_metrics(self.algo, scored)))
 
     def _actor_old_logprobs(self, batch: TrainBatch, scored: ScoredRollouts, step: int) -> dict[str, float]:
         """The actor's recomputed old log-probs into `batch`; the same forward's hidden states fill the
@@ -154,6 +158,32 @@ class Learner:
         count = float(mask.sum()) if self.algo.aggregation == "token-mean" else float(mask.shape[0])
         total = all_sum(self.r, count)
         return local * (count / total) if total > 0 else local
+
+
+def owned_group_metrics(algo, scored: ScoredRollouts) -> tuple[int, dict[str, float]]:
+    """(groups owned, the reward and advantage metrics over them) of this rank's part of a step.
+
+    Ranks may hold the same group (under trainer.train_shares=tokens a rank holds the whole groups
+    of the rows it trains), so a rank describes only the groups it *owns*: those whose lowest
+    sample it trains, one rank each, as every row is trained on exactly one rank.
+    """
+    n, trained = scored.n, set(scored.trained)
+    owned = [g for g in range(len(scored.batch) // n)
+             if min(range(g * n, (g + 1) * n), key=lambda i: scored.batch[i].sample) in trained]
+    if not owned:
+        return 0, {}
+    rows = torch.tensor([g * n + j for g in owned for j in range(n)])
+    rewards, metrics = algo.shape_rewards(scored.rewards[rows], scored.lengths[rows])
+    metrics.update(algo.advantages(rewards.view(-1, n), None)[1])
+    return len(owned), metrics
+
+
+def combine_group_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """The step's metrics from every rank's `owned_group_metrics`: each is a mean over its owned
+    groups (or their rows, n a group), so the step's is their mean weighted by groups owned."""
+    total = sum(count for count, _ in parts)
+    keys = sorted({k for count, m in parts if count for k in m})
+    return {k: sum(count * m[k] for count, m in parts if count) / total for k in keys}
 
 
 def row_prompts(scored: ScoredRollouts) -> list[list[int]]:
