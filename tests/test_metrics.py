@@ -216,6 +216,8 @@ def test_summary_reports_rewards_accuracy_time_split_and_idle(tmp_path):
         "step time: mean 10.00 s = rollout 5.00 + idle 1.00 + logprob 1.00 + update 2.00 + sync 0.50 + other 0.50",
         "spec/accept_len: mean 3.00",
         "idle share: 10.0% (rank 0 0.0%, rank 1 20.0%)",
+        "response length: median 22 tokens; a step's longest over its median: least 1.2x, median 1.4x, most 1.5x "
+        "(>= 8x in 0 of 5 steps)",
     ]
     path = write_summary(tmp_path)
     assert path.read_text().splitlines()[1:] == lines
@@ -225,7 +227,7 @@ def test_summary_of_a_run_that_logged_little_says_na(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward/mean": 0.5}) + "\n")
     assert summary_lines(load_history(tmp_path)) == [
         "steps: 1 (0..0)", "reward/mean: first 0.5000 (step 0), last 0.5000 (step 0)", "eval/accuracy: n/a",
-        "step time: n/a", "spec/accept_len: n/a", "idle share: n/a"]
+        "step time: n/a", "spec/accept_len: n/a", "idle share: n/a", "response length: n/a"]
 
 
 def test_close_writes_the_report_on_rank_0(tmp_path, capsys):
@@ -234,3 +236,12 @@ def test_close_writes_the_report_on_rank_0(tmp_path, capsys):
         logger.log(0, step_metrics(0), lengths=[3, 4])
     assert (tmp_path / "dashboard.png").exists() and (tmp_path / "summary.txt").exists()
     assert "dashboard: " in capsys.readouterr().out
+
+
+def test_summary_counts_the_steps_whose_longest_response_is_8x_their_median(tmp_path):
+    with MetricsLogger(tmp_path, [JsonlSink(tmp_path)]) as logger:
+        logger.log(0, {"reward/mean": 0.5}, lengths=[10, 10, 10, 90])  # 9x
+        logger.log(1, {"reward/mean": 0.5}, lengths=[10, 20, 30, 70])  # 2.8x
+    assert summary_lines(load_history(tmp_path))[-1] == (
+        "response length: median 15 tokens; a step's longest over its median: least 2.8x, median 5.9x, most 9.0x "
+        "(>= 8x in 1 of 2 steps)")

@@ -2,7 +2,9 @@
 
 Steps, first and last mean reward, best held-out accuracy, where the mean step's time went
 (`timing/step` split into rollout / idle / log-prob / update / sync, the rest as "other"), mean
-accept length and the idle share per rank. A quantity the run never logged reads "n/a".
+accept length, the idle share per rank, and how long-tailed the responses were (the median length,
+and each step's longest response over its median: the tail a step waits for, 8x or more in
+reasoning RL). A quantity the run never logged reads "n/a".
 
 A speedup is stated only when it was measured: with a comparison against a reference run
 (pipeline.metrics.comparison: given, or the run folder's comparison.json), a last line gives the
@@ -12,6 +14,7 @@ summary says nothing about speed relative to anything.
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from common.atomic import atomic_write
@@ -41,6 +44,7 @@ def summary_lines(history: RunHistory, comparison: Comparison | None = None) -> 
     per_rank = ", ".join(f"rank {r} {share:.1%}" for r, share in rank_shares if share is not None)
     idle_text = f"{idle:.1%}" if idle is not None else "n/a"
     lines.append(f"idle share: {idle_text}" + (f" ({per_rank})" if per_rank else ""))
+    lines.append("response length: " + _tail(history))
     if comparison is not None:
         lines.append(speedup_line(comparison))
     return lines
@@ -51,6 +55,17 @@ def speedup_line(c: Comparison) -> str:
     steps = c.timed_steps
     return (f"measured speedup: {c.step_ratio:.2f}x vs {c.reference_run} (mean step time, reference / this run, "
             f"steps {steps[0]}..{steps[-1]}; identical runs: {identical})")
+
+
+def _tail(history: RunHistory) -> str:
+    steps = [lengths for lengths in history.lengths.values() if lengths]
+    if not steps:
+        return "n/a"
+    ratios = sorted(max(lengths) / statistics.median(lengths) for lengths in steps)
+    at_8x = sum(r >= 8 for r in ratios)
+    return (f"median {statistics.median([n for lengths in steps for n in lengths]):.0f} tokens; a step's longest over "
+            f"its median: least {ratios[0]:.1f}x, median {statistics.median(ratios):.1f}x, most {ratios[-1]:.1f}x "
+            f"(>= 8x in {at_8x} of {len(ratios)} steps)")
 
 
 def _time_split(history: RunHistory) -> str:
