@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from pipeline.algorithms import build_algorithm, mismatch_kl
+from pipeline.algorithms import Algorithm, build_algorithm, mismatch_kl
 from pipeline.dist import Ranks, all_sum, gather_floats, gather_objects
 from pipeline.records import TrainBatch
 from pipeline.rollouts import ScoredRollouts
@@ -160,7 +160,7 @@ class Learner:
         return local * (count / total) if total > 0 else local
 
 
-def owned_group_metrics(algo, scored: ScoredRollouts) -> tuple[int, dict[str, float]]:
+def owned_group_metrics(algo: Algorithm, scored: ScoredRollouts) -> tuple[int, dict[str, float]]:
     """(groups owned, the reward and advantage metrics over them) of this rank's part of a step.
 
     Ranks may hold the same group (under trainer.train_shares=tokens a rank holds the whole groups
