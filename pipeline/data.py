@@ -82,9 +82,7 @@ class PromptLoader(Generic[P]):
         self.seed = seed
         self.world_size = world_size
         self.rank = rank
-        if sizes is not None and len(sizes) != len(self.problems):
-            raise ValueError(f"got {len(sizes)} sizes for {len(self.problems)} problems: give one size per problem")
-        self.sizes = None if sizes is None else list(sizes)
+        self.sizes = None if sizes is None else list(sizes)  # epoch_order checks there is one per problem
         self.steps_per_epoch = len(self.problems) // prompts_per_step
         self._taken = 0  # steps taken since epoch 0 began
         self._order_cache: tuple[int, list[int]] = (0, self._epoch_order(0))
