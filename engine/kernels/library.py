@@ -32,7 +32,7 @@ from pathlib import Path
 from engine.kernels import tuning_cache
 
 HERE = Path(__file__).parent
-SOURCES = ("skinny.cpp", "decode_ops.cpp", "eagle_chain.cpp", "noise.cpp", "fingerprint.cpp")
+SOURCES = ("skinny.cpp", "decode_ops.cpp", "eagle_chain.cpp", "causal_attention.cpp", "noise.cpp", "fingerprint.cpp")
 BUILD_DIR = HERE / "build"  # or, where the package is read-only, ~/.cache/tailspec/kernels
 # TAILSPEC_CPU_MARCH picks another target (e.g. x86-64-v3 to test the AVX2 code path on an AVX-512 machine).
 FLAGS = ["-O3", f"-march={os.environ.get('TAILSPEC_CPU_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -93,6 +93,8 @@ def _loaded() -> tuple[ctypes.CDLL, tuning_cache.Tuning]:
         "attend_rows": [P, I, I, P, P, I, I, P, P, I, I, I, I, I, I, F32, INT],
         "rope_write_attend": [P, P, P, P, P, P, I, I, P, P, I, I, I, I, I, I, F32, INT],
         "silu_mul_rows": [P, P, I, I],
+        "causal_attention_forward": [P, I, I, I, P, P, I, I, I, P, P, I, I, I, I, I, F32, INT],
+        "causal_attention_backward": [P, I, I, I, P, P, I, I, I, P, P, P, P, P, P, I, I, I, I, I, F32, INT],
         "uniform_rows": [P, P, P, I, I, P, INT],
         "eagle_draft": [I] * 10 + [P, P, I, P, P, P, P, F32, P, P] + [P] * 7 + [P, F32, P, P, I, I, P, F32, P, P, INT, INT],
         "eagle_tree_draft": [I] * 12 + [P, P, I, P, P, P, P, F32, F32, P, P] + [P] * 8 + [F32, P, P, I, I, P, P, P, INT, INT],

@@ -44,6 +44,10 @@ class ActorConfig:
     micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) per micro-batch
     gradient_checkpointing: bool = False
     dtype: Literal["float32", "bfloat16"] = "float32"  # parameters and activations
+    # The model's attention in the update: "tailspec" the project's causal CPU kernels (float32 on CPU;
+    # 1.3-1.7x torch's SDPA forward and backward at head dim 32, pipeline/actors/attention.py), "sdpa"
+    # torch's; "auto" picks tailspec on CPU in float32 where the kernels build, else sdpa.
+    attention: Literal["auto", "tailspec", "sdpa"] = "auto"
     device: str = "cpu"  # "cuda" places each rank on cuda:LOCAL_RANK
     zero_stage: Literal[1, 2, 3] = 2  # deepspeed only
     offload_optimizer: bool = False  # deepspeed only: optimizer states in CPU memory
@@ -71,6 +75,9 @@ class ActorConfig:
         for key in ("tensor_parallel", "pipeline_parallel"):
             if getattr(self, key) < 1:
                 raise ValueError(f"actor.{key} must be >= 1, got {getattr(self, key)}")
+        if self.attention == "tailspec" and (self.device != "cpu" or self.dtype != "float32"):
+            raise ValueError(f"actor.attention=tailspec runs on CPU in float32 only (here actor.device={self.device}, "
+                             f"actor.dtype={self.dtype}): set actor.attention=auto or sdpa")
         if self.backend == "megatron" and not self.device.startswith("cuda"):
             raise ValueError("actor.backend=megatron needs actor.device=cuda (megatron-core's forward runs on CUDA "
                              "only); on CPU use actor.backend=torch or deepspeed")

@@ -21,17 +21,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipeline.actors.attention import implementation
 from pipeline.actors.base import DTYPES, ActorConfig, LogProbs, LossFn
 from pipeline.records import TrainBatch
 
 
 def load_policy(path: str | Path, cfg: ActorConfig):
-    """The transformers AutoModelForCausalLM in folder `path` (the one the engine serves), in cfg.dtype."""
+    """The transformers AutoModelForCausalLM in folder `path` (the one the engine serves), in cfg.dtype,
+    with cfg.attention's implementation (pipeline/actors/attention.py)."""
     from transformers import AutoModelForCausalLM
 
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"actor model folder {path} has no config.json: expected a Hugging Face model folder")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype], attn_implementation=implementation(cfg))
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
         # transformers 5 renamed it; both take the checkpoint kwargs first.
@@ -58,8 +60,8 @@ def policy_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     """One forward of `model` (an HF causal LM, or a DDP / DeepSpeed wrapper of one) on [b, T] rows.
 
     The model gets no padding mask: rows are right-padded and attention is causal, so no real token
-    sees a pad, and SDPA's causal kernel skips the masked half of each score matrix where an explicit
-    mask makes it compute all of it (the update's forward and backward ~5% faster on the mult task).
+    sees a pad, and the causal kernels (actor.attention's: tailspec's or SDPA's) skip the masked half
+    of each score matrix where an explicit mask makes SDPA compute all of it.
     Log-probs and entropies at pads are zeroed below; hidden states at pads mean nothing.
     """
     if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):

@@ -1,0 +1,315 @@
+// Causal self-attention for the actor's update on CPU (float32): the forward, which also keeps each
+// query's log-sum-exp, and the backward that recomputes the softmax from it (FlashAttention-2's
+// scheme). At the tiny model's head dim of 32, torch's CPU flash kernel spends most of its time
+// packing operands for small matrix products; these kernels keep a row's keys and values
+// transposed into tiles of 8 keys once per (row, kv head) and run every product from registers.
+//
+// Work is one job per (row, kv head): its GQA group's G query heads share the keys, so a block of
+// positions x G heads (at most 64 queries) shares each key tile. A job's results are sums in a
+// fixed order (over d, then keys in order, then query blocks in order), so a result does not
+// depend on the thread count. Rows are right-padded: a query at position t sees keys 0..t, so no
+// real token sees a pad.
+// This file alone is compiled without trapping math, as decode_ops.cpp is: GCC then vectorises the
+// compare-and-select of exp (it changes no value).
+#pragma GCC optimize("no-trapping-math")
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include "common.h"
+
+namespace {
+
+constexpr int64_t kLanes = 8;          // keys per tile: one vector of lanes over keys
+constexpr int64_t kBlockQueries = 64;  // at most this many queries (positions x heads) share a pass
+#if defined(__AVX512VL__)
+constexpr int kWeighRows = 4;  // outputs accumulated together (4 x 4 vectors: 32 vector registers)
+#else
+constexpr int kWeighRows = 2;  // 16 vector registers
+#endif
+
+// xt[tile][d][l] = x[tile * kLanes + l][d] for rows < n; rows past n are zeros.
+void transpose_rows(const float* x, int64_t ldx, int64_t n, int64_t D, float* xt) {
+  const int64_t tiles = (n + kLanes - 1) / kLanes;
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    float* out = xt + tile * D * kLanes;
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const int64_t j = tile * kLanes + l;
+      const float* r = x + j * ldx;
+      for (int64_t d = 0; d < D; ++d) out[d * kLanes + l] = j < n ? r[d] : 0.f;
+    }
+  }
+}
+
+// s[i * ld + j] = scale * (x_i . key_j) for queries i < Q (rows of x [Q, D]) and the keys of
+// `tiles` transposed tiles: one tile x four queries a pass (each score's chain of fused
+// multiply-adds runs over d in order).
+void score_tiles(const float* x, int64_t Q, const float* kt, int64_t tiles, int64_t D, float scale, float* s,
+                 int64_t ld) {
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const float* k0 = kt + tile * D * kLanes;
+    float* out = s + tile * kLanes;
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (; i < Q; i += 4) {  // a last group of 1-3 queries repeats its last one, stored once
+      const int64_t r = Q - i < 4 ? Q - i : 4;
+      const float *q0 = x + i * D, *q1 = x + (i + (r > 1)) * D, *q2 = x + (i + (r > 2 ? 2 : r - 1)) * D,
+                  *q3 = x + (i + r - 1) * D;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t d = 0; d < D; ++d) {
+        const __m256 u = _mm256_loadu_ps(k0 + d * kLanes);
+        a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(q0 + d), u, a0);
+        a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(q1 + d), u, a1);
+        a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(q2 + d), u, a2);
+        a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(q3 + d), u, a3);
+      }
+      _mm256_storeu_ps(out + i * ld, _mm256_mul_ps(a0, sc));
+      if (r > 1) _mm256_storeu_ps(out + (i + 1) * ld, _mm256_mul_ps(a1, sc));
+      if (r > 2) _mm256_storeu_ps(out + (i + 2) * ld, _mm256_mul_ps(a2, sc));
+      if (r > 3) _mm256_storeu_ps(out + (i + 3) * ld, _mm256_mul_ps(a3, sc));
+    }
+#endif
+    for (; i < Q; ++i) {
+      float acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t l = 0; l < kLanes; ++l) acc[l] = std::fma(x[i * D + d], k0[d * kLanes + l], acc[l]);
+      for (int64_t l = 0; l < kLanes; ++l) out[i * ld + l] = acc[l] * scale;
+    }
+  }
+}
+
+// The largest of x[0..n) (n >= 1; max is exact in any order).
+float row_max(const float* x, int64_t n) {
+  int64_t j = 0;
+  float mx = -INFINITY;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n >= kLanes) {
+    __m256 top = _mm256_loadu_ps(x);
+    for (j = kLanes; j + kLanes <= n; j += kLanes) top = _mm256_max_ps(top, _mm256_loadu_ps(x + j));
+    float lanes[kLanes];
+    _mm256_storeu_ps(lanes, top);
+    for (int64_t l = 0; l < kLanes; ++l) mx = lanes[l] > mx ? lanes[l] : mx;
+  }
+#endif
+  for (; j < n; ++j) mx = x[j] > mx ? x[j] : mx;
+  return mx;
+}
+
+// The sum of x[0..n) for n a multiple of kLanes: kLanes partial sums over j in order, then a fixed tree.
+float row_sum(const float* x, int64_t n) {
+  float part[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; j < n; j += kLanes) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + j));
+  _mm256_storeu_ps(part, acc);
+#endif
+  for (; j < n; j += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) part[l] += x[j + l];
+  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
+// outs[r][:D] (+)= scales[r] * sum_{i < n} ws[r][i * wstride] * x[i * ldx][:D] for R outputs at once:
+// each output's chain of fused multiply-adds runs over i in order; the R chains interleave.
+template <int R>
+void weigh(const float* const* ws, int64_t wstride, int64_t n, const float* x, int64_t ldx, int64_t D,
+           float* const* outs, const float* scales, bool accumulate) {
+  int64_t d0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; d0 + 32 <= D; d0 += 32) {
+    __m256 a[R][4];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const float* xr = x + i * ldx + d0;
+      const __m256 x0 = _mm256_loadu_ps(xr), x1 = _mm256_loadu_ps(xr + 8), x2 = _mm256_loadu_ps(xr + 16),
+                   x3 = _mm256_loadu_ps(xr + 24);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 w = _mm256_broadcast_ss(ws[r] + i * wstride);
+        a[r][0] = _mm256_fmadd_ps(w, x0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(w, x1, a[r][1]);
+        a[r][2] = _mm256_fmadd_ps(w, x2, a[r][2]);
+        a[r][3] = _mm256_fmadd_ps(w, x3, a[r][3]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 sc = _mm256_set1_ps(scales[r]);
+      for (int c = 0; c < 4; ++c) {
+        float* o = outs[r] + d0 + 8 * c;
+        const __m256 v = _mm256_mul_ps(a[r][c], sc);
+        _mm256_storeu_ps(o, accumulate ? _mm256_add_ps(_mm256_loadu_ps(o), v) : v);
+      }
+    }
+  }
+#endif
+  for (int64_t d = d0; d < D; ++d)
+    for (int r = 0; r < R; ++r) {
+      float acc = 0.f;
+      for (int64_t i = 0; i < n; ++i) acc = std::fma(ws[r][i * wstride], x[i * ldx + d], acc);
+      outs[r][d] = accumulate ? outs[r][d] + acc * scales[r] : acc * scales[r];
+    }
+}
+
+// weigh for any count of outputs: kWeighRows at a time, then one at a time.
+void weigh_all(const float* const* ws, int64_t wstride, int64_t n, const float* x, int64_t ldx, int64_t D,
+               float* const* outs, const float* scales, int64_t count, bool accumulate) {
+  int64_t r = 0;
+  for (; r + kWeighRows <= count; r += kWeighRows)
+    weigh<kWeighRows>(ws + r, wstride, n, x, ldx, D, outs + r, scales + r, accumulate);
+  for (; r < count; ++r) weigh<1>(ws + r, wstride, n, x, ldx, D, outs + r, scales + r, accumulate);
+}
+
+// The shapes and strides of one call, and where a block's query i sits.
+struct Shape {
+  int64_t B, T, Hq, Hkv, D, G, positions;  // positions: a block's positions (G * positions <= kBlockQueries)
+  const float *q, *k, *v;
+  int64_t sqb, sqh, sqt, skb, skh, skt;  // q [B, Hq, T, D] and k, v [B, Hkv, T, D] strides (d contiguous)
+  float scale;
+  // Row offset of query (b, t, hq) in the [B, T, Hq, D] outputs (out, its gradient) and [B, T, Hq] vectors.
+  int64_t at(int64_t b, int64_t t, int64_t hq) const { return (b * T + t) * Hq + hq; }
+};
+
+// A block's queries, position-major: query i is at t0 + i / G, head h * G + i % G.
+struct Block {
+  int64_t t0, count, end;  // first position, queries, one past the last position (keys 0..end-1)
+};
+
+Block block_at(const Shape& s, int64_t t0) {
+  const int64_t end = t0 + s.positions < s.T ? t0 + s.positions : s.T;
+  return {t0, (end - t0) * s.G, end};
+}
+
+// Packs the block's query vectors into xq [count, D] (and, where given, rows of a [B, T, Hq, D] tensor into xo).
+void pack_block(const Shape& s, const Block& blk, int64_t b, int64_t h, float* xq, const float* rows, float* xo) {
+  for (int64_t i = 0; i < blk.count; ++i) {
+    const int64_t t = blk.t0 + i / s.G, hq = h * s.G + i % s.G;
+    std::memcpy(xq + i * s.D, s.q + b * s.sqb + hq * s.sqh + t * s.sqt, s.D * sizeof(float));
+    if (rows) std::memcpy(xo + i * s.D, rows + s.at(b, t, hq) * s.D, s.D * sizeof(float));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// out [B, T, Hq, D] = softmax_{j <= t}(q[b, hq, t] . k[b, hq / G, j] * scale) @ v[b, hq / G, j], and
+// lse [B, T, Hq] = the log of each softmax's denominator plus its max (the backward's input).
+void causal_attention_forward(const float* q, int64_t sqb, int64_t sqh, int64_t sqt, const float* k, const float* v,
+                              int64_t skb, int64_t skh, int64_t skt, float* out, float* lse, int64_t B, int64_t T,
+                              int64_t Hq, int64_t Hkv, int64_t D, float scale, int nthreads) {
+  const int64_t G = Hq / Hkv;
+  const Shape s{B, T, Hq, Hkv, D, G, kBlockQueries / G > 0 ? kBlockQueries / G : 1, q, k, v,
+                sqb, sqh, sqt, skb, skh, skt, scale};
+  const int64_t ld = (T + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes), Qmax = s.positions * G;
+#pragma omp parallel num_threads(nthreads > 1 && B * Hkv > 1 ? nthreads : 1)
+  {
+    std::vector<float> kt(ld * D), sc(Qmax * ld), xq(Qmax * D), scales(Qmax);
+    std::vector<const float*> ws(Qmax);
+    std::vector<float*> outs(Qmax);
+#pragma omp for schedule(dynamic)
+    for (int64_t job = 0; job < B * Hkv; ++job) {
+      const int64_t b = job / Hkv, h = job % Hkv;
+      const float *kb = k + b * skb + h * skh, *vb = v + b * skb + h * skh;
+      transpose_rows(kb, skt, T, D, kt.data());
+      for (int64_t t0 = 0; t0 < T; t0 += s.positions) {
+        const Block blk = block_at(s, t0);
+        const int64_t keys = (blk.end + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes);
+        pack_block(s, blk, b, h, xq.data(), nullptr, nullptr);
+        score_tiles(xq.data(), blk.count, kt.data(), keys / kLanes, D, scale, sc.data(), ld);
+        for (int64_t i = 0; i < blk.count; ++i) {
+          const int64_t t = t0 + i / G, seen = t + 1;
+          float* row = sc.data() + i * ld;
+          const float mx = row_max(row, seen);
+          for (int64_t j = 0; j < seen; ++j) row[j] = tailspec::fast_expf(row[j] - mx);
+          for (int64_t j = seen; j < keys; ++j) row[j] = 0.f;
+          const float total = row_sum(row, keys);
+          const int64_t at = s.at(b, t, h * G + i % G);
+          lse[at] = mx + std::log(total);
+          scales[i] = 1.f / total;
+          ws[i] = row;
+          outs[i] = out + at * D;
+        }
+        weigh_all(ws.data(), 1, blk.end, vb, skt, D, outs.data(), scales.data(), blk.count, false);
+      }
+    }
+  }
+}
+
+// From dout [B, T, Hq, D] (contiguous), the forward's out and lse: dq [B, T, Hq, D] (contiguous),
+// dk, dv [B, Hkv, T, D] (contiguous). With p = exp(s - lse) and delta = dout . out per query:
+// dv_j = sum_i p_ij dout_i, ds_ij = p_ij (dout_i . v_j - delta_i), dq_i = scale sum_j ds_ij k_j,
+// dk_j = scale sum_i ds_ij q_i.
+void causal_attention_backward(const float* q, int64_t sqb, int64_t sqh, int64_t sqt, const float* k, const float* v,
+                               int64_t skb, int64_t skh, int64_t skt, const float* out, const float* lse,
+                               const float* dout, float* dq, float* dk, float* dv, int64_t B, int64_t T, int64_t Hq,
+                               int64_t Hkv, int64_t D, float scale, int nthreads) {
+  const int64_t G = Hq / Hkv;
+  const Shape s{B, T, Hq, Hkv, D, G, kBlockQueries / G > 0 ? kBlockQueries / G : 1, q, k, v,
+                sqb, sqh, sqt, skb, skh, skt, scale};
+  const int64_t ld = (T + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes), Qmax = s.positions * G;
+#pragma omp parallel num_threads(nthreads > 1 && B * Hkv > 1 ? nthreads : 1)
+  {
+    std::vector<float> kt(ld * D), vt(ld * D), p(Qmax * ld), ds(Qmax * ld), xq(Qmax * D), xo(Qmax * D),
+        delta(Qmax), scales(Qmax > kLanes ? Qmax : kLanes);
+    std::vector<const float*> ws(Qmax > kLanes ? Qmax : kLanes);
+    std::vector<float*> outs(Qmax > kLanes ? Qmax : kLanes);
+#pragma omp for schedule(dynamic)
+    for (int64_t job = 0; job < B * Hkv; ++job) {
+      const int64_t b = job / Hkv, h = job % Hkv;
+      const float *kb = k + b * skb + h * skh, *vb = v + b * skb + h * skh;
+      float *dkb = dk + (b * Hkv + h) * T * D, *dvb = dv + (b * Hkv + h) * T * D;
+      std::memset(dkb, 0, T * D * sizeof(float));
+      std::memset(dvb, 0, T * D * sizeof(float));
+      transpose_rows(kb, skt, T, D, kt.data());
+      transpose_rows(vb, skt, T, D, vt.data());
+      for (int64_t t0 = 0; t0 < T; t0 += s.positions) {
+        const Block blk = block_at(s, t0);
+        const int64_t keys = (blk.end + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes);
+        pack_block(s, blk, b, h, xq.data(), dout, xo.data());
+        score_tiles(xq.data(), blk.count, kt.data(), keys / kLanes, D, scale, p.data(), ld);
+        score_tiles(xo.data(), blk.count, vt.data(), keys / kLanes, D, 1.f, ds.data(), ld);
+        for (int64_t i = 0; i < blk.count; ++i) {
+          const int64_t t = t0 + i / G, seen = t + 1, at = s.at(b, t, h * G + i % G);
+          const float* o = out + at * D;
+          const float* g = xo.data() + i * D;
+          float dl = 0.f;
+          for (int64_t d = 0; d < D; ++d) dl = std::fma(g[d], o[d], dl);
+          const float m = lse[at];
+          float* pr = p.data() + i * ld;
+          float* dr = ds.data() + i * ld;
+          for (int64_t j = 0; j < seen; ++j) pr[j] = tailspec::fast_expf(pr[j] - m);
+          for (int64_t j = 0; j < seen; ++j) dr[j] = pr[j] * (dr[j] - dl);
+          for (int64_t j = seen; j < keys; ++j) pr[j] = dr[j] = 0.f;
+          ws[i] = dr;
+          outs[i] = dq + at * D;
+          scales[i] = scale;
+        }
+        // dq for the block's queries, over its keys.
+        weigh_all(ws.data(), 1, blk.end, kb, skt, D, outs.data(), scales.data(), blk.count, false);
+        // dv and dk for the keys the block sees, over its queries (in order of blocks: fixed).
+        for (int64_t j = 0; j < blk.end; ++j) {
+          ws[j % kLanes] = p.data() + j;
+          outs[j % kLanes] = dvb + j * D;
+          scales[j % kLanes] = 1.f;
+          if (j % kLanes == kLanes - 1 || j == blk.end - 1) {
+            const int64_t n = j % kLanes + 1;
+            weigh_all(ws.data(), ld, blk.count, xo.data(), D, D, outs.data(), scales.data(), n, true);
+            for (int64_t r = 0; r < n; ++r) {
+              ws[r] = ds.data() + (j - n + 1 + r);
+              outs[r] = dkb + (j - n + 1 + r) * D;
+              scales[r] = scale;
+            }
+            weigh_all(ws.data(), ld, blk.count, xq.data(), D, D, outs.data(), scales.data(), n, true);
+          }
+        }
+      }
+    }
+  }
+}
+}

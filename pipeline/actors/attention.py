@@ -1,0 +1,63 @@
+"""The actor's attention in Hugging Face models: which implementation `load_policy` asks for.
+
+On CPU in float32 the update's attention runs on the project's causal kernels
+(engine/kernels/causal_attention.cpp, a forward that keeps each query's log-sum-exp and a backward
+that recomputes the softmax from it), registered with transformers as "tailspec_cpu". At the tiny
+model's head dim of 32 they take 0.6-0.75x the time of torch's SDPA flash kernel forward and
+backward (docs/BENCHMARKS.md), and the update spends about a quarter of its time in attention.
+
+They serve whole right-padded rows without a padding mask (the update's `policy_forward`): a query
+at position t sees keys 0..t. Anything else (a padding mask, a KV cache, dropout) is refused with
+what to do, rather than computed some other way.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from pipeline.actors.base import ActorConfig
+
+NAME = "tailspec_cpu"
+
+
+def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+               is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """HF's attention-function interface: query [B, Hq, T, D], key / value [B, Hkv, T, D] -> ([B, T, Hq, D], None)."""
+    from engine.kernels.causal_attention import causal_attention
+
+    if attention_mask is not None:
+        raise ValueError("actor.attention=tailspec serves right-padded rows without a padding mask (policy_forward); "
+                         "this call passed a mask: pass attention_mask=None, or set actor.attention=sdpa")
+    if dropout or is_causal is False or not getattr(module, "is_causal", True):
+        raise ValueError("actor.attention=tailspec is causal self-attention without dropout: set actor.attention=sdpa")
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(f"actor.attention=tailspec serves whole sequences, got {query.shape[2]} queries over "
+                         f"{key.shape[2]} keys (a KV cache): set actor.attention=sdpa to generate with the HF model")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return causal_attention(query, key, value, scale), None
+
+
+def implementation(cfg: ActorConfig) -> str:
+    """The attn_implementation for the actor's HF model under cfg (registering the kernels' one if picked)."""
+    if cfg.attention == "sdpa" or (cfg.attention == "auto" and (cfg.device != "cpu" or cfg.dtype != "float32")):
+        return "sdpa"
+    from engine.kernels.library import KernelUnavailable, library
+
+    try:
+        library()
+    except (KernelUnavailable, OSError) as e:
+        if cfg.attention == "tailspec":
+            raise RuntimeError(f"actor.attention=tailspec, but the CPU kernels do not build here ({e}): "
+                               "set actor.attention=sdpa (or auto)") from e
+        warnings.warn(f"actor.attention=auto: the CPU kernels do not build here ({e}); using torch's SDPA", stacklevel=2)
+        return "sdpa"
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, _attention)
+    # SDPA's mask rule: none for unpadded causal rows, a 4-D mask otherwise (which _attention refuses).
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    return NAME
