@@ -8,8 +8,11 @@
        actor backend's update with the algorithm's loss; rows of advantage 0 left out when no KL
        term reaches them: trainer.skip_zero_advantage)
 
-Its metrics include `train/update_balance` (pipeline.shares.update_balance over every rank's
-tokens in each mini-batch: 1 when no rank waits at a mini-batch's gradient all-reduce).
+Its metrics are the step's, over every rank, each counted once: the reward and advantage metrics
+over every group (owned_group_metrics), the update's (combine_update_metrics: losses summed, token
+means weighted by each rank's tokens), and `train/update_balance` (pipeline.shares.update_balance
+over every rank's tokens in each mini-batch: 1 when no rank waits at a mini-batch's gradient
+all-reduce). One gather each, per step.
 
 `ranks` are the data-parallel ranks of the actor (the whole job when colocated, the actor group
 when separated: pipeline.placement); loss weights are normalised over the mini-batch of all of
@@ -21,11 +24,13 @@ rollouts were made: the loop (pipeline.trainer, pipeline.separated_actor) hands 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
+from pipeline.actors.base import ADDITIVE_METRICS
 from pipeline.algorithms import Algorithm, build_algorithm, mismatch_kl
-from pipeline.dist import Ranks, all_sum, gather_floats, gather_objects
+from pipeline.dist import Ranks, all_sum, gather_objects
 from pipeline.records import TrainBatch
 from pipeline.rollouts import ScoredRollouts
 from pipeline.shares import update_balance
@@ -145,11 +150,14 @@ class Learner:
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
-        total = all_sum(self.r, tokens)  # over all ranks
-        first["train/skipped_token_share"] = 1 - all_sum(self.r, sum(loads)) / total if total else 0.0
         loads += [0.0] * (tc.ppo_epochs * tc.mini_batches - len(loads))  # the same length on every rank
-        first["train/update_balance"] = update_balance(gather_floats(self.r, loads))
-        return {k: v / count for k, v in sums.items()} | first
+        parts = gather_objects(self.r, UpdatePart(tokens, loads, {k: v / count for k, v in sums.items()}, first))
+        total = sum(p.tokens for p in parts)
+        through = sum(sum(p.loads) for p in parts)
+        return combine_update_metrics(parts) | {
+            "train/skipped_token_share": 1 - through / total if total else 0.0,
+            "train/update_balance": update_balance([p.loads for p in parts]),
+        }
 
     def _global_weights(self, mask: torch.Tensor) -> torch.Tensor:
         """The algorithm's aggregation weights for this rank's rows, rescaled so that they are
@@ -158,6 +166,43 @@ class Learner:
         count = float(mask.sum()) if self.algo.aggregation == "token-mean" else float(mask.shape[0])
         total = all_sum(self.r, count)
         return local * (count / total) if total > 0 else local
+
+
+@dataclass
+class UpdatePart:
+    """One rank's part of a step's update, for the step's metrics: response tokens of its mini-batch
+    rows, tokens through the actor in each mini-batch, the actor's metrics averaged over mini-batches,
+    and the first mini-batch's (the engine-against-actor mismatch, measured before any step)."""
+
+    tokens: float
+    loads: list[float]
+    metrics: dict[str, float]
+    first: dict[str, float]
+
+
+def combine_update_metrics(parts: list[UpdatePart]) -> dict[str, float]:
+    """The step's update metrics from every rank's part: additive ones (ADDITIVE_METRICS) summed, the
+    gradient norm as every rank computed it, the others (token means) weighted by each rank's
+    tokens through the actor (the first mini-batch's by its tokens). Ranks without a trained token
+    have no say; if none had one, a plain mean."""
+
+    return _combine([p.metrics for p in parts], [sum(p.loads) for p in parts]) | _combine(
+        [p.first for p in parts], [p.loads[0] if p.loads else 0.0 for p in parts])
+
+
+def _combine(dicts: list[dict[str, float]], weights: list[float]) -> dict[str, float]:
+    out = {}
+    for k in sorted(set().union(*dicts)):
+        have = [(d[k], w) for d, w in zip(dicts, weights) if k in d]
+        values = [v for v, _ in have]
+        total = sum(w for _, w in have)
+        if k in ADDITIVE_METRICS:
+            out[k] = sum(values)
+        elif k == "train/grad_norm":
+            out[k] = values[0]  # the same on every rank
+        else:
+            out[k] = sum(v * w for v, w in have) / total if total else sum(values) / len(values)
+    return out
 
 
 def owned_group_metrics(algo: Algorithm, scored: ScoredRollouts) -> tuple[int, dict[str, float]]:

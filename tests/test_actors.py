@@ -94,6 +94,20 @@ def trained(model_dir, steps=2, **kw):
     return a, metrics
 
 
+def test_the_additive_loss_metrics_add_up_over_micro_batches(model_dir):
+    """train/pg_loss is a share of the mini-batch loss and train/response_tokens a count: however
+    the rows are cut into micro-batches, they are the whole mini-batch's; token means stay means."""
+    from pipeline.algorithms import AlgorithmConfig, build_algorithm
+
+    algo = build_algorithm(AlgorithmConfig(name="grpo"), max_response_len=64)
+    loss = lambda lp, ent, micro: algo.loss(lp, micro, ent)  # noqa: E731
+    whole, micro = (actor(model_dir, micro_batch_tokens=b).update(make_batch(), loss) for b in (10_000, 20))
+    assert micro["train/pg_loss"] == pytest.approx(whole["train/pg_loss"], abs=1e-7) != 0.0
+    assert micro["train/pg_loss"] == pytest.approx(micro["train/loss"], abs=1e-7)
+    assert micro["train/response_tokens"] == whole["train/response_tokens"] == float(make_batch().response_mask.sum())
+    assert micro["train/pg_clipfrac"] == pytest.approx(whole["train/pg_clipfrac"], abs=1e-7)
+
+
 def test_micro_batching_by_token_budget_gives_the_same_update_as_one_batch(model_dir):
     # Adam's first steps move a weight by about lr * g / |g|, so where a gradient is ~1e-8 float
     # noise can move it by up to lr: at lr = 1e-4, 1e-6 is 1% of that. Gradients are compared as well.
@@ -105,6 +119,7 @@ def test_micro_batching_by_token_budget_gives_the_same_update_as_one_batch(model
         assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-7)
         assert b["train/ratio_mean"] == pytest.approx(a["train/ratio_mean"], abs=1e-6)
         assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5)
+
     assert m_whole[1]["train/loss"] < m_whole[0]["train/loss"]  # the steps did something
 
 

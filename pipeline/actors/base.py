@@ -31,6 +31,11 @@ from pipeline.records import TrainBatch
 # loss is already weighted by micro.loss_weights, so the micro-batches' losses sum to the mini-batch's.
 LossFn = Callable[[torch.Tensor, "torch.Tensor | None", TrainBatch], "tuple[torch.Tensor, dict[str, float]]"]
 
+# Update metrics that add up over micro-batches and over ranks (a share of the mini-batch's loss, a
+# token count); every other loss metric is a mean over its call's response tokens, and the gradient
+# norm is the same on every rank (pipeline.algorithms.policy_loss, pipeline.learner).
+ADDITIVE_METRICS = frozenset({"train/loss", "train/pg_loss", "train/response_tokens"})
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

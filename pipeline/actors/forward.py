@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.actors.attention import implementation
-from pipeline.actors.base import DTYPES, ActorConfig, LogProbs, LossFn
+from pipeline.actors.base import ADDITIVE_METRICS, DTYPES, ActorConfig, LogProbs, LossFn
 from pipeline.records import TrainBatch
 
 
@@ -148,8 +148,9 @@ def accumulate(forward: Callable[..., LogProbs], batch: TrainBatch, loss_fn: Los
     Under torch.distributed every rank of `group` (None: the default process group) runs the same number of micro-batches (the largest count
     of any rank), since ZeRO-2 / 3 reduce gradients in every backward: a rank with fewer splits
     its largest micro-batches, or runs zero-weight copies of a row when it has too few rows.
-    Returns train/loss (the sum of the micro-batches' losses: this rank's mini-batch loss) and
-    loss_fn's metrics averaged over micro-batches weighted by their response tokens.
+    Returns train/loss (the sum of the micro-batches' losses: this rank's share of the mini-batch
+    loss) and loss_fn's metrics: the additive ones (ADDITIVE_METRICS) summed over micro-batches, the
+    others averaged over micro-batches weighted by their response tokens.
     """
     groups = micro_batches(batch.attention_mask, budget)
     n = len(groups)
@@ -170,7 +171,8 @@ def accumulate(forward: Callable[..., LogProbs], batch: TrainBatch, loss_fn: Los
         loss_sum += float(loss.detach())
         share = float(micro.response_mask.sum()) / total_tokens
         for key, value in metrics.items():
-            sums[key] = sums.get(key, 0.0) + (share * float(value) if share else 0.0)
+            part = float(value) if key in ADDITIVE_METRICS else (share * float(value) if share else 0.0)
+            sums[key] = sums.get(key, 0.0) + part
     return {"train/loss": loss_sum, **sums}
 
 

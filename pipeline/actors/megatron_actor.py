@@ -7,8 +7,9 @@ Ranks: `actor.tensor_parallel` ranks split every layer's matrices (a *TP group*,
 Rows: the trainer hands each rank its own rows (each rank rolls out its own prompts), but the TP
 ranks of a replica must run the same micro-batches together. So `logprobs` and `update` first
 gather their TP group's rows (`gather_group_rows`), all compute on all of them, and `logprobs`
-hands back this rank's rows. `train/loss` is the replica's loss divided by the TP size, so that,
-as with the other backends, the ranks' losses sum to the mini-batch's.
+hands back this rank's rows. The additive metrics (`train/loss`, `train/pg_loss`, the token count)
+are the replica's divided by the TP size, so that, as with the other backends, the ranks' values
+sum to the mini-batch's.
 
 Gradients: each micro-batch's loss is backpropagated as it is (loss weights are normalised over
 all ranks); then Qwen3's q/k-norm gradients are summed over the TP group (each TP rank saw only
@@ -53,7 +54,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from common.optim import make_adamw
 from engine.checkpoint import load_state_dict
-from pipeline.actors.base import DTYPES, ActorConfig, LogProbs, LossFn
+from pipeline.actors.base import ADDITIVE_METRICS, DTYPES, ActorConfig, LogProbs, LossFn
 from pipeline.actors.checkpoint import collective_folder, load_rng, rank_and_world, require_files, rng_file, save_rng
 from pipeline.actors.deepspeed_actor import layer_key
 from pipeline.actors.forward import accumulate, batched_logprobs, token_entropy, token_logprobs
@@ -262,7 +263,8 @@ class MegatronActor:
         metrics = accumulate(self.forward, replica, loss_fn, self.cfg.micro_batch_tokens,
                              context=lambda last: contextlib.nullcontext(), backward=lambda loss: loss.backward(),
                              entropy=entropy)
-        metrics["train/loss"] /= self.tp  # every TP rank computed the replica's loss
+        for key in ADDITIVE_METRICS & metrics.keys():
+            metrics[key] /= self.tp  # every TP rank computed the replica's loss and tokens
         self._reduce_grads()
         metrics["train/grad_norm"] = self._clip_and_step()
         return metrics
