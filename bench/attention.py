@@ -14,26 +14,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import cpu_model, finish, record_ms
+from bench.common import cpu_model, finish, record_ms, timed
 from pipeline.actors.base import ActorConfig
 from pipeline.actors.forward import load_policy, policy_forward
 
 # make train's micro-batches (512 padded tokens): a long row alone, then shorter rows sharing.
 SHAPES = ((1, 800), (1, 512), (2, 256), (4, 128), (8, 64))
-
-
-def _best(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def attention_pass(impl: str, rows: int, tokens: int, hq: int, hkv: int, d: int):
@@ -104,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             best = {impl: float("inf") for impl in runs}
             for _ in range(args.repeat):
                 for impl, fn in runs.items():
-                    best[impl] = min(best[impl], _best(fn, 1))
+                    best[impl] = min(best[impl], timed(fn)[1])
             key = f"{what} {rows}x{tokens}"
             record_ms(result, key, best["sdpa"], best["tailspec"])
             print(f"{what:>9} {rows:>6} x {tokens:<4} {best['sdpa'] * 1e3:>9.2f} {best['tailspec'] * 1e3:>10.2f} "

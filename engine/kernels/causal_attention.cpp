@@ -47,8 +47,8 @@ void transpose_rows(const float* x, int64_t ldx, int64_t n, int64_t D, float* xt
 }
 
 // s[i * ld + j] = scale * (x_i . key_j) for queries i < Q (rows of x [Q, D]) and the keys of
-// `tiles` transposed tiles: one tile x four queries a pass (each score's chain of fused
-// multiply-adds runs over d in order).
+// `tiles` transposed tiles: one tile x four queries a pass (tailspec::score_four: each score's
+// chain of fused multiply-adds runs over d in order).
 void score_tiles(const float* x, int64_t Q, const float* kt, int64_t tiles, int64_t D, float scale, float* s,
                  int64_t ld) {
   for (int64_t tile = 0; tile < tiles; ++tile) {
@@ -61,18 +61,9 @@ void score_tiles(const float* x, int64_t Q, const float* kt, int64_t tiles, int6
       const int64_t r = Q - i < 4 ? Q - i : 4;
       const float *q0 = x + i * D, *q1 = x + (i + (r > 1)) * D, *q2 = x + (i + (r > 2 ? 2 : r - 1)) * D,
                   *q3 = x + (i + r - 1) * D;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t d = 0; d < D; ++d) {
-        const __m256 u = _mm256_loadu_ps(k0 + d * kLanes);
-        a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(q0 + d), u, a0);
-        a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(q1 + d), u, a1);
-        a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(q2 + d), u, a2);
-        a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(q3 + d), u, a3);
-      }
-      _mm256_storeu_ps(out + i * ld, _mm256_mul_ps(a0, sc));
-      if (r > 1) _mm256_storeu_ps(out + (i + 1) * ld, _mm256_mul_ps(a1, sc));
-      if (r > 2) _mm256_storeu_ps(out + (i + 2) * ld, _mm256_mul_ps(a2, sc));
-      if (r > 3) _mm256_storeu_ps(out + (i + 3) * ld, _mm256_mul_ps(a3, sc));
+      __m256 a[4];
+      tailspec::score_four(q0, q1, q2, q3, k0, D, a);
+      for (int64_t c = 0; c < r; ++c) _mm256_storeu_ps(out + (i + c) * ld, _mm256_mul_ps(a[c], sc));
     }
 #endif
     for (; i < Q; ++i) {

@@ -3,6 +3,10 @@
 #include <cmath>
 #include <cstdint>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace tailspec {
 
 // exp(x) in float32 to ~2 ulp (Cephes' expf polynomial), written so that GCC vectorises it
@@ -35,5 +39,24 @@ inline void rope_heads(float* x, int64_t heads, int64_t D, const float* cos, con
     for (int64_t i = 0; i < D; ++i) v[i] = v[i] * cos[i] + tmp[i] * sin_signed[i];
   }
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// acc[c][l] = sum_d q_c[d] * kt[d * 8 + l] for four queries q_0..q_3 and a tile kt [D, 8] of eight
+// keys (lanes over keys): per (query, key) one fused multiply-add per d in order of d, the four
+// queries' chains interleaved so that they overlap. The attention kernels' scores (decode_ops.cpp,
+// causal_attention.cpp) are these, times the scale.
+inline void score_four(const float* q0, const float* q1, const float* q2, const float* q3, const float* kt, int64_t D,
+                       __m256 acc[4]) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 kv = _mm256_loadu_ps(kt + d * 8);
+    a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(q0 + d), kv, a0);
+    a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(q1 + d), kv, a1);
+    a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(q2 + d), kv, a2);
+    a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(q3 + d), kv, a3);
+  }
+  acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
+}
+#endif
 
 }  // namespace tailspec

@@ -74,7 +74,7 @@ static void transpose_keys(const float* const* rows, int64_t D, float* kt) {
 
 // scores[i * ld + l] = (q_i . key_l) * scale for the kLanes keys of a tile kt [D, kLanes]: per
 // (query, key) one fused multiply-add per d in order of d (the lanes are keys), four queries at a
-// time so that their chains of fused multiply-adds overlap.
+// time so that their chains of fused multiply-adds overlap (tailspec::score_four).
 static void score_block(const float* const* qs, int64_t Q, const float* kt, int64_t D, float scale, float* scores,
                         int64_t ld) {
   int64_t i = 0;
@@ -83,18 +83,9 @@ static void score_block(const float* const* qs, int64_t Q, const float* kt, int6
   for (; i < Q; i += 4) {  // a last group of 1-3 queries repeats its last one, stored once
     const int64_t r = Q - i < 4 ? Q - i : 4;
     const float *q0 = qs[i], *q1 = qs[i + (r > 1)], *q2 = qs[i + (r > 2 ? 2 : r - 1)], *q3 = qs[i + r - 1];
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t d = 0; d < D; ++d) {
-      const __m256 kv = _mm256_loadu_ps(kt + d * kLanes);
-      a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(q0 + d), kv, a0);
-      a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(q1 + d), kv, a1);
-      a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(q2 + d), kv, a2);
-      a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(q3 + d), kv, a3);
-    }
-    _mm256_storeu_ps(scores + i * ld, _mm256_mul_ps(a0, sc8));
-    if (r > 1) _mm256_storeu_ps(scores + (i + 1) * ld, _mm256_mul_ps(a1, sc8));
-    if (r > 2) _mm256_storeu_ps(scores + (i + 2) * ld, _mm256_mul_ps(a2, sc8));
-    if (r > 3) _mm256_storeu_ps(scores + (i + 3) * ld, _mm256_mul_ps(a3, sc8));
+    __m256 a[4];
+    tailspec::score_four(q0, q1, q2, q3, kt, D, a);
+    for (int64_t c = 0; c < r; ++c) _mm256_storeu_ps(scores + (i + c) * ld, _mm256_mul_ps(a[c], sc8));
   }
 #endif
   for (; i < Q; ++i) {
