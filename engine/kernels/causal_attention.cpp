@@ -106,54 +106,13 @@ float row_sum(const float* x, int64_t n) {
   return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
 }
 
-// outs[r][:D] (+)= scales[r] * sum_{i < n} ws[r][i * wstride] * x[i * ldx][:D] for R outputs at once:
-// each output's chain of fused multiply-adds runs over i in order; the R chains interleave.
-template <int R>
-void weigh(const float* const* ws, int64_t wstride, int64_t n, const float* x, int64_t ldx, int64_t D,
-           float* const* outs, const float* scales, bool accumulate) {
-  int64_t d0 = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  for (; d0 + 32 <= D; d0 += 32) {
-    __m256 a[R][4];
-    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; ++i) {
-      const float* xr = x + i * ldx + d0;
-      const __m256 x0 = _mm256_loadu_ps(xr), x1 = _mm256_loadu_ps(xr + 8), x2 = _mm256_loadu_ps(xr + 16),
-                   x3 = _mm256_loadu_ps(xr + 24);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m256 w = _mm256_broadcast_ss(ws[r] + i * wstride);
-        a[r][0] = _mm256_fmadd_ps(w, x0, a[r][0]);
-        a[r][1] = _mm256_fmadd_ps(w, x1, a[r][1]);
-        a[r][2] = _mm256_fmadd_ps(w, x2, a[r][2]);
-        a[r][3] = _mm256_fmadd_ps(w, x3, a[r][3]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256 sc = _mm256_set1_ps(scales[r]);
-      for (int c = 0; c < 4; ++c) {
-        float* o = outs[r] + d0 + 8 * c;
-        const __m256 v = _mm256_mul_ps(a[r][c], sc);
-        _mm256_storeu_ps(o, accumulate ? _mm256_add_ps(_mm256_loadu_ps(o), v) : v);
-      }
-    }
-  }
-#endif
-  for (int64_t d = d0; d < D; ++d)
-    for (int r = 0; r < R; ++r) {
-      float acc = 0.f;
-      for (int64_t i = 0; i < n; ++i) acc = std::fma(ws[r][i * wstride], x[i * ldx + d], acc);
-      outs[r][d] = accumulate ? outs[r][d] + acc * scales[r] : acc * scales[r];
-    }
-}
-
-// weigh for any count of outputs: kWeighRows at a time, then one at a time.
+// tailspec::weigh_rows for any count of outputs: kWeighRows at a time, then one at a time.
 void weigh_all(const float* const* ws, int64_t wstride, int64_t n, const float* x, int64_t ldx, int64_t D,
                float* const* outs, const float* scales, int64_t count, bool accumulate) {
   int64_t r = 0;
   for (; r + kWeighRows <= count; r += kWeighRows)
-    weigh<kWeighRows>(ws + r, wstride, n, x, ldx, D, outs + r, scales + r, accumulate);
-  for (; r < count; ++r) weigh<1>(ws + r, wstride, n, x, ldx, D, outs + r, scales + r, accumulate);
+    tailspec::weigh_rows<kWeighRows>(ws + r, wstride, n, x, ldx, D, outs + r, scales + r, accumulate);
+  for (; r < count; ++r) tailspec::weigh_rows<1>(ws + r, wstride, n, x, ldx, D, outs + r, scales + r, accumulate);
 }
 
 // The shapes and strides of one call, and where a block's query i sits.

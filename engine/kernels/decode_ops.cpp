@@ -98,59 +98,18 @@ static void score_block(const float* const* qs, int64_t Q, const float* kt, int6
 }
 
 extern "C++" {  // templates, inside this file's C linkage block
-// outs[q][d] = sum_j ws[q][j] v[j, d] over slots j < S in order of j, one fused multiply-add per
-// term, for R queries at once: each output's chain of fused multiply-adds is its own (the same
-// operations, in the same order, as for one query alone); the R chains interleave, so that they
-// overlap instead of each waiting on its own latency.
-template <int R>
-static void weigh_values(const float* const* ws, int64_t S, const float* v, int64_t D, float* const* outs) {
-  int64_t d0 = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  for (; d0 + 32 <= D; d0 += 32) {
-    __m256 a[R][4];
-    for (int q = 0; q < R; ++q) a[q][0] = a[q][1] = a[q][2] = a[q][3] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < S; ++j) {
-      const float* vr = v + j * D + d0;
-      const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8), v2 = _mm256_loadu_ps(vr + 16),
-                   v3 = _mm256_loadu_ps(vr + 24);
-#pragma GCC unroll 4
-      for (int q = 0; q < R; ++q) {
-        const __m256 wj = _mm256_broadcast_ss(ws[q] + j);
-        a[q][0] = _mm256_fmadd_ps(wj, v0, a[q][0]);
-        a[q][1] = _mm256_fmadd_ps(wj, v1, a[q][1]);
-        a[q][2] = _mm256_fmadd_ps(wj, v2, a[q][2]);
-        a[q][3] = _mm256_fmadd_ps(wj, v3, a[q][3]);
-      }
-    }
-    for (int q = 0; q < R; ++q)
-      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(outs[q] + d0 + 8 * c, a[q][c]);
-  }
-#endif
-  for (int64_t d = d0; d < D; ++d)
-    for (int q = 0; q < R; ++q) {
-      float acc = 0.f;
-      for (int64_t j = 0; j < S; ++j) acc = std::fma(ws[q][j], v[j * D + d], acc);
-      outs[q][d] = acc;
-    }
-}
-
 // For R queries' softmax weights sc[q] (exact zeros on masked slots): the total in slot order, one
 // add at a time (the visible slots' order is what decoding sees, but not their positions: a tree's
-// ancestors sit at scattered tentative slots, so no lanes by slot), the weighted values, and the
-// division; the R queries' serial chains interleave.
+// ancestors sit at scattered tentative slots, so no lanes by slot), then the weighted values times
+// 1 / total (tailspec::weigh_rows); the R queries' serial chains interleave.
 template <int R>
 static void finish_queries(float* const* sc, int64_t end, const float* v, int64_t D, float* const* outs) {
-  float total[R];
+  float total[R], inv[R];
   for (int q = 0; q < R; ++q) total[q] = 0.f;
   for (int64_t j = 0; j < end; ++j)
     for (int q = 0; q < R; ++q) total[q] += sc[q][j];
-  weigh_values<R>(sc, end, v, D, outs);
-  for (int q = 0; q < R; ++q) {
-    const float inv = 1.f / total[q];
-    float* out = outs[q];
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) out[d] *= inv;
-  }
+  for (int q = 0; q < R; ++q) inv[q] = 1.f / total[q];
+  tailspec::weigh_rows<R>(sc, 1, end, v, D, D, outs, inv, false);
 }
 }  // extern "C++"
 
