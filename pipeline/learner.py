@@ -185,7 +185,6 @@ def combine_update_metrics(parts: list[UpdatePart]) -> dict[str, float]:
     gradient norm as every rank computed it, the others (token means) weighted by each rank's
     tokens through the actor (the first mini-batch's by its tokens). Ranks without a trained token
     have no say; if none had one, a plain mean."""
-
     return _combine([p.metrics for p in parts], [sum(p.loads) for p in parts]) | _combine(
         [p.first for p in parts], [p.loads[0] if p.loads else 0.0 for p in parts])
 

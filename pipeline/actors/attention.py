@@ -2,9 +2,10 @@
 
 On CPU in float32 the update's attention runs on the project's causal kernels
 (engine/kernels/causal_attention.cpp, a forward that keeps each query's log-sum-exp and a backward
-that recomputes the softmax from it), registered with transformers as "tailspec_cpu". At the tiny
-model's head dim of 32 they take 0.6-0.75x the time of torch's SDPA flash kernel forward and
-backward (docs/BENCHMARKS.md), and the update spends about a quarter of its time in attention.
+that recomputes the softmax from it), registered with transformers as "tailspec_cpu". Forward and
+backward they run 1.4-1.8x torch's SDPA flash kernel at the tiny model's head dim of 32 and
+1.2-1.5x at SmolLM2's 64 (`python -m bench.attention`, docs/BENCHMARKS.md); attention is about a
+fifth of the tiny model's update.
 
 They serve whole right-padded rows without a padding mask (the update's `policy_forward`): a query
 at position t sees keys 0..t. Anything else (a padding mask, a KV cache, dropout) is refused with

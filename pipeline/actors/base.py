@@ -50,7 +50,7 @@ class ActorConfig:
     gradient_checkpointing: bool = False
     dtype: Literal["float32", "bfloat16"] = "float32"  # parameters and activations
     # The model's attention in the update: "tailspec" the project's causal CPU kernels (float32 on CPU;
-    # 1.3-1.7x torch's SDPA forward and backward at head dim 32, pipeline/actors/attention.py), "sdpa"
+    # 1.4-1.8x torch's SDPA forward and backward at head dim 32, pipeline/actors/attention.py), "sdpa"
     # torch's; "auto" picks tailspec on CPU in float32 where the kernels build, else sdpa.
     attention: Literal["auto", "tailspec", "sdpa"] = "auto"
     device: str = "cpu"  # "cuda" places each rank on cuda:LOCAL_RANK
