@@ -73,12 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     try:
         models = {impl: load_policy(args.model, ActorConfig(attention=impl)) for impl in ("sdpa", "tailspec")}
-    except (FileNotFoundError, OSError, ValueError, RuntimeError) as e:
+    except (OSError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     c = models["sdpa"].config
-    hq, hkv = c.num_attention_heads, c.num_key_value_heads
-    d = getattr(c, "head_dim", None) or c.hidden_size // hq
+    hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     print(f"{cpu_model()}, {args.threads} thread(s); {args.model}: {hq} query heads, {hkv} kv heads, head dim {d}",
           file=sys.stderr)
     result = {"ratio": {}, "ms": {}, "baseline_ms": {}}

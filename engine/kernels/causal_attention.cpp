@@ -18,11 +18,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
-
-#include "common.h"
+#include "common.h"  // with immintrin.h where AVX2 and FMA are on
 
 namespace {
 
@@ -116,15 +112,23 @@ void weigh_all(const float* const* ws, int64_t wstride, int64_t n, const float* 
   for (; r < count; ++r) tailspec::weigh_rows<1>(ws + r, wstride, n, x, ldx, D, outs + r, scales + r, accumulate);
 }
 
-// The shapes and strides of one call, and where a block's query i sits.
+// Where a call's queries sit: q [B, Hq, T, D] with strides (sqb, sqh, sqt), d contiguous; blocks of
+// `positions` positions x the G query heads of a kv head.
 struct Shape {
-  int64_t B, T, Hq, Hkv, D, G, positions;  // positions: a block's positions (G * positions <= kBlockQueries)
-  const float *q, *k, *v;
-  int64_t sqb, sqh, sqt, skb, skh, skt;  // q [B, Hq, T, D] and k, v [B, Hkv, T, D] strides (d contiguous)
-  float scale;
+  int64_t T, Hq, D, G, positions;  // G * positions <= kBlockQueries
+  const float* q;
+  int64_t sqb, sqh, sqt;
   // Row offset of query (b, t, hq) in the [B, T, Hq, D] outputs (out, its gradient) and [B, T, Hq] vectors.
   int64_t at(int64_t b, int64_t t, int64_t hq) const { return (b * T + t) * Hq + hq; }
 };
+
+Shape shape_of(const float* q, int64_t sqb, int64_t sqh, int64_t sqt, int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
+  const int64_t G = Hq / Hkv;
+  return {T, Hq, D, G, kBlockQueries / G > 0 ? kBlockQueries / G : 1, q, sqb, sqh, sqt};
+}
+
+// n rounded up to whole tiles of keys.
+int64_t whole_tiles(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
 // A block's queries, position-major: query i is at t0 + i / G, head h * G + i % G.
 struct Block {
@@ -154,10 +158,8 @@ extern "C" {
 void causal_attention_forward(const float* q, int64_t sqb, int64_t sqh, int64_t sqt, const float* k, const float* v,
                               int64_t skb, int64_t skh, int64_t skt, float* out, float* lse, int64_t B, int64_t T,
                               int64_t Hq, int64_t Hkv, int64_t D, float scale, int nthreads) {
-  const int64_t G = Hq / Hkv;
-  const Shape s{B, T, Hq, Hkv, D, G, kBlockQueries / G > 0 ? kBlockQueries / G : 1, q, k, v,
-                sqb, sqh, sqt, skb, skh, skt, scale};
-  const int64_t ld = (T + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes), Qmax = s.positions * G;
+  const Shape s = shape_of(q, sqb, sqh, sqt, T, Hq, Hkv, D);
+  const int64_t G = s.G, ld = whole_tiles(T), Qmax = s.positions * G;
 #pragma omp parallel num_threads(nthreads > 1 && B * Hkv > 1 ? nthreads : 1)
   {
     std::vector<float> kt(ld * D), sc(Qmax * ld), xq(Qmax * D), scales(Qmax);
@@ -170,7 +172,7 @@ void causal_attention_forward(const float* q, int64_t sqb, int64_t sqh, int64_t 
       transpose_rows(kb, skt, T, D, kt.data());
       for (int64_t t0 = 0; t0 < T; t0 += s.positions) {
         const Block blk = block_at(s, t0);
-        const int64_t keys = (blk.end + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes);
+        const int64_t keys = whole_tiles(blk.end);
         pack_block(s, blk, b, h, xq.data(), nullptr, nullptr);
         score_tiles(xq.data(), blk.count, kt.data(), keys / kLanes, D, scale, sc.data(), ld);
         for (int64_t i = 0; i < blk.count; ++i) {
@@ -200,14 +202,12 @@ void causal_attention_backward(const float* q, int64_t sqb, int64_t sqh, int64_t
                                int64_t skb, int64_t skh, int64_t skt, const float* out, const float* lse,
                                const float* dout, float* dq, float* dk, float* dv, int64_t B, int64_t T, int64_t Hq,
                                int64_t Hkv, int64_t D, float scale, int nthreads) {
-  const int64_t G = Hq / Hkv;
-  const Shape s{B, T, Hq, Hkv, D, G, kBlockQueries / G > 0 ? kBlockQueries / G : 1, q, k, v,
-                sqb, sqh, sqt, skb, skh, skt, scale};
-  const int64_t ld = (T + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes), Qmax = s.positions * G;
+  const Shape s = shape_of(q, sqb, sqh, sqt, T, Hq, Hkv, D);
+  const int64_t G = s.G, ld = whole_tiles(T), Qmax = s.positions * G;
 #pragma omp parallel num_threads(nthreads > 1 && B * Hkv > 1 ? nthreads : 1)
   {
     std::vector<float> kt(ld * D), vt(ld * D), p(Qmax * ld), ds(Qmax * ld), xq(Qmax * D), xo(Qmax * D),
-        delta(Qmax), scales(Qmax > kLanes ? Qmax : kLanes);
+        scales(Qmax > kLanes ? Qmax : kLanes);
     std::vector<const float*> ws(Qmax > kLanes ? Qmax : kLanes);
     std::vector<float*> outs(Qmax > kLanes ? Qmax : kLanes);
 #pragma omp for schedule(dynamic)
@@ -221,7 +221,7 @@ void causal_attention_backward(const float* q, int64_t sqb, int64_t sqh, int64_t
       transpose_rows(vb, skt, T, D, vt.data());
       for (int64_t t0 = 0; t0 < T; t0 += s.positions) {
         const Block blk = block_at(s, t0);
-        const int64_t keys = (blk.end + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes);
+        const int64_t keys = whole_tiles(blk.end);
         pack_block(s, blk, b, h, xq.data(), dout, xo.data());
         score_tiles(xq.data(), blk.count, kt.data(), keys / kLanes, D, scale, p.data(), ld);
         score_tiles(xo.data(), blk.count, vt.data(), keys / kLanes, D, 1.f, ds.data(), ld);

@@ -32,7 +32,7 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if attention_mask is not None:
         raise ValueError("actor.attention=tailspec serves right-padded rows without a padding mask (policy_forward); "
                          "this call passed a mask: pass attention_mask=None, or set actor.attention=sdpa")
-    if dropout or is_causal is False or not getattr(module, "is_causal", True):
+    if dropout or is_causal is False:
         raise ValueError("actor.attention=tailspec is causal self-attention without dropout: set actor.attention=sdpa")
     if key.shape[2] != query.shape[2]:
         raise ValueError(f"actor.attention=tailspec serves whole sequences, got {query.shape[2]} queries over "
