@@ -18,9 +18,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from bench.common import cpu_model, finish, record_ms, timed
+from bench.common import best_interleaved, cpu_model, finish, record_ms
 from pipeline.actors.base import ActorConfig
-from pipeline.actors.forward import load_policy, policy_forward
+from pipeline.actors.forward import forward_in, load_policy
 
 # make train's micro-batches (512 padded tokens): a long row alone, then shorter rows sharing.
 SHAPES = ((1, 800), (1, 512), (2, 256), (4, 128), (8, 64))
@@ -47,9 +47,10 @@ def attention_pass(impl: str, rows: int, tokens: int, hq: int, hkv: int, d: int)
     return run
 
 
-def model_pass(model, rows: int, tokens: int, vocab: int):
-    """A closure running the update's forward and backward of `model` on right-padded rows: the
-    first row `tokens` long, the others shorter in steps (a micro-batch of rows longest first)."""
+def model_pass(forward, rows: int, tokens: int, vocab: int):
+    """A closure running the update's forward (`forward(ids, mask) -> LogProbs`, an actor model's
+    forward_in) and backward on right-padded rows: the first row `tokens` long, the others shorter in
+    steps (a micro-batch of rows longest first)."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (rows, tokens), generator=g)
     mask = torch.zeros(rows, tokens, dtype=torch.long)
@@ -57,7 +58,7 @@ def model_pass(model, rows: int, tokens: int, vocab: int):
         mask[r, : tokens - r * tokens // (2 * rows)] = 1
 
     def run():
-        lp = policy_forward(model, ids, mask).logprobs
+        lp = forward(ids, mask).logprobs
         lp.sum().backward()
 
     return run
@@ -87,13 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             if what == "attention":
                 runs = {impl: attention_pass(impl, rows, tokens, hq, hkv, d) for impl in models}
             else:
-                runs = {impl: model_pass(m, rows, tokens, c.vocab_size) for impl, m in models.items()}
-            for fn in runs.values():
-                fn()  # warm: first-touch allocations
-            best = {impl: float("inf") for impl in runs}
-            for _ in range(args.repeat):
-                for impl, fn in runs.items():
-                    best[impl] = min(best[impl], timed(fn)[1])
+                runs = {impl: model_pass(forward_in(m, ActorConfig(attention=impl)), rows, tokens, c.vocab_size)
+                        for impl, m in models.items()}
+            best = best_interleaved(runs, args.repeat)
             key = f"{what} {rows}x{tokens}"
             record_ms(result, key, best["sdpa"], best["tailspec"])
             print(f"{what:>9} {rows:>6} x {tokens:<4} {best['sdpa'] * 1e3:>9.2f} {best['tailspec'] * 1e3:>10.2f} "

@@ -57,6 +57,18 @@ def timed(fn, repeat: int = 1):
     return result, best
 
 
+def best_interleaved(runs: dict, repeat: int) -> dict[str, float]:
+    """{name: closure} -> {name: best seconds}: one warm call each (first-touch allocations), then
+    `repeat` rounds in turn (a, b, a, b, ...), so that a slow spell of the machine hits every way."""
+    for fn in runs.values():
+        fn()
+    best = {name: float("inf") for name in runs}
+    for _ in range(repeat):
+        for name, fn in runs.items():
+            best[name] = min(best[name], timed(fn)[1])
+    return best
+
+
 def batch_list(text: str) -> list[int]:
     """argparse type for --batch: comma-separated positive integers."""
     try:

@@ -162,6 +162,10 @@ def _build(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: E
     resources.callback(engine.close)
     sampling = StepSampling.of(cfg.rollout, cfg.run.seed, stop_tokens(engine.model_config, tokenizer))
     actor = build_actor(cfg.actor, cfg.model.path)
+    if cfg.actor.precision == "auto":
+        from pipeline.actors.precision import resolve
+
+        log(f"actor.precision=auto: the update runs {resolve(cfg.actor)} on this machine")
     reference = None
     if cfg.algorithm.kl_coef > 0:
         from pipeline.reference import ReferencePolicy

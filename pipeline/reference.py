@@ -1,17 +1,15 @@
 """The frozen reference policy for the KL term (`algorithm.kl_coef > 0`): the starting weights.
 
 Loaded from the same Hugging Face folder as the actor, never updated; its log-prob forward is
-the actor's (pipeline.actors.forward), micro-batched by the same token budget.
+the actor's (pipeline.actors.forward, in its precision), micro-batched by the same token budget.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from pipeline.actors.base import ActorConfig
-from pipeline.actors.forward import batched_logprobs, load_policy, policy_forward
+from pipeline.actors.forward import batched_logprobs, forward_in, load_policy
 from pipeline.actors.torch_actor import actor_device
 
 
@@ -22,6 +20,5 @@ class ReferencePolicy:
 
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        forward = functools.partial(policy_forward, self.model)
-        return batched_logprobs(forward, input_ids.to(self.device), attention_mask.to(self.device),
+        return batched_logprobs(forward_in(self.model, self.cfg), input_ids.to(self.device), attention_mask.to(self.device),
                                 self.cfg.micro_batch_tokens).logprobs.cpu()

@@ -38,7 +38,9 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
         raise ValueError(f"actor.attention=tailspec serves whole sequences, got {query.shape[2]} queries over "
                          f"{key.shape[2]} keys (a KV cache): set actor.attention=sdpa to generate with the HF model")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return causal_attention(query, key, value, scale), None
+    # Under bf16-mixed precision (pipeline/actors/precision.py) projections arrive in bfloat16; the
+    # kernels attend in float32 (a no-op cast otherwise).
+    return causal_attention(query.float(), key.float(), value.float(), scale), None
 
 
 def implementation(cfg: ActorConfig) -> str:

@@ -53,6 +53,10 @@ class ActorConfig:
     # 1.4-1.8x torch's SDPA forward and backward at head dim 32, pipeline/actors/attention.py), "sdpa"
     # torch's; "auto" picks tailspec on CPU in float32 where the kernels build, else sdpa.
     attention: Literal["auto", "tailspec", "sdpa"] = "auto"
+    # The update's products: "float32", or "bf16-mixed" (float32 weights and optimizer, matrix products
+    # in bfloat16 under autocast, attention and LM head in float32; pipeline/actors/precision.py);
+    # "auto" picks bf16-mixed for the torch backend on a CPU with bfloat16 dot products.
+    precision: Literal["auto", "float32", "bf16-mixed"] = "float32"
     device: str = "cpu"  # "cuda" places each rank on cuda:LOCAL_RANK
     zero_stage: Literal[1, 2, 3] = 2  # deepspeed only
     offload_optimizer: bool = False  # deepspeed only: optimizer states in CPU memory
@@ -83,6 +87,10 @@ class ActorConfig:
         if self.attention == "tailspec" and (self.device != "cpu" or self.dtype != "float32"):
             raise ValueError(f"actor.attention=tailspec runs on CPU in float32 only (here actor.device={self.device}, "
                              f"actor.dtype={self.dtype}): set actor.attention=auto or sdpa")
+        if self.precision == "bf16-mixed" and (self.backend != "torch" or self.dtype != "float32"):
+            raise ValueError(f"actor.precision=bf16-mixed is the torch backend's autocast over float32 weights (here "
+                             f"actor.backend={self.backend}, actor.dtype={self.dtype}): set actor.precision=float32, "
+                             "and use DeepSpeed's or Megatron's own bf16 settings with those backends")
         if self.backend == "megatron" and not self.device.startswith("cuda"):
             raise ValueError("actor.backend=megatron needs actor.device=cuda (megatron-core's forward runs on CUDA "
                              "only); on CPU use actor.backend=torch or deepspeed")

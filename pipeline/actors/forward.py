@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipeline.actors import precision
 from pipeline.actors.attention import implementation
 from pipeline.actors.base import ADDITIVE_METRICS, DTYPES, ActorConfig, LogProbs, LossFn
 from pipeline.records import TrainBatch
@@ -28,13 +29,16 @@ from pipeline.records import TrainBatch
 
 def load_policy(path: str | Path, cfg: ActorConfig):
     """The transformers AutoModelForCausalLM in folder `path` (the one the engine serves), in cfg.dtype,
-    with cfg.attention's implementation (pipeline/actors/attention.py)."""
+    with cfg.attention's implementation (pipeline/actors/attention.py); under bf16-mixed precision its
+    LM head computes in float32 (pipeline/actors/precision.py)."""
     from transformers import AutoModelForCausalLM
 
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"actor model folder {path} has no config.json: expected a Hugging Face model folder")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype], attn_implementation=implementation(cfg))
     model.config.use_cache = False
+    if precision.resolve(cfg) == "bf16-mixed":
+        precision.keep_head_float32(model)
     if cfg.gradient_checkpointing:
         # transformers 5 renamed it; both take the checkpoint kwargs first.
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
@@ -77,6 +81,18 @@ def policy_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         hidden=states[-1].detach() if hidden else None,
         hidden_layers={i: states[i].detach() for i in hidden_layers} if hidden_layers else None,
     )
+
+
+def forward_in(model, cfg: ActorConfig) -> Callable[..., LogProbs]:
+    """`policy_forward` on `model` (or a wrapper of it) in cfg's precision: under bf16 autocast for
+    bf16-mixed (pipeline/actors/precision.py), as is for float32."""
+    context = precision.autocast(precision.resolve(cfg), torch.device(cfg.device).type)
+
+    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor, **kw) -> LogProbs:
+        with context():
+            return policy_forward(model, input_ids, attention_mask, **kw)
+
+    return forward
 
 
 def micro_batches(attention_mask: torch.Tensor, budget: int) -> list[tuple[torch.Tensor, int]]:

@@ -10,7 +10,6 @@ safetensors, loadable by the engine), `optimizer.pt` and each rank's RNG state.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch.distributed as dist
 
 from pipeline.actors.base import ActorConfig, LogProbs, LossFn
 from pipeline.actors.checkpoint import collective_folder, load_rng, rank_and_world, require_files, rng_file, save_rng
-from pipeline.actors.forward import accumulate, batched_logprobs, load_policy, policy_forward
+from pipeline.actors.forward import accumulate, batched_logprobs, forward_in, load_policy
 from common.optim import clip_and_step, make_adamw
 from pipeline.records import TrainBatch
 
@@ -52,8 +51,7 @@ class TorchActor:
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, entropy: bool = False,
                  hidden_layers: tuple[int, ...] | None = None, hidden: bool = False) -> LogProbs:
         self.model.eval()
-        forward = functools.partial(policy_forward, self.model)
-        return batched_logprobs(forward, input_ids.to(self.device), attention_mask.to(self.device),
+        return batched_logprobs(forward_in(self.model, self.cfg), input_ids.to(self.device), attention_mask.to(self.device),
                                 self.cfg.micro_batch_tokens, entropy=entropy, hidden=hidden, hidden_layers=hidden_layers)
 
     def update(self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False) -> dict[str, float]:
@@ -63,7 +61,7 @@ class TorchActor:
         def context(last: bool):
             return contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync()
 
-        metrics = accumulate(functools.partial(policy_forward, self.ddp or self.model), batch.to(self.device), loss_fn,
+        metrics = accumulate(forward_in(self.ddp or self.model, self.cfg), batch.to(self.device), loss_fn,
                              self.cfg.micro_batch_tokens, context=context,
                              backward=lambda loss: (loss * self.world).backward(), entropy=entropy,
                              group=self.group)

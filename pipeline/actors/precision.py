@@ -1,0 +1,67 @@
+"""The update's arithmetic precision: float32, or bf16-mixed (float32 weights, optimizer and residual
+stream; the matrix products in bfloat16 under torch.autocast), chosen once when an actor is built.
+
+Why: the tiny model's update is ~55% of `make train`'s step and ~70% of its forward and backward is
+`aten::mm` at float32, already near a CPU core's float32 peak (~100 GFLOP/s on the AVX-512 EPYC). A
+core with bfloat16 dot products (AVX512_BF16, AMX) multiplies bfloat16 at 2.2x that (oneDNN through
+torch, float32 accumulation), and GPU RL trainers compute in bf16 as a rule (verl, NeMo-RL). What
+stays float32, and why:
+- the weights, their gradients' accumulation and AdamW's state (the master copy: a bf16 weight would
+  round away updates of lr 1e-4);
+- attention (pipeline/actors/attention.py casts its inputs: the project's kernels are float32);
+- the LM head: its logits give the log-probs that the PPO ratio compares with the engine's float32
+  ones; a bf16 head is the trainer-sampler mismatch MiniMax-M1 traced and fixed the same way.
+On `make train`'s sampled tokens the log-probs differ from float32's by 3e-4 on average, 5e-3 at the
+99th percentile, against a PPO clip of 0.2 (tests/test_precision.py bounds it).
+
+`auto` picks bf16-mixed for the torch backend on a CPU with bfloat16 dot products, float32 elsewhere
+(without them torch emulates bf16 products, slower than float32's). DeepSpeed and Megatron keep
+their own precision settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from pipeline.actors.base import ActorConfig
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512_BF16 or AMX), so bf16 products beat float32's."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def resolve(cfg: ActorConfig) -> str:
+    """cfg.precision with `auto` decided for this machine: "float32" or "bf16-mixed"."""
+    if cfg.precision != "auto":
+        return cfg.precision
+    mixed = cfg.backend == "torch" and cfg.device == "cpu" and cfg.dtype == "float32" and cpu_has_bf16()
+    return "bf16-mixed" if mixed else "float32"
+
+
+class Float32Head(torch.nn.Linear):
+    """An LM head that computes in float32 under autocast (its class swapped in by `keep_head_float32`:
+    the parameters, their names and the tying to the embeddings stay what they were)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            return torch.nn.functional.linear(hidden.float(), self.weight, self.bias)
+
+
+def keep_head_float32(model) -> None:
+    """Make `model`'s output embedding (an nn.Linear) compute in float32 whatever autocast says."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        raise ValueError(f"actor.precision=bf16-mixed keeps the LM head in float32 and expects an nn.Linear head, "
+                         f"got {type(head).__name__}: set actor.precision=float32")
+    head.__class__ = Float32Head
+
+
+def autocast(precision: str, device: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of the context the actor's forwards run in: bf16 autocast, or nothing."""
+    if precision == "bf16-mixed":
+        return lambda: torch.autocast(device, dtype=torch.bfloat16)
+    return contextlib.nullcontext
