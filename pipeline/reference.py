@@ -17,8 +17,9 @@ class ReferencePolicy:
     def __init__(self, cfg: ActorConfig, model_path) -> None:
         self.cfg, self.device = cfg, actor_device(cfg)
         self.model = load_policy(model_path, cfg).to(self.device).eval().requires_grad_(False)
+        self.forward = forward_in(self.model, cfg)
 
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return batched_logprobs(forward_in(self.model, self.cfg), input_ids.to(self.device), attention_mask.to(self.device),
+        return batched_logprobs(self.forward, input_ids.to(self.device), attention_mask.to(self.device),
                                 self.cfg.micro_batch_tokens).logprobs.cpu()

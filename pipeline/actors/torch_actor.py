@@ -46,12 +46,15 @@ class TorchActor:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.ddp = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids, process_group=group)
         self.optimizer = make_adamw(self.params, cfg.lr, cfg.betas, cfg.weight_decay)
+        # The update's forward goes through DDP (its hooks all-reduce the gradients); log-probs need none.
+        self.train_forward = forward_in(self.ddp or self.model, cfg)
+        self.eval_forward = forward_in(self.model, cfg)
 
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, entropy: bool = False,
                  hidden_layers: tuple[int, ...] | None = None, hidden: bool = False) -> LogProbs:
         self.model.eval()
-        return batched_logprobs(forward_in(self.model, self.cfg), input_ids.to(self.device), attention_mask.to(self.device),
+        return batched_logprobs(self.eval_forward, input_ids.to(self.device), attention_mask.to(self.device),
                                 self.cfg.micro_batch_tokens, entropy=entropy, hidden=hidden, hidden_layers=hidden_layers)
 
     def update(self, batch: TrainBatch, loss_fn: LossFn, *, entropy: bool = False) -> dict[str, float]:
@@ -61,7 +64,7 @@ class TorchActor:
         def context(last: bool):
             return contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync()
 
-        metrics = accumulate(forward_in(self.ddp or self.model, self.cfg), batch.to(self.device), loss_fn,
+        metrics = accumulate(self.train_forward, batch.to(self.device), loss_fn,
                              self.cfg.micro_batch_tokens, context=context,
                              backward=lambda loss: (loss * self.world).backward(), entropy=entropy,
                              group=self.group)
