@@ -134,12 +134,10 @@ class RolloutEngine(RolloutBackend):
 
     def drafter_nets(self) -> list:
         """The drafters' networks (a FallbackDrafter's parts too); model-free drafters have none."""
-        return [part.net for part in self._drafter_parts() if hasattr(part, "net")]
+        return [net for net in (part.network() for part in self._drafter_parts()) if net is not None]
 
-    def _drafter_parts(self) -> list:
-        if self.drafter is None:
-            return []
-        return list(getattr(self.drafter, "drafters", [self.drafter]))
+    def _drafter_parts(self) -> list[Drafter]:
+        return [] if self.drafter is None else self.drafter.parts()
 
     # -- weights ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -173,7 +171,7 @@ class RolloutEngine(RolloutBackend):
     def load_drafter_weights(self, named_tensors: NamedTensors, version: int) -> None:
         """Replaces the weights of the engine's (single) model drafter, or of the one model part
         of a composition."""
-        parts = [p for p in self._drafter_parts() if hasattr(p, "load_weights")]
+        parts = [p for p in self._drafter_parts() if p.network() is not None]
         if len(parts) != 1:
             raise ValueError(f"load_drafter_weights: the engine has {len(parts)} drafters with weights; it needs exactly one")
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors

@@ -74,7 +74,7 @@ def batch_loss(model, packed: PackedPairs, idx: torch.Tensor, ce_weight: float):
     full = model(b.tokens, b.features, b.positions, attn_mask=b.attn_mask)  # [B, W, F]
     pred, targets = full[b.loss_mask], b.targets[b.loss_mask]  # [M, F]
     loss, metrics = pair_loss(model, pred, targets, ce_weight)
-    if hasattr(model, "fed_back"):  # eagle3_vllm: one fed-back step too (engine.spec.eagle3_vllm)
+    if model.trains_fed_back:  # eagle3_vllm: one fed-back step too (engine.spec.eagle3_vllm)
         out2, valid = model.fed_back(b.tokens, b.features, full, b.positions, b.attn_mask)
         keep = b.loss_mask[:, 1:] & valid  # [B, W - 1]
         if bool(keep.any()):

@@ -253,6 +253,20 @@ def test_bad_drafter_weights_are_named(hf_folders):
         e.load_drafter_weights({**state, "fc.bias": torch.zeros(64)}, version=1)
     with pytest.raises(ValueError, match="engine has 0 drafters with weights"):
         engine(target).load_drafter_weights(state, version=1)
+    with pytest.raises(ValueError, match="engine has 0 drafters with weights"):
+        engine(target, NgramDrafter()).load_drafter_weights(state, version=1)
+    with pytest.raises(ValueError, match="the ngram drafter has no weights to load"):
+        NgramDrafter().load_weights(state.items(), version=1)
+
+
+def test_a_composition_declares_its_parts_and_their_one_network(hf_folders):
+    target = load_checkpoint(hf_folders["llama"])
+    eagle, ngram = EagleDrafter(eagle_net(target)), NgramDrafter()
+    both = FallbackDrafter([ngram, eagle])
+    assert both.parts() == [ngram, eagle] and eagle.parts() == [eagle]
+    assert ngram.network() is None and eagle.network() is eagle.net
+    assert engine(target, both).drafter_nets() == [eagle.net]
+    assert engine(target, ngram).drafter_nets() == [] and engine(target).drafter_nets() == []
 
 
 def test_a_drafter_attached_later_speculates_without_changing_tokens(hf_folders):

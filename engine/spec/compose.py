@@ -55,6 +55,9 @@ class FallbackDrafter(DrafterBase):
     def stale(self) -> str | None:
         return next((s for s in (d.stale() for d in self.drafters) if s), None)
 
+    def parts(self) -> list[Drafter]:
+        return list(self.drafters)
+
     def propose(self, ctx: DraftContext) -> DraftTree:
         # In order, until every row has a draft: the later drafters' turn is then skipped, which
         # is an off step for them (a model drafter keeps taking in the pass's pairs through

@@ -132,6 +132,12 @@ class Drafter(Protocol):
 
     def stale(self) -> str | None: ...
 
+    def parts(self) -> list[Drafter]: ...
+
+    def network(self) -> torch.nn.Module | None: ...
+
+    def load_weights(self, named_tensors, version: int) -> None: ...
+
 
 class DrafterBase:
     """No-op hooks; subclasses override what they use.
@@ -149,6 +155,11 @@ class DrafterBase:
       target_changed(): the target's weights changed (drafters sharing its embedding or head
         re-read them).
       stale(): the name of a weight changed since the drafter last packed its own, or None.
+      parts(): the drafters it consists of (a composition's, in order); [self] for one drafter.
+      network(): the network a model drafter drafts with (its RoPE table sized by the engine, its
+        weights replaced by load_weights), or None for a model-free drafter.
+      load_weights(named_tensors, version): a model drafter's new weights (names as in its state
+        dict); a drafter without a network refuses.
 
     `wants_noise`: the drafter drafts with the target's own noise (a coupled model drafter), so
     the step draws a chain's noise once, for it and the verifier (`DraftContext.noise`).
@@ -182,3 +193,12 @@ class DrafterBase:
 
     def stale(self) -> str | None:
         return None
+
+    def parts(self) -> list[Drafter]:
+        return [self]
+
+    def network(self) -> torch.nn.Module | None:
+        return None
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        raise ValueError(f"the {self.name} drafter has no weights to load (only a model drafter, such as eagle, has)")

@@ -114,6 +114,10 @@ def copy_named_weights(module: nn.Module, named) -> None:
 
 
 class EagleModel(RopeSource, nn.Module):
+    # Whether training also takes a fed-back step (`fed_back`, EAGLE-3's training-time test one
+    # level deep): the eagle3_vllm network's (engine.spec.eagle3_vllm).
+    trains_fed_back = False
+
     def __new__(cls, cfg: EagleConfig, *args, **kwargs):
         if cls is EagleModel and cfg.kind == "eagle3_vllm":  # a network of its own (engine.spec.eagle3_vllm)
             from engine.spec.eagle3_vllm import Eagle3VllmModel

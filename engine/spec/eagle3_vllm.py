@@ -38,6 +38,8 @@ LEVELS = 3  # vLLM's EAGLE-3 reads three target layers
 
 
 class Eagle3VllmModel(EagleModel):
+    trains_fed_back = True
+
     def __init__(self, cfg: EagleConfig, target: Transformer, draft_vocab: torch.Tensor | None = None) -> None:
         nn.Module.__init__(self)
         if len(cfg.aux_layers) != LEVELS:

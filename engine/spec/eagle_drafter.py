@@ -90,6 +90,9 @@ class EagleDrafter(DrafterBase):
         self._choose_paths()
         self.version = version
 
+    def network(self) -> EagleModel:
+        return self.net
+
     def target_changed(self) -> None:
         self.rt.repack()  # re-reads the shared LM head rows
         self._choose_paths()
