@@ -30,6 +30,7 @@ from torch import nn
 from engine.kernels import decode_ops, skinny
 from engine.kernels.library import available
 from engine.kv_cache import KVCache
+from engine.model import RMSNorm
 from engine.rope import signed_sin
 
 
@@ -129,7 +130,7 @@ def pack_layer(layer: nn.Module, bf16: bool = False) -> PackedLayer:
     kernel = use_kernel(a.q_proj.weight) and a.d <= 1024  # the kernels' RoPE scratch holds 1024 floats
     qkv = Product(_pack_linears([a.q_proj, a.k_proj, a.v_proj]), kernel, bf16)
     bias = _pack_biases([a.q_proj, a.k_proj, a.v_proj]) if a.q_proj.bias is not None else None
-    in_norm = getattr(layer.input_layernorm, "weight", None)
+    in_norm = layer.input_layernorm.weight if isinstance(layer.input_layernorm, RMSNorm) else None  # EAGLE: identity
     return PackedLayer(
         qkv=qkv, qkv_bias=bias, o=Product(_pack_linears([a.o_proj]), kernel, bf16),
         gate_up=Product(_pack_linears([mlp.gate_proj, mlp.up_proj]), kernel, bf16),

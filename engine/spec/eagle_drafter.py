@@ -66,6 +66,8 @@ class EagleDrafter(DrafterBase):
         self.coupled_prior = coupled_prior
         self.reference = reference  # always the Python drafts (the definition the kernels reproduce)
         self.cache = None
+        self._rope_reach: int | None = None  # the positions the drafts' RoPE tables cover (set by reset)
+        self._rope_tables = None
         # [b, D] the last chain draft's tokens while its levels' entries sit in the cache (tentative
         # slots): `update` keeps those of the verified prefix (see `_keep_drafted`); else None.
         self._chain_drafted: torch.Tensor | None = None
@@ -122,7 +124,7 @@ class EagleDrafter(DrafterBase):
         # The compiled drafts' RoPE tables cover every position a draft reaches: committed pairs
         # (< max_len), then the levels.
         reach = max_len + limits.depth + 2
-        if getattr(self, "_rope_reach", None) != reach:
+        if self._rope_reach != reach:
             self._rope_reach, self._rope_tables = reach, None
 
     @torch.inference_mode()
