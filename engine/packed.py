@@ -36,11 +36,12 @@ from engine.rope import signed_sin
 
 class Product:
     """x @ w for a weight w [in, out], through the skinny kernel for few float32 rows (its copy of
-    w in bf16 with `bf16`: w must then hold bf16 values already, so both paths compute alike)."""
+    w in bf16 with `bf16`: w must then hold bf16 values already, so both paths compute alike; in
+    bf16 arithmetic with `dot`, a drafter's: the kernel's path alone rounds x, engine.kernels.skinny)."""
 
-    def __init__(self, w: torch.Tensor, kernel: bool, bf16: bool = False) -> None:
+    def __init__(self, w: torch.Tensor, kernel: bool, bf16: bool = False, dot: bool = False) -> None:
         self.w = w  # [in, out]
-        self.skinny = skinny.SkinnyMatrix(w, bf16) if kernel else None
+        self.skinny = skinny.SkinnyMatrix(w, bf16, dot) if kernel else None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, in] -> [M, out] (+ bias [out] or + residual [M, out])."""
@@ -123,18 +124,19 @@ def _pack_biases(linears: list[nn.Linear]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def pack_layer(layer: nn.Module, bf16: bool = False) -> PackedLayer:
+def pack_layer(layer: nn.Module, bf16: bool = False, dot: bool = False) -> PackedLayer:
     """Packs a decoder layer (engine.model.DecoderLayer, or EAGLE's layer with an identity input norm);
-    `bf16`: the kernels' copies of its products in bf16 (engine.runtime's bf16-weights mode)."""
+    `bf16`: the kernels' copies of its products in bf16 (engine.runtime's bf16-weights mode); `dot`:
+    its products in bf16 arithmetic (a drafter's, engine.spec.eagle_runtime)."""
     a, mlp = layer.self_attn, layer.mlp
     kernel = use_kernel(a.q_proj.weight) and a.d <= 1024  # the kernels' RoPE scratch holds 1024 floats
-    qkv = Product(_pack_linears([a.q_proj, a.k_proj, a.v_proj]), kernel, bf16)
+    qkv = Product(_pack_linears([a.q_proj, a.k_proj, a.v_proj]), kernel, bf16, dot)
     bias = _pack_biases([a.q_proj, a.k_proj, a.v_proj]) if a.q_proj.bias is not None else None
     in_norm = layer.input_layernorm.weight if isinstance(layer.input_layernorm, RMSNorm) else None  # EAGLE: identity
     return PackedLayer(
-        qkv=qkv, qkv_bias=bias, o=Product(_pack_linears([a.o_proj]), kernel, bf16),
-        gate_up=Product(_pack_linears([mlp.gate_proj, mlp.up_proj]), kernel, bf16),
-        down=Product(_pack_linears([mlp.down_proj]), kernel, bf16),
+        qkv=qkv, qkv_bias=bias, o=Product(_pack_linears([a.o_proj]), kernel, bf16, dot),
+        gate_up=Product(_pack_linears([mlp.gate_proj, mlp.up_proj]), kernel, bf16, dot),
+        down=Product(_pack_linears([mlp.down_proj]), kernel, bf16, dot),
         in_norm=in_norm.detach() if in_norm is not None else None,
         post_norm=layer.post_attention_layernorm.weight.detach(),
         q_norm=a.q_norm.weight.detach() if a.q_norm is not None else None,

@@ -93,8 +93,8 @@ def test_packed_forward_with_kernels_equals_the_module_forward(hf_folders, famil
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("min_confidence", [0.0, 0.99], ids=["full-depth", "confidence-stop"])
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32-weights", "bf16-weights"])
-def test_compiled_chain_draft_proposes_what_the_python_chain_proposes(hf_folders, kind, temperature, min_confidence, bf16):
+@pytest.mark.parametrize("products", [0, 1, 2], ids=["fp32", "bf16-weights", "bf16-products"])
+def test_compiled_chain_draft_proposes_what_the_python_chain_proposes(hf_folders, kind, temperature, min_confidence, products):
     runtime = TargetRuntime(load_checkpoint(hf_folders["llama"]))
     target = runtime.model
     torch.manual_seed(4)
@@ -111,7 +111,7 @@ def test_compiled_chain_draft_proposes_what_the_python_chain_proposes(hf_folders
     def draft(reference: bool) -> list[list[int]]:
         from engine.spec.drafter import Admission
 
-        drafter = EagleDrafter(net, bf16_weights=bf16, reference=reference)
+        drafter = EagleDrafter(net, bf16_weights=products == 1, bf16_products=products == 2, reference=reference)
         shape = DraftShape(depth=6, topk=1, verify_tokens=6, min_confidence=min_confidence)
         drafter.reset(2, 64, params, shape)
         drafter.admit(Admission(slots=torch.tensor([0, 1]), owner=torch.tensor([0, 1]), tokens=prompt,
@@ -126,7 +126,7 @@ def test_compiled_chain_draft_proposes_what_the_python_chain_proposes(hf_folders
         return tree.tokens.tolist(), tree.valid.sum(1).tolist()
 
     assert chain_kernel.supported(EagleDrafter(net).rt)
-    assert EagleDrafter(net, bf16_weights=bf16).rt.bf16 == bf16
+    assert EagleDrafter(net, bf16_weights=products == 1, bf16_products=products == 2).rt.products == products
     compiled = draft(reference=False)
     if min_confidence > 0:  # the stop acts: a chain ends early (else comparing lengths says nothing)
         assert min(compiled[1]) < 6

@@ -40,7 +40,7 @@ def sharp_drafter(target, kind: str, draft_vocab: bool) -> EagleModel:
 
 
 def admitted(runtime, net, params, shape, lengths: list[int], pending: list[int] | None = None,
-             bf16: bool = False, reference: bool = False) -> EagleDrafter:
+             products: int = 0, reference: bool = False) -> EagleDrafter:  # products: EagleRuntime.products
     """A drafter with rows of prompts of different lengths admitted, and then `pending` pairs
     waiting per row (as after verifications that accepted different numbers of tokens)."""
     P = max(lengths)
@@ -48,7 +48,7 @@ def admitted(runtime, net, params, shape, lengths: list[int], pending: list[int]
     with torch.no_grad():
         out = runtime(prompt, torch.arange(P).expand(len(lengths), P), hidden_layers=tuple(net.config.aux_layers))
     feats = torch.cat([out.layer_hidden[i] for i in net.config.aux_layers] + [out.hidden], -1)
-    drafter = EagleDrafter(net, bf16_weights=bf16, reference=reference)
+    drafter = EagleDrafter(net, bf16_weights=products == 1, bf16_products=products == 2, reference=reference)
     drafter.reset(len(lengths), 64, params, shape)
     b = len(lengths)
     drafter.admit(Admission(slots=torch.arange(b), owner=torch.arange(b), tokens=prompt, lengths=torch.tensor(lengths),
@@ -82,17 +82,17 @@ def proposal(drafter: EagleDrafter, ctx: DraftContext) -> dict[str, list]:
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("draft_vocab", [True, False])
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32-weights", "bf16-weights"])
-def test_compiled_tree_proposes_what_the_python_expansion_proposes(runtime, kind, temperature, draft_vocab, bf16):
+@pytest.mark.parametrize("products", [0, 1, 2], ids=["fp32", "bf16-weights", "bf16-products"])
+def test_compiled_tree_proposes_what_the_python_expansion_proposes(runtime, kind, temperature, draft_vocab, products):
     net = sharp_drafter(runtime.model, kind, draft_vocab)
     params = SamplingParams(temperature=temperature)
     for shape, pending in ((DraftShape(depth=4, topk=3, verify_tokens=12), [3, 1, 2]),
                            (DraftShape(depth=3, topk=2, verify_tokens=50), None)):
         lengths = [7, 4, 6]  # rows of different lengths
-        compiled_drafter = admitted(runtime, net, params, shape, lengths, pending, bf16)
+        compiled_drafter = admitted(runtime, net, params, shape, lengths, pending, products)
         assert compiled_drafter.draft_tree == compiled_drafter._tree_compiled
         compiled = proposal(compiled_drafter, context(params, shape, 3))
-        python_drafter = admitted(runtime, net, params, shape, lengths, pending, bf16, reference=True)
+        python_drafter = admitted(runtime, net, params, shape, lengths, pending, products, reference=True)
         assert python_drafter.draft_tree == python_drafter._tree_reference
         python = proposal(python_drafter, context(params, shape, 3))
         assert compiled == python

@@ -34,6 +34,8 @@ extern "C" void skinny_gemm(const float* x, int64_t ldx, const float* wp, const 
                             float* y, int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads);
 extern "C" void skinny_gemm_bf16(const float* x, int64_t ldx, const uint16_t* wp, const float* bias, const float* c,
                                  int64_t ldc, float* y, int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads);
+extern "C" void skinny_gemm_bf16dot(const float* x, int64_t ldx, const uint16_t* wp, const float* bias, const float* c,
+                                    int64_t ldc, float* y, int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads);
 extern "C" void silu_mul_rows(const float* x, float* y, int64_t M, int64_t I);
 extern "C" void attend_queries(const float* const* qs, const bool* const* masks, float* const* outs, int64_t Q,
                                const float* k, const float* v, int64_t S, int64_t D, float scale);
@@ -49,13 +51,15 @@ struct Net {
   float *ck, *cv;
   int64_t skb, skh;
   int nthreads;
-  bool bf16;  // the panels (fc, qkv, o, gate_up, down, head, fc_out) hold bf16 bits
+  int products;  // the panels (fc, qkv, o, gate_up, down, head, fc_out): 0 float32, 1 bf16 bits, 2 bf16 k pairs
 };
 
-// y = x @ W (+ c) over the net's panels, float32 or bf16 (skinny.cpp).
+// y = x @ W (+ c) over the net's panels: float32, bf16 weights, or bf16 arithmetic (skinny.cpp).
 void mm(const Net& n, const float* x, int64_t ldx, const float* w, const float* c, int64_t ldc, float* y, int64_t ldy,
         int64_t M, int64_t K, int64_t N) {
-  if (n.bf16)
+  if (n.products == 2)
+    skinny_gemm_bf16dot(x, ldx, reinterpret_cast<const uint16_t*>(w), nullptr, c, ldc, y, ldy, M, K, N, n.nthreads);
+  else if (n.products == 1)
     skinny_gemm_bf16(x, ldx, reinterpret_cast<const uint16_t*>(w), nullptr, c, ldc, y, ldy, M, K, N, n.nthreads);
   else
     skinny_gemm(x, ldx, w, nullptr, c, ldc, y, ldy, M, K, N, n.nthreads);
@@ -191,10 +195,10 @@ extern "C" void eagle_draft(
     float min_conf,                       // the confidence stop (0: every row drafts D levels)
     int64_t* tokens,                      // [b, D] out (past out_len[r]: 0)
     int64_t* out_len,                     // [b] out: real tokens per row
-    int bf16,                             // the panels hold bf16 bits (EagleRuntime's bf16 mode)
+    int products,                         // the panels' kind (Net::products; EagleRuntime.products)
     int nthreads) {
   Net n{H, F, nq, nkv, hd, I, Vd, (nq + 2 * nkv) * hd, embed, fc, qkv, o, gate_up, down, head, fc_out, post_norm, eps,
-        ck, cv, skb, skh, nthreads, bf16 != 0};
+        ck, cv, skb, skh, nthreads, products};
   std::vector<float> pred(b * F), hbuf(b * H), logits(b * Vd), conf(b, 1.f);
   catch_up(n, b, T, pend_tok, pend_feat, ldp, n_pend, cos, sin_signed, lengths, pred.data());
   std::vector<int64_t> live(b), tok(b), row(b), slot(b);  // live: rows still drafting, in order
@@ -274,10 +278,10 @@ extern "C" void eagle_tree_draft(
     const float* head, const float* fc_out, const float* post_norm, float eps,
     float* ck, float* cv, int64_t skb, int64_t skh, const int64_t* lengths,
     int64_t* out_tokens, int64_t* out_parents,  // [b, n] out: kept nodes (n = min(budget, pool)), parents (-1: root)
-    int bf16,                             // the panels hold bf16 bits (EagleRuntime's bf16 mode)
+    int products,                         // the panels' kind (Net::products; EagleRuntime.products)
     int nthreads) {
   Net n{H, F, nq, nkv, hd, I, Vd, (nq + 2 * nkv) * hd, embed, fc, qkv, o, gate_up, down, head, fc_out, post_norm, eps,
-        ck, cv, skb, skh, nthreads, bf16 != 0};
+        ck, cv, skb, skh, nthreads, products};
   const int64_t P = K + (D - 1) * K * K;  // pool size per row
   const int64_t tent = (D - 1) * K;        // tentative slots per row
   std::vector<float> front(b * K * F), next(b * K * F), logits(b * K * Vd), logq(Vd);

@@ -73,6 +73,6 @@ def draft(rt, pend_tok: torch.Tensor, pend_feat: torch.Tensor, n_pend: torch.Ten
     library().eagle_draft(
         b, T, depth, *sizes(rt, pend_feat.shape[-1]), *pending(rt, pend_tok, pend_feat, n_pend, noise), float(temperature),
         cos.data_ptr(), sin_signed.data_ptr(), *weights(rt, cache, lengths), float(min_confidence), tokens.data_ptr(),
-        real.data_ptr(), int(rt.bf16), torch.get_num_threads(),
+        real.data_ptr(), rt.products, torch.get_num_threads(),
     )
     return tokens, real

@@ -44,6 +44,6 @@ def draft(rt, pend_tok: torch.Tensor, pend_feat: torch.Tensor, n_pend: torch.Ten
         b, T, depth, topk, budget, *eagle_chain.sizes(rt, pend_feat.shape[-1]),
         *eagle_chain.pending(rt, pend_tok, pend_feat, n_pend, noise), float(temperature), float(log_prior),
         cos.data_ptr(), sin_signed.data_ptr(), *eagle_chain.weights(rt, cache, lengths), tokens.data_ptr(),
-        parents.data_ptr(), int(rt.bf16), torch.get_num_threads(),
+        parents.data_ptr(), rt.products, torch.get_num_threads(),
     )
     return tokens, parents

@@ -89,6 +89,8 @@ def _loaded() -> tuple[ctypes.CDLL, tuning_cache.Tuning]:
         "skinny_gemm_bf16": [P, I, P, P, P, I, P, I, I, I, I, INT],
         "skinny_pack": [P, I, P, I, I],
         "skinny_pack_bf16": [P, I, P, I, I],
+        "skinny_gemm_bf16dot": [P, I, P, P, P, I, P, I, I, I, I, INT],
+        "skinny_pack_bf16dot": [P, I, P, I, I],
         "rms_norm_rows": [P, I, P, F32, P, I, I, I],
         "attend_rows": [P, I, I, P, P, I, I, P, P, I, I, I, I, I, I, F32, INT],
         "rope_write_attend": [P, P, P, P, P, P, I, I, P, P, I, I, I, I, I, I, F32, INT],

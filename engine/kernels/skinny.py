@@ -5,6 +5,9 @@
 (decode and verify passes). `SkinnyMatrix(w, bf16=True)` keeps the panels in bf16: half the bytes
 streamed per product, each weight widened back to float32 exactly in the kernel, so the result is
 the float32 product over `w` rounded to bf16 (`w.bfloat16()`), with the same row independence.
+`SkinnyMatrix(w, dot=True)` computes in bf16 arithmetic: x and w rounded to bf16, pairs of products
+summed into float32 by AVX512_BF16's dot product (2x float32's arithmetic a core does; for drafters,
+whose numerics change proposals, never tokens), in a fixed order, so rows stay independent too.
 Each output row is accumulated on its own in a fixed order, so a
 row's result does not depend on M nor on the host's tuned loop parameters (engine/kernels/params.py);
 the panel width those fix is read once, when the library loads, and never changes after.
@@ -26,18 +29,23 @@ MAX_ROWS = 4096
 
 class SkinnyMatrix:
     """A [K, N] float32 matrix packed for few-row products (a copy: the caller keeps its own), in
-    float32 or, with `bf16`, rounded to bf16 (to nearest even, as `w.bfloat16()`)."""
+    float32 or, with `bf16`, rounded to bf16 (to nearest even, as `w.bfloat16()`); with `dot`,
+    rounded to bf16 and multiplied in bf16 arithmetic (see the module's docstring)."""
 
-    def __init__(self, w: torch.Tensor, bf16: bool = False) -> None:  # w [K, N]
+    def __init__(self, w: torch.Tensor, bf16: bool = False, dot: bool = False) -> None:  # w [K, N]
         if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
             raise ValueError(f"SkinnyMatrix takes a 2-D float32 CPU matrix, got {tuple(w.shape)} {w.dtype} on {w.device}")
         lib = library()
         self.K, self.N = w.shape
         tn = lib.skinny_tile_n()
-        dtype, pack, self.gemm = ((torch.bfloat16, lib.skinny_pack_bf16, lib.skinny_gemm_bf16) if bf16 else
-                                  (torch.float32, lib.skinny_pack, lib.skinny_gemm))
+        if dot:  # panels of k pairs [P, ceil(K / 2), TN, 2]
+            dtype, pack, self.gemm, rows = torch.bfloat16, lib.skinny_pack_bf16dot, lib.skinny_gemm_bf16dot, 2 * (-(-self.K // 2))
+        elif bf16:
+            dtype, pack, self.gemm, rows = torch.bfloat16, lib.skinny_pack_bf16, lib.skinny_gemm_bf16, self.K
+        else:
+            dtype, pack, self.gemm, rows = torch.float32, lib.skinny_pack, lib.skinny_gemm, self.K
         w = w.detach().to(dtype).contiguous()
-        self.panels = torch.empty(-(-self.N // tn) * self.K * tn, dtype=dtype)  # [P, K, TN] (bf16: their bits)
+        self.panels = torch.empty(-(-self.N // tn) * rows * tn, dtype=dtype)  # [P, K, TN] (bf16: their bits)
         pack(w.data_ptr(), self.N, self.panels.data_ptr(), self.K, self.N)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:

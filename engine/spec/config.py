@@ -25,6 +25,10 @@ class SpecConfig:
     # The CPU kernels' copy of an EAGLE drafter's weights: float32, or bfloat16 (half the bytes a
     # draft level streams; proposals may change, emitted tokens never do: docs/BENCHMARKS.md).
     drafter_weights: Literal["float32", "bfloat16"] = "float32"
+    # The CPU kernels' products of an EAGLE drafter: float32, or bf16 arithmetic (AVX512_BF16's dot
+    # products, 1.6-1.8x float32's at a draft's 1-32 rows; proposals may change, emitted tokens never
+    # do); auto: bf16 where the kernels were built with AVX512_BF16 (engine.spec.factory).
+    drafter_products: Literal["float32", "bf16", "auto"] = "float32"
     depth: int = 6  # draft levels below the root
     topk: int = 1  # children per expanded node; 1 = chain
     verify_tokens: int = 8  # draft nodes verified per row per step
@@ -79,6 +83,8 @@ class SpecConfig:
         learned = self.drafter_spec.learned
         if self.drafter_weights not in ("float32", "bfloat16"):
             raise ValueError(f"engine.spec.drafter_weights must be float32 or bfloat16, got {self.drafter_weights!r}")
+        if self.drafter_products not in ("float32", "bf16", "auto"):
+            raise ValueError(f"engine.spec.drafter_products must be float32, bf16 or auto, got {self.drafter_products!r}")
         if self.tuner_arms:
             from engine.spec.tuner import Bandit, parse_arm
 

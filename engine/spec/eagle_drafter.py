@@ -57,9 +57,9 @@ class EagleDrafter(DrafterBase):
     wants_noise = True
 
     def __init__(self, net: EagleModel, coupled_prior: float = 0.6, bf16_weights: bool = False,
-                 reference: bool = False) -> None:
+                 reference: bool = False, bf16_products: bool = False) -> None:
         self.net = net.eval()
-        self.rt = EagleRuntime(self.net, bf16_weights)
+        self.rt = EagleRuntime(self.net, bf16_weights, bf16_products)
         self.version = 0  # of the drafter's own weights (load_weights)
         self.name = net.config.kind
         self.feature_layers = tuple(net.config.aux_layers)
@@ -77,11 +77,12 @@ class EagleDrafter(DrafterBase):
         self.draft_chain = self.draft_tree = None
 
     @classmethod
-    def load(cls, path, target: Transformer, expect: str | None = None, bf16_weights: bool = False) -> EagleDrafter:
+    def load(cls, path, target: Transformer, expect: str | None = None, bf16_weights: bool = False,
+             bf16_products: bool = False) -> EagleDrafter:
         net = EagleModel.load(path, target)
         if expect is not None and net.config.kind != expect:
             raise ValueError(f"engine.spec.drafter={expect} but {path} holds a {net.config.kind} drafter")
-        return cls(net, bf16_weights=bf16_weights)
+        return cls(net, bf16_weights=bf16_weights, bf16_products=bf16_products)
 
     # -- weights ---------------------------------------------------------------------------
     @torch.no_grad()

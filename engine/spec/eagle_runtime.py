@@ -12,6 +12,10 @@ the kernels stream half the bytes (a chain level reads every weight once: measur
 docs/BENCHMARKS.md). The module keeps its float32 weights (spot training updates those; every
 repack rounds them again). Only the kernels' path is rounded: the drafter's numerics change its
 proposals, never the tokens emitted, which verification decides.
+
+`bf16_products` (engine.spec.drafter_products): the kernels' products in bf16 arithmetic (x and
+the weights rounded to bf16, AVX512_BF16's dot products: 1.6-1.8x float32's at a draft's 1-32 rows),
+with the same caveat: the proposals may change, the tokens do not. Attention stays float32.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ from engine.spec.eagle import EagleModel
 
 
 class EagleRuntime:
-    def __init__(self, net: EagleModel, bf16_weights: bool = False) -> None:
+    def __init__(self, net: EagleModel, bf16_weights: bool = False, bf16_products: bool = False) -> None:
         self.net = net.eval()
         self.bf16_weights = bf16_weights
+        self.bf16_products = bf16_products
         self.repack()
 
     @torch.no_grad()
@@ -41,12 +46,14 @@ class EagleRuntime:
         kernel = use_kernel(w) and not own
         if w.device.type == "cpu" and not kernel:
             transpose_storage(net)
-        self.bf16 = self.bf16_weights and kernel
-        self.layer: PackedLayer | None = pack_layer(net.layers[0], self.bf16) if packable(w) and not own else None
+        bf16, dot = self.bf16_weights and kernel, self.bf16_products and kernel
+        # The compiled drafts' kind of panels (eagle_chain.cpp's Net::products).
+        self.products = 2 if dot else 1 if bf16 else 0
+        self.layer: PackedLayer | None = pack_layer(net.layers[0], bf16, dot) if packable(w) and not own else None
         # Packed copies for the compiled kernels (None: torch's ops serve).
-        self.head = Product(net.head_t, True, self.bf16) if kernel else None
-        self.fc = Product(w.detach().t(), True, self.bf16) if kernel else None
-        self.fc_out = Product(net.fc_out.weight.detach().t(), True, self.bf16) if kernel and net.fc_out is not None else None
+        self.head = Product(net.head_t, True, bf16, dot) if kernel else None
+        self.fc = Product(w.detach().t(), True, bf16, dot) if kernel else None
+        self.fc_out = Product(net.fc_out.weight.detach().t(), True, bf16, dot) if kernel and net.fc_out is not None else None
         self.fingerprint = WeightsFingerprint(net)
 
     def stale(self) -> str | None:

@@ -1,7 +1,8 @@
 """Builds the drafter named by the `engine.spec` config section.
 
 A `history` part drafts from a HistoryStore: the run's (kept across steps, in its checkpoints),
-when the caller passes one, else a fresh one sized by the config (for engine-only use).
+when the caller passes one, else a fresh one sized by the config (for engine-only use). An EAGLE
+part's kernels multiply in float32 or bf16 (`bf16_products`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,16 @@ def history_store(cfg: SpecConfig) -> HistoryStore:
     """An empty store with the limits of `engine.spec.history_*`."""
     return HistoryStore(max_prompts=cfg.history_max_prompts, max_tokens=cfg.history_max_tokens,
                         max_responses=cfg.history_max_responses, min_match=cfg.history_match())
+
+
+def bf16_products(cfg: SpecConfig) -> bool:
+    """Whether an EAGLE drafter's kernels multiply in bf16 (`engine.spec.drafter_products`; auto: where
+    the CPU kernels were built with AVX512_BF16, so its dot products run natively)."""
+    if cfg.drafter_products != "auto":
+        return cfg.drafter_products == "bf16"
+    from engine.kernels.library import available, library
+
+    return available()[0] and bool(library().skinny_bf16dot_native())
 
 
 def build_drafter(cfg: SpecConfig, target: Transformer, history: HistoryStore | None = None) -> Drafter | None:
@@ -40,7 +51,8 @@ def build_drafter(cfg: SpecConfig, target: Transformer, history: HistoryStore | 
         else:
             from engine.spec.eagle_drafter import EagleDrafter
 
-            parts.append(EagleDrafter.load(cfg.drafter_path, target, expect=name, bf16_weights=cfg.drafter_weights == "bfloat16"))
+            parts.append(EagleDrafter.load(cfg.drafter_path, target, expect=name, bf16_weights=cfg.drafter_weights == "bfloat16",
+                                           bf16_products=bf16_products(cfg)))
     if len(parts) == 1:
         return parts[0]
     from engine.spec.compose import FallbackDrafter
