@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--drafter", required=True, help="drafter folder (eagle / eagle3 / mtp)")
     p.add_argument("--spec", default="eagle", choices=LEARNED)
+    p.add_argument("--drafter-products", default="auto", choices=("float32", "bf16", "auto"),
+                   help="the drafter's kernel products (engine.spec.drafter_products; auto, as configs/tiny.yaml ships)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--n", type=int, default=4, help="samples per request")
     p.add_argument("--arms", default="off,d4k1v4,d8k1v8,d16k1v16", help="the tuner's arm set, comma-separated")
@@ -191,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         # rows would be ~24 GB per engine).
         max_len = min(2048, target.config.max_position_embeddings,
                       max(map(len, prompts)) + args.new_tokens + verify + depth * topk + 2)
-        spec = SpecConfig(enabled=True, drafter=args.spec, drafter_path=args.drafter, depth=depth, topk=topk, verify_tokens=verify)
+        spec = SpecConfig(enabled=True, drafter=args.spec, drafter_path=args.drafter, depth=depth, topk=topk, verify_tokens=verify,
+                          drafter_products=args.drafter_products)
         ar = RolloutEngine(copy.deepcopy(target), EngineConfig(max_batch=rows, max_len=max_len, device=args.device))  # each runtime packs its own model
         sp = RolloutEngine(target, EngineConfig(max_batch=rows, max_len=max_len, device=args.device, spec=spec), build_drafter(spec, target))
         TunerPolicy(arms, args.buckets, epsilon=args.epsilon, explore_within=args.explore_within)  # validates buckets and epsilon before any run
@@ -249,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         "arms": labels, "buckets": args.buckets, "tail_batch": args.tail_batch, "tuner_metrics": warm_tuner.metrics(),
         "tuner_medians": tuner_medians(warm_tuner, labels),
         "draft_ms_per_row": draft_after_switch([runs["tail"], runs["adaptive_scratch"], runs["adaptive"]]),
-        "explore_within": args.explore_within,
+        "explore_within": args.explore_within, "drafter_products": args.drafter_products,
         "repeats": args.repeats,
         "adaptive_vs_ar_by_round": [round(r["off"] / r["adaptive"], 3) for r in rounds],
         "by_batch": {k: by_batch(runs[k].steps, [1, 2, 5, 21, 65]) for k in labels},
