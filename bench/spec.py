@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="chains: end a row's draft once the drafter's confidence in it falls below this (0: full depth)")
     p.add_argument("--drafter-weights", default="float32", choices=("float32", "bfloat16"),
                    help="the CPU kernels' copy of an EAGLE drafter's weights (engine.spec.drafter_weights)")
+    p.add_argument("--drafter-products", default="float32", choices=("float32", "bf16", "auto"),
+                   help="an EAGLE drafter's kernel products (engine.spec.drafter_products)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         target = load_checkpoint(args.model, device=args.device)
         spec = SpecConfig(enabled=True, drafter=name, drafter_path=args.drafter, depth=args.depth, topk=args.topk,
                           verify_tokens=args.verify_tokens, min_confidence=args.min_confidence,
-                          drafter_weights=args.drafter_weights)
+                          drafter_weights=args.drafter_weights, drafter_products=args.drafter_products)
         base = EngineConfig(max_batch=max(batches), max_len=2048, device=args.device)
         ar = RolloutEngine(copy.deepcopy(target), base)  # one runtime per model: each packs its own
         sp = RolloutEngine(target, EngineConfig(max_batch=max(batches), max_len=2048, device=args.device, spec=spec),
@@ -108,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"ratio": {}, "accept_len": {}, "tok_s": {}, "baseline_tok_s": {}, "identical": True,
               "drafter": name, "depth": args.depth, "topk": args.topk, "verify_tokens": args.verify_tokens,
               "min_confidence": args.min_confidence, "drafter_weights": args.drafter_weights,
+              "drafter_products": args.drafter_products,
               "temperature": args.temperature}
     print(f"{'batch':>5} {'spec tok/s':>10} {'ar tok/s':>9} {'ratio':>6} {'accept len':>10} {'draft s':>8} {'verify s':>8}", file=sys.stderr)
     warm = [Request(prompt_id="warm-up", prompt=bench_prompts(args.model, tokenizer, 1, args.prompts)[0])]
