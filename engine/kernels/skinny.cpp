@@ -118,23 +118,32 @@ template <typename WT>
 using panel_fn = void (*)(const float*, int64_t, const WT*, int64_t, const float*, const float*, int64_t, float*,
                           int64_t, int, int64_t);
 
-template <typename WT, int NV, int... Rs>
-constexpr void fill_row(panel_fn<WT>* row, std::integer_sequence<int, Rs...>) {
-  ((row[Rs + 1] = (Rs + 1 <= r_max(NV) ? &panel<WT, NV, (Rs + 1 <= r_max(NV) ? Rs + 1 : 1)> : nullptr)), ...);
+// Panel kernels by (panel vectors NV, register rows R): Family::at<NV, R>() -> its function pointer.
+template <typename WT>
+struct Panels {
+  using fn_t = panel_fn<WT>;
+  template <int NV, int R>
+  static constexpr fn_t at() { return &panel<WT, NV, R>; }
+};
+
+template <typename Family, int NV, int... Rs>
+constexpr void fill_row(typename Family::fn_t* row, std::integer_sequence<int, Rs...>) {
+  ((row[Rs + 1] = (Rs + 1 <= r_max(NV) ? Family::template at<NV, (Rs + 1 <= r_max(NV) ? Rs + 1 : 1)>() : nullptr)), ...);
 }
 
-template <typename WT>
+// fn[nv][r]: a family's kernel for every panel width and register rows that fit (else null).
+template <typename Family>
 struct Table {
-  panel_fn<WT> fn[NV_MAX + 1][R_CAP + 1] = {};
+  typename Family::fn_t fn[NV_MAX + 1][R_CAP + 1] = {};
   Table() {
-    fill_row<WT, 1>(fn[1], std::make_integer_sequence<int, R_CAP>{});
-    fill_row<WT, 2>(fn[2], std::make_integer_sequence<int, R_CAP>{});
-    fill_row<WT, 3>(fn[3], std::make_integer_sequence<int, R_CAP>{});
-    fill_row<WT, 4>(fn[4], std::make_integer_sequence<int, R_CAP>{});
+    fill_row<Family, 1>(fn[1], std::make_integer_sequence<int, R_CAP>{});
+    fill_row<Family, 2>(fn[2], std::make_integer_sequence<int, R_CAP>{});
+    fill_row<Family, 3>(fn[3], std::make_integer_sequence<int, R_CAP>{});
+    fill_row<Family, 4>(fn[4], std::make_integer_sequence<int, R_CAP>{});
   }
 };
-const Table<float> TABLE_F32;
-const Table<uint16_t> TABLE_BF16;
+const Table<Panels<float>> TABLE_F32;
+const Table<Panels<uint16_t>> TABLE_BF16;
 
 // The work split every product shares: chunks of rows (whole register blocks) x column panels over
 // the threads; block(r0, rows, panel, bias of the panel's columns, ncols) for each block of rows.
@@ -252,20 +261,12 @@ void panel_dot(const uint32_t* xp, int64_t ldxp, const uint16_t* w, int64_t K2, 
 
 using dot_fn = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, const float*, const float*, int64_t, float*,
                         int64_t, int);
-template <int NV, int... Rs>
-constexpr void fill_dot_row(dot_fn* row, std::integer_sequence<int, Rs...>) {
-  ((row[Rs + 1] = (Rs + 1 <= r_max(NV) ? &panel_dot<NV, (Rs + 1 <= r_max(NV) ? Rs + 1 : 1)> : nullptr)), ...);
-}
-struct DotTable {
-  dot_fn fn[NV_MAX + 1][R_CAP + 1] = {};
-  DotTable() {
-    fill_dot_row<1>(fn[1], std::make_integer_sequence<int, R_CAP>{});
-    fill_dot_row<2>(fn[2], std::make_integer_sequence<int, R_CAP>{});
-    fill_dot_row<3>(fn[3], std::make_integer_sequence<int, R_CAP>{});
-    fill_dot_row<4>(fn[4], std::make_integer_sequence<int, R_CAP>{});
-  }
+struct DotPanels {
+  using fn_t = dot_fn;
+  template <int NV, int R>
+  static constexpr fn_t at() { return &panel_dot<NV, R>; }
 };
-const DotTable TABLE_DOT;
+const Table<DotPanels> TABLE_DOT;
 
 void gemm_dot(const float* x, int64_t ldx, const uint16_t* wp, const float* bias, const float* c, int64_t ldc, float* y,
               int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads) {
