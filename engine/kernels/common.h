@@ -41,21 +41,35 @@ inline void rope_heads(float* x, int64_t heads, int64_t D, const float* cos, con
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// acc[c][l] = sum_d q_c[d] * kt[d * 8 + l] for four queries q_0..q_3 and a tile kt [D, 8] of eight
-// keys (lanes over keys): per (query, key) one fused multiply-add per d in order of d, the four
-// queries' chains interleaved so that they overlap. The attention kernels' scores (decode_ops.cpp,
+// acc[t * 4 + c][l] = sum_d q_c[d] * kt_t[d * 8 + l] for four queries q_0..q_3 and one or two tiles
+// kt_t [D, 8] of eight keys (lanes over keys): per (query, key) one fused multiply-add per d in
+// order of d, the chains interleaved so that they overlap. A core keeps about eight chains of
+// fused multiply-adds in flight (two units, four cycles each), so four queries against one tile
+// leave half of it idle and two tiles fill it, each query's broadcast serving both. The scores are
+// the same whichever form computes them. The attention kernels' scores (decode_ops.cpp,
 // causal_attention.cpp) are these, times the scale.
-inline void score_four(const float* q0, const float* q1, const float* q2, const float* q3, const float* kt, int64_t D,
-                       __m256 acc[4]) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+template <int Tiles>
+inline void score_four(const float* q0, const float* q1, const float* q2, const float* q3, const float* kt0,
+                       const float* kt1, int64_t D, __m256 acc[4 * Tiles]) {
+  __m256 a[4 * Tiles];
+  for (int c = 0; c < 4 * Tiles; ++c) a[c] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
-    const __m256 kv = _mm256_loadu_ps(kt + d * 8);
-    a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(q0 + d), kv, a0);
-    a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(q1 + d), kv, a1);
-    a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(q2 + d), kv, a2);
-    a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(q3 + d), kv, a3);
+    const __m256 k0 = _mm256_loadu_ps(kt0 + d * 8);
+    const __m256 k1 = Tiles == 2 ? _mm256_loadu_ps(kt1 + d * 8) : k0;
+    const __m256 b0 = _mm256_broadcast_ss(q0 + d), b1 = _mm256_broadcast_ss(q1 + d), b2 = _mm256_broadcast_ss(q2 + d),
+                 b3 = _mm256_broadcast_ss(q3 + d);
+    a[0] = _mm256_fmadd_ps(b0, k0, a[0]);
+    a[1] = _mm256_fmadd_ps(b1, k0, a[1]);
+    a[2] = _mm256_fmadd_ps(b2, k0, a[2]);
+    a[3] = _mm256_fmadd_ps(b3, k0, a[3]);
+    if (Tiles == 2) {
+      a[4] = _mm256_fmadd_ps(b0, k1, a[4]);
+      a[5] = _mm256_fmadd_ps(b1, k1, a[5]);
+      a[6] = _mm256_fmadd_ps(b2, k1, a[6]);
+      a[7] = _mm256_fmadd_ps(b3, k1, a[7]);
+    }
   }
-  acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
+  for (int c = 0; c < 4 * Tiles; ++c) acc[c] = a[c];
 }
 #endif
 
@@ -64,14 +78,23 @@ inline void score_four(const float* q0, const float* q1, const float* q2, const 
 // in the same order, as for one output alone); the R chains interleave, so that they overlap
 // instead of each waiting on its own latency. Attention's weighted values (decode_ops.cpp) and the
 // training attention's products (causal_attention.cpp).
-template <int R>
+// With Normalize, scales are not read: each output is multiplied by 1 / sum_{i < n} ws[r][i * wstride],
+// that sum taken one add at a time in order of i, in the same pass (every lane of a vector repeats
+// the scalar chain on the broadcast weight, so the total is exactly the scalar loop's, and the adds
+// run beside the fused multiply-adds instead of in a serial loop of their own).
+template <int R, bool Normalize = false>
 inline void weigh_rows(const float* const* ws, int64_t wstride, int64_t n, const float* x, int64_t ldx, int64_t D,
                        float* const* outs, const float* scales, bool accumulate) {
+  float scale[R];
+  bool have_totals = false;
+  if (!Normalize)
+    for (int r = 0; r < R; ++r) scale[r] = scales[r];
   int64_t d0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   for (; d0 + 32 <= D; d0 += 32) {
-    __m256 a[R][4];
-    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm256_setzero_ps();
+    __m256 a[R][4], t[R];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = a[r][2] = a[r][3] = t[r] = _mm256_setzero_ps();
+    const bool totals = Normalize && !have_totals;
     for (int64_t i = 0; i < n; ++i) {
       const float* xr = x + i * ldx + d0;
       const __m256 x0 = _mm256_loadu_ps(xr), x1 = _mm256_loadu_ps(xr + 8), x2 = _mm256_loadu_ps(xr + 16),
@@ -83,10 +106,15 @@ inline void weigh_rows(const float* const* ws, int64_t wstride, int64_t n, const
         a[r][1] = _mm256_fmadd_ps(w, x1, a[r][1]);
         a[r][2] = _mm256_fmadd_ps(w, x2, a[r][2]);
         a[r][3] = _mm256_fmadd_ps(w, x3, a[r][3]);
+        if (totals) t[r] = _mm256_add_ps(t[r], w);
       }
     }
+    if (totals) {
+      for (int r = 0; r < R; ++r) scale[r] = 1.f / _mm256_cvtss_f32(t[r]);
+      have_totals = true;
+    }
     for (int r = 0; r < R; ++r) {
-      const __m256 sc = _mm256_set1_ps(scales[r]);
+      const __m256 sc = _mm256_set1_ps(scale[r]);
       for (int c = 0; c < 4; ++c) {
         float* o = outs[r] + d0 + 8 * c;
         const __m256 v = _mm256_mul_ps(a[r][c], sc);
@@ -95,11 +123,18 @@ inline void weigh_rows(const float* const* ws, int64_t wstride, int64_t n, const
     }
   }
 #endif
+  if (d0 == D) return;
+  if (Normalize && !have_totals)
+    for (int r = 0; r < R; ++r) {
+      float total = 0.f;
+      for (int64_t i = 0; i < n; ++i) total += ws[r][i * wstride];
+      scale[r] = 1.f / total;
+    }
   for (int64_t d = d0; d < D; ++d)
     for (int r = 0; r < R; ++r) {
       float acc = 0.f;
       for (int64_t i = 0; i < n; ++i) acc = std::fma(ws[r][i * wstride], x[i * ldx + d], acc);
-      outs[r][d] = accumulate ? outs[r][d] + acc * scales[r] : acc * scales[r];
+      outs[r][d] = accumulate ? outs[r][d] + acc * scale[r] : acc * scale[r];
     }
 }
 

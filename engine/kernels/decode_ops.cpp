@@ -41,6 +41,7 @@ void rms_norm_rows(const float* x, int64_t ldx, const float* w, float eps, float
 // Up to this many query vectors of one (row, kv head) share a pass over its keys.
 constexpr int64_t kQueryChunk = 64;
 constexpr int64_t kLanes = 8;  // keys scored together: one vector of lanes over keys
+constexpr int64_t kStep = 2 * kLanes;  // keys a pass scores: two tiles (tailspec::score_four)
 
 // kt[d * kLanes + l] = rows[l][d]: kLanes keys of D floats, as a tile of lanes over keys.
 static void transpose_keys(const float* const* rows, int64_t D, float* kt) {
@@ -72,9 +73,12 @@ static void transpose_keys(const float* const* rows, int64_t D, float* kt) {
     for (int64_t l = 0; l < kLanes; ++l) kt[d * kLanes + l] = rows[l][d];
 }
 
-// scores[i * ld + l] = (q_i . key_l) * scale for the kLanes keys of a tile kt [D, kLanes]: per
-// (query, key) one fused multiply-add per d in order of d (the lanes are keys), four queries at a
-// time so that their chains of fused multiply-adds overlap (tailspec::score_four).
+// scores[i * ld + t * kLanes + l] = (q_i . key_l of tile t) * scale for Tiles tiles kt [Tiles, D,
+// kLanes] of kLanes keys: per (query, key) one fused multiply-add per d in order of d (the lanes are
+// keys), four queries x the tiles at a time so that their chains of fused multiply-adds overlap
+// (tailspec::score_four).
+extern "C++" {  // a template, inside this file's C linkage block
+template <int Tiles>
 static void score_block(const float* const* qs, int64_t Q, const float* kt, int64_t D, float scale, float* scores,
                         int64_t ld) {
   int64_t i = 0;
@@ -83,33 +87,34 @@ static void score_block(const float* const* qs, int64_t Q, const float* kt, int6
   for (; i < Q; i += 4) {  // a last group of 1-3 queries repeats its last one, stored once
     const int64_t r = Q - i < 4 ? Q - i : 4;
     const float *q0 = qs[i], *q1 = qs[i + (r > 1)], *q2 = qs[i + (r > 2 ? 2 : r - 1)], *q3 = qs[i + r - 1];
-    __m256 a[4];
-    tailspec::score_four(q0, q1, q2, q3, kt, D, a);
-    for (int64_t c = 0; c < r; ++c) _mm256_storeu_ps(scores + (i + c) * ld, _mm256_mul_ps(a[c], sc8));
+    __m256 a[4 * Tiles];
+    tailspec::score_four<Tiles>(q0, q1, q2, q3, kt, kt + D * kLanes, D, a);
+    for (int t = 0; t < Tiles; ++t)
+      for (int64_t c = 0; c < r; ++c)
+        _mm256_storeu_ps(scores + (i + c) * ld + t * kLanes, _mm256_mul_ps(a[t * 4 + c], sc8));
   }
 #endif
-  for (; i < Q; ++i) {
-    const float* q = qs[i];
-    float acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int64_t d = 0; d < D; ++d)
-      for (int64_t l = 0; l < kLanes; ++l) acc[l] = std::fma(q[d], kt[d * kLanes + l], acc[l]);
-    for (int64_t l = 0; l < kLanes; ++l) scores[i * ld + l] = acc[l] * scale;
-  }
+  for (; i < Q; ++i)
+    for (int t = 0; t < Tiles; ++t) {
+      const float* q = qs[i];
+      const float* k0 = kt + t * D * kLanes;
+      float acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t l = 0; l < kLanes; ++l) acc[l] = std::fma(q[d], k0[d * kLanes + l], acc[l]);
+      for (int64_t l = 0; l < kLanes; ++l) scores[i * ld + t * kLanes + l] = acc[l] * scale;
+    }
 }
+}  // extern "C++"
 
 extern "C++" {  // templates, inside this file's C linkage block
-// For R queries' softmax weights sc[q] (exact zeros on masked slots): the total in slot order, one
-// add at a time (the visible slots' order is what decoding sees, but not their positions: a tree's
-// ancestors sit at scattered tentative slots, so no lanes by slot), then the weighted values times
-// 1 / total (tailspec::weigh_rows); the R queries' serial chains interleave.
+// For R queries' softmax weights sc[q] (exact zeros on masked slots): the weighted values times
+// 1 / total, the total in slot order, one add at a time (the visible slots' order is what decoding
+// sees, but not their positions: a tree's ancestors sit at scattered tentative slots, so no lanes
+// by slot), in the pass of the weighted values (tailspec::weigh_rows<R, true>); the R queries'
+// serial chains interleave.
 template <int R>
 static void finish_queries(float* const* sc, int64_t end, const float* v, int64_t D, float* const* outs) {
-  float total[R], inv[R];
-  for (int q = 0; q < R; ++q) total[q] = 0.f;
-  for (int64_t j = 0; j < end; ++j)
-    for (int q = 0; q < R; ++q) total[q] += sc[q][j];
-  for (int q = 0; q < R; ++q) inv[q] = 1.f / total[q];
-  tailspec::weigh_rows<R>(sc, 1, end, v, D, D, outs, inv, false);
+  tailspec::weigh_rows<R, true>(sc, 1, end, v, D, D, outs, nullptr, false);
 }
 }  // extern "C++"
 
@@ -119,7 +124,7 @@ static void finish_queries(float* const* sc, int64_t end, const float* v, int64_
 // keys, never over d, so no horizontal sum), then the softmax over visible slots in slot order
 // and the weighted sum of values in slot order. So a verify pass over [root, draft] gives bit for
 // bit what sequential decoding gives, while the keys are read once per chunk of queries instead
-// of once per query. kt: scratch of D * kLanes floats; scores: of kQueryChunk * S (rounded up to kLanes) floats.
+// of once per query. kt: scratch of D * kStep floats; scores: of kQueryChunk * S (rounded up to kStep) floats.
 static void attend_group(const float* const* qs, const bool* const* masks, float* const* outs, int64_t Q, const float* k,
                          const float* v, int64_t S, int64_t D, float scale, float* kt, float* scores) {
   int64_t end = 0;  // one past the last slot any query sees
@@ -130,13 +135,18 @@ static void attend_group(const float* const* qs, const bool* const* masks, float
         break;
       }
   const int64_t padded = (end + kLanes - 1) / kLanes * kLanes;
-  const int64_t ld = (S + kLanes - 1) / kLanes * kLanes;  // a query's row of scores
-  for (int64_t j0 = 0; j0 < end; j0 += kLanes) {
-    const int64_t n = end - j0 < kLanes ? end - j0 : kLanes;
-    const float* rows[kLanes];  // lanes past the end: any finite key (its scores are masked)
-    for (int64_t l = 0; l < kLanes; ++l) rows[l] = k + (j0 + (l < n ? l : 0)) * D;
+  const int64_t ld = (S + kStep - 1) / kStep * kStep;  // a query's row of scores
+  for (int64_t j0 = 0; j0 < end; j0 += kStep) {
+    const int64_t n = end - j0 < kStep ? end - j0 : kStep;
+    const float* rows[kStep];  // lanes past the end: any finite key (its scores are masked)
+    for (int64_t l = 0; l < kStep; ++l) rows[l] = k + (j0 + (l < n ? l : 0)) * D;
     transpose_keys(rows, D, kt);
-    score_block(qs, Q, kt, D, scale, scores + j0, ld);
+    if (n > kLanes) {
+      transpose_keys(rows + kLanes, D, kt + D * kLanes);
+      score_block<2>(qs, Q, kt, D, scale, scores + j0, ld);
+    } else {
+      score_block<1>(qs, Q, kt, D, scale, scores + j0, ld);
+    }
   }
   float* live_sc[kQueryChunk];  // the queries that see a slot (every real token's): scores, outputs
   float* live_out[kQueryChunk];
@@ -187,7 +197,7 @@ void attend_rows(const float* q, int64_t sqb, int64_t sqt, const float* k, const
   const bool parallel = nthreads > 1 && B * T * Hq * S * D > 32768;
 #pragma omp parallel num_threads(parallel ? nthreads : 1)
   {
-    std::vector<float> kt(D * kLanes), scores(kQueryChunk * ((S + kLanes - 1) / kLanes * kLanes));
+    std::vector<float> kt(D * kStep), scores(kQueryChunk * ((S + kStep - 1) / kStep * kStep));
     const float* qs[kQueryChunk];
     const bool* masks[kQueryChunk];
     float* outs[kQueryChunk];
@@ -214,8 +224,8 @@ void attend_rows(const float* q, int64_t sqb, int64_t sqt, const float* k, const
 void attend_queries(const float* const* qs, const bool* const* masks, float* const* outs, int64_t Q, const float* k,
                     const float* v, int64_t S, int64_t D, float scale) {
   thread_local std::vector<float> kt, scores;
-  const int64_t rows = Q < kQueryChunk ? Q : kQueryChunk, need = rows * ((S + kLanes - 1) / kLanes * kLanes);
-  if ((int64_t)kt.size() < D * kLanes) kt.resize(D * kLanes);
+  const int64_t rows = Q < kQueryChunk ? Q : kQueryChunk, need = rows * ((S + kStep - 1) / kStep * kStep);
+  if ((int64_t)kt.size() < D * kStep) kt.resize(D * kStep);
   if ((int64_t)scores.size() < need) scores.resize(need);
   for (int64_t i = 0; i < Q; i += kQueryChunk)
     attend_group(qs + i, masks + i, outs + i, Q - i < kQueryChunk ? Q - i : kQueryChunk, k, v, S, D, scale, kt.data(),
