@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec", default="eagle", choices=LEARNED)
     p.add_argument("--drafter-products", default="auto", choices=("float32", "bf16", "auto"),
                    help="the drafter's kernel products (engine.spec.drafter_products; auto, as configs/tiny.yaml ships)")
+    p.add_argument("--products", default="float32", choices=("float32", "bf16", "auto"),
+                   help="the target's kernel products, on both sides (engine.products; float32, as configs/tiny.yaml ships)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--n", type=int, default=4, help="samples per request")
     p.add_argument("--arms", default="off,d4k1v4,d8k1v8,d16k1v16", help="the tuner's arm set, comma-separated")
@@ -195,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                       max(map(len, prompts)) + args.new_tokens + verify + depth * topk + 2)
         spec = SpecConfig(enabled=True, drafter=args.spec, drafter_path=args.drafter, depth=depth, topk=topk, verify_tokens=verify,
                           drafter_products=args.drafter_products)
-        ar = RolloutEngine(copy.deepcopy(target), EngineConfig(max_batch=rows, max_len=max_len, device=args.device))  # each runtime packs its own model
-        sp = RolloutEngine(target, EngineConfig(max_batch=rows, max_len=max_len, device=args.device, spec=spec), build_drafter(spec, target))
+        engine_cfg = dict(max_batch=rows, max_len=max_len, device=args.device, products=args.products)
+        ar = RolloutEngine(copy.deepcopy(target), EngineConfig(**engine_cfg))  # each runtime packs its own model
+        sp = RolloutEngine(target, EngineConfig(**engine_cfg, spec=spec), build_drafter(spec, target))
         TunerPolicy(arms, args.buckets, epsilon=args.epsilon, explore_within=args.explore_within)  # validates buckets and epsilon before any run
     except (OSError, ValueError) as e:  # a missing folder or file, a bad flag
         print(f"error: {e}", file=sys.stderr)
@@ -253,11 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         "tuner_medians": tuner_medians(warm_tuner, labels),
         "draft_ms_per_row": draft_after_switch([runs["tail"], runs["adaptive_scratch"], runs["adaptive"]]),
         "explore_within": args.explore_within, "drafter_products": args.drafter_products,
-        "repeats": args.repeats,
+        "products": args.products, "repeats": args.repeats,
         "adaptive_vs_ar_by_round": [round(r["off"] / r["adaptive"], 3) for r in rounds],
         "by_batch": {k: by_batch(runs[k].steps, [1, 2, 5, 21, 65]) for k in labels},
     }
-    print(f"cpu: {cpu_model()}; {len(ref)} rollouts, {tokens} tokens, lengths p50/p90/max {result['length_p50_p90_max']}"
+    print(f"cpu: {cpu_model()}; target products {'bf16' if ar.runtime.bf16_products else 'float32'}; {len(ref)} rollouts, "
+          f"{tokens} tokens, lengths p50/p90/max {result['length_p50_p90_max']}"
           + (f"; medians of {args.repeats} rounds (adaptive vs ar by round: {result['adaptive_vs_ar_by_round']})"
              if args.repeats > 1 else ""), file=sys.stderr)
     print(f"{'run':>18} {'wall s':>8} {'vs ar':>6} {'steps':>6} {'accept len':>10}", file=sys.stderr)

@@ -21,6 +21,14 @@ class EngineConfig:
     # half the bytes of a memory-bound decode pass, still exact under speculation, but the served
     # model is the bf16-rounded policy (engine.runtime; measured in docs/BENCHMARKS.md).
     weights: Literal["float32", "bfloat16"] = "float32"
+    # The target's matrix products in the CPU kernels: float32, or bf16 arithmetic (x and the weights
+    # rounded to bf16, pairs of products summed in float32 by AVX512_BF16's dot product: twice the
+    # arithmetic of a core), or auto (bf16 where the kernels have AVX512_BF16). Every pass, decode and
+    # verify, goes through the same row-independent kernels, so speculation still changes no token;
+    # what differs is the sampled policy's numerics (the LM head stays float32), as in bf16 serving
+    # on GPUs. Its log-probs are those of the distribution sampled from, not the float32 policy's:
+    # trainer.old_logprobs=auto then has the actor recompute them (engine: keep the behaviour's).
+    products: Literal["float32", "bf16", "auto"] = "float32"
     device: str = "cpu"
     # The native engine on a CUDA device replays its target decode and verify forwards from CUDA
     # graphs captured at the padded (batch, tokens) shapes of its speculation policy (engine.graphs;
@@ -30,6 +38,16 @@ class EngineConfig:
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     spec: SpecConfig = field(default_factory=SpecConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
+
+    def bf16_products(self) -> bool:
+        """`products` decided for this machine (auto: bf16 where the native CPU engine's float32 mode
+        runs on kernels with AVX512_BF16, float32 elsewhere)."""
+        if self.products == "auto" and (self.dtype != "float32" or self.backend != "native" or self.weights != "float32"
+                                         or self.device != "cpu"):
+            return False
+        from engine.kernels.skinny import bf16_dot
+
+        return bf16_dot(self.products)
 
     def validate(self) -> None:
         if self.max_batch < 1:
@@ -42,6 +60,12 @@ class EngineConfig:
             raise ValueError(f"engine.threads must be >= 0, got {self.threads}")
         if self.weights not in ("float32", "bfloat16"):
             raise ValueError(f"engine.weights must be float32 or bfloat16, got {self.weights!r}")
+        if self.products not in ("float32", "bf16", "auto"):
+            raise ValueError(f"engine.products must be float32, bf16 or auto, got {self.products!r}")
+        if self.products == "bf16" and (self.dtype != "float32" or self.backend != "native" or self.weights != "float32"):
+            raise ValueError(f"engine.products=bf16 is the native CPU engine's float32 mode computing its products in "
+                             f"bf16; it needs engine.dtype=float32, engine.backend=native and engine.weights=float32 "
+                             f"(got {self.dtype}, {self.backend}, {self.weights}); or engine.products=auto")
         if self.weights == "bfloat16" and (self.dtype != "float32" or self.backend != "native"):
             raise ValueError(f"engine.weights=bfloat16 is the native CPU engine's float32 mode with bf16 weights; it needs "
                              f"engine.dtype=float32 and engine.backend=native (got {self.dtype}, {self.backend})")

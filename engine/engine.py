@@ -51,11 +51,13 @@ class RolloutEngine(RolloutBackend):
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
         self.model = model.eval()
-        self.runtime = TargetRuntime(self.model, bf16_weights=self.cfg.weights == "bfloat16")
-        # Log-probs are the served policy's exactly unless the runtime rounds the weights (bf16 copies).
-        self.caps = BackendCapabilities(exact_logprobs=self.cfg.weights == "float32", returns_features=True,
-                                        same_tokens=True, preemptible=True, takes_drafts=True, sleeps=False,
-                                        pulls_requests=True)
+        bf16_products = self.cfg.bf16_products()
+        self.runtime = TargetRuntime(self.model, bf16_weights=self.cfg.weights == "bfloat16", bf16_products=bf16_products)
+        # Log-probs are the float32 policy's exactly unless the runtime rounds the weights (bf16 copies)
+        # or computes its products in bf16.
+        self.caps = BackendCapabilities(exact_logprobs=self.cfg.weights == "float32" and not bf16_products,
+                                        returns_features=True, same_tokens=True, preemptible=True, takes_drafts=True,
+                                        sleeps=False, pulls_requests=True)
         spec = self.cfg.spec
         iid = spec.verify == "rejection"
         self.shape = DraftShape(depth=spec.depth, topk=spec.topk, verify_tokens=spec.verify_tokens, iid_children=iid,

@@ -37,21 +37,30 @@ from engine.rope import signed_sin
 class Product:
     """x @ w for a weight w [in, out], through the skinny kernel for few float32 rows (its copy of
     w in bf16 with `bf16`: w must then hold bf16 values already, so both paths compute alike; in
-    bf16 arithmetic with `dot`, a drafter's: the kernel's path alone rounds x, engine.kernels.skinny)."""
+    bf16 arithmetic with `dot`: x and w rounded to bf16, engine.kernels.skinny). Rows beyond the
+    kernel's bound (long prefills) go to torch, which computes the same function up to float
+    summation order: with `dot` over x and w rounded to bf16 as the kernel rounds them."""
 
     def __init__(self, w: torch.Tensor, kernel: bool, bf16: bool = False, dot: bool = False) -> None:
         self.w = w  # [in, out]
         self.skinny = skinny.SkinnyMatrix(w, bf16, dot) if kernel else None
+        self.dot = dot
+        self.w_rounded: torch.Tensor | None = None  # [in, out]: the torch path's operand with `dot`, made on first use
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, in] -> [M, out] (+ bias [out] or + residual [M, out])."""
         if self.skinny is not None and x.shape[0] <= skinny.MAX_ROWS and x.dtype == torch.float32:
             return self.skinny.matmul(x, bias, residual)
+        w = self.w
+        if self.dot:
+            if self.w_rounded is None:
+                self.w_rounded = self.w.bfloat16().float()
+            x, w = x.bfloat16().to(x.dtype), self.w_rounded.to(x.dtype)
         if residual is not None:
-            return torch.addmm(residual, x, self.w)
+            return torch.addmm(residual, x, w)
         if bias is not None:
-            return torch.addmm(bias, x, self.w)
-        return x @ self.w
+            return torch.addmm(bias, x, w)
+        return x @ w
 
 
 def use_kernel(w: torch.Tensor) -> bool:
@@ -127,7 +136,8 @@ def _pack_biases(linears: list[nn.Linear]) -> torch.Tensor:
 def pack_layer(layer: nn.Module, bf16: bool = False, dot: bool = False) -> PackedLayer:
     """Packs a decoder layer (engine.model.DecoderLayer, or EAGLE's layer with an identity input norm);
     `bf16`: the kernels' copies of its products in bf16 (engine.runtime's bf16-weights mode); `dot`:
-    its products in bf16 arithmetic (a drafter's, engine.spec.eagle_runtime)."""
+    its products in bf16 arithmetic (engine.runtime's bf16-products mode, a drafter's in
+    engine.spec.eagle_runtime)."""
     a, mlp = layer.self_attn, layer.mlp
     kernel = use_kernel(a.q_proj.weight) and a.d <= 1024  # the kernels' RoPE scratch holds 1024 floats
     qkv = Product(_pack_linears([a.q_proj, a.k_proj, a.v_proj]), kernel, bf16, dot)

@@ -24,6 +24,16 @@ memory-bound decode pass. The arithmetic stays float32 (each weight is widened e
 serves exactly the float32 function of the rounded model, every pass through the same
 row-independent kernels: speculation still changes no token. What differs is the model: its
 logits are those of the bf16-rounded policy (docs/BENCHMARKS.md measures how far from float32's).
+
+bf16 products (`TargetRuntime(model, bf16_products=True)`, `engine.products: bf16`): every
+decoder layer's products in bf16 arithmetic (engine.kernels.skinny, `dot`): the kernels round
+each input row and each weight to bf16 and sum pairs of products in float32, with AVX512_BF16
+twice the arithmetic of float32 products. A verify pass on a CPU is bound by arithmetic, a decode
+step of few rows by everything around it, so this pays where speculation verifies. The model's
+weights are not touched, the final norm and the LM head stay float32, and every pass, decode or
+verify, goes through the same row-independent kernels: speculation still changes no token. The
+served function is the model's with bf16 products (its log-probs differ from float32's as a bf16
+server's do; docs/BENCHMARKS.md measures how far).
 """
 
 from __future__ import annotations
@@ -119,15 +129,19 @@ def round_matrices_to_bf16_(model: nn.Module) -> None:
 
 
 class TargetRuntime:
-    def __init__(self, model: Transformer, bf16_weights: bool = False) -> None:
+    def __init__(self, model: Transformer, bf16_weights: bool = False, bf16_products: bool = False) -> None:
         self.model = model.eval()
         self.bf16_weights = bf16_weights
-        if bf16_weights:
-            w = model.lm_head.weight
-            if not use_kernel(w):
-                raise ValueError(f"bf16 weights (engine.weights=bfloat16) stream through the CPU kernels, which do not "
-                                 f"serve this model here ({w.dtype} on {w.device}; kernels: {available()[1]}); "
-                                 "use engine.weights=float32, or engine.dtype=bfloat16 for torch's own bf16")
+        self.bf16_products = bf16_products
+        w = model.lm_head.weight
+        if bf16_weights and not use_kernel(w):
+            raise ValueError(f"bf16 weights (engine.weights=bfloat16) stream through the CPU kernels, which do not "
+                             f"serve this model here ({w.dtype} on {w.device}; kernels: {available()[1]}); "
+                             "use engine.weights=float32, or engine.dtype=bfloat16 for torch's own bf16")
+        if bf16_products and not (use_kernel(w) and packable(w)):
+            raise ValueError(f"bf16 products (engine.products=bf16) run in the CPU kernels, which do not serve this "
+                             f"model here ({w.dtype} on {w.device}; kernels: {available()[1]}); use "
+                             "engine.products=float32 or auto")
         self.version = 0
         self.layers: list[PackedLayer] | None = None
         self.head: Product | None = None
@@ -143,7 +157,8 @@ class TargetRuntime:
             transpose_storage(m)  # with the kernels, the hot products have packed copies instead
         if self.bf16_weights:
             round_matrices_to_bf16_(m)
-        self.layers = [pack_layer(layer, self.bf16_weights) for layer in m.model.layers] if packable(w) else None
+        self.layers = ([pack_layer(layer, self.bf16_weights, self.bf16_products) for layer in m.model.layers]
+                       if packable(w) else None)
         self.head = Product(w.t(), True, self.bf16_weights) if kernels else None  # without the kernels lm_head serves
         self.version = version
         self.fingerprint = WeightsFingerprint(m)

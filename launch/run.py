@@ -160,6 +160,9 @@ def _build(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: E
     engine = build_rollout_engine(cfg.model.path, cfg.engine, seed=cfg.run.seed,
                                   history=history.store if history is not None else None)
     resources.callback(engine.close)
+    if cfg.engine.products == "auto" and cfg.engine.backend == "native":
+        log(f"engine.products=auto: the rollout's products run in "
+            f"{'bf16' if cfg.engine.bf16_products() else 'float32'} on this machine")
     sampling = StepSampling.of(cfg.rollout, cfg.run.seed, stop_tokens(engine.model_config, tokenizer))
     actor = build_actor(cfg.actor, cfg.model.path)
     if cfg.actor.precision == "auto":

@@ -33,6 +33,20 @@ def hf_config(family: str, vocab: int = 101, **overrides):
     return cls(**kw)
 
 
+def engine_error_without_kernels(model_dir: Path, engine_kwargs: str) -> str:
+    """stderr of building the native engine on `model_dir` with EngineConfig(<engine_kwargs>) in a
+    process whose CPU kernels are off (TAILSPEC_CPU_KERNELS=0); asserts that it failed."""
+    import subprocess
+    import sys
+
+    code = ("from engine.config import EngineConfig; from engine.engine import RolloutEngine\n"
+            f"RolloutEngine.from_pretrained({str(model_dir)!r}, EngineConfig({engine_kwargs}))")
+    env = {**os.environ, "TAILSPEC_CPU_KERNELS": "0"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0, run.stdout[-1500:]
+    return run.stderr
+
+
 def make_hf_model(family: str, seed: int = 0, **overrides):
     from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 

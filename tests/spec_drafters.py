@@ -52,3 +52,33 @@ class RandomDrafter(DrafterBase):
         parents = torch.stack([torch.randint(-1, max(i, 0), (b,), generator=self.g) if i else torch.full((b,), -1) for i in range(n)], 1)
         tokens = (torch.arange(n) * 7 + tokens[:, :1]) % self.vocab  # distinct within a row
         return DraftTree.from_padded(tokens, parents, torch.ones(b, n, dtype=torch.bool))
+
+
+def eagle_against_autoregressive(target, temperature: float, topk: int, **engine_kwargs) -> tuple[list[Rollout], list[Rollout]]:
+    """Three random prompts x 3 samples generated autoregressively and with a random EAGLE drafter
+    (a depth-4 chain or tree) by engines of EngineConfig(**engine_kwargs): (reference, speculative).
+    Asserts the drafter drafted."""
+    import copy
+
+    from engine.config import EngineConfig
+    from engine.engine import RolloutEngine
+    from engine.sampling import SamplingParams
+    from engine.spec.config import SpecConfig
+    from engine.spec.eagle import EagleConfig, EagleModel
+    from engine.spec.eagle_drafter import EagleDrafter
+    from engine.types import Request
+
+    g = torch.Generator().manual_seed(4)
+    reqs = [Request(prompt_id=f"p{i}", prompt=torch.randint(3, 101, (3 + 2 * i,), generator=g).tolist(), n=3)
+            for i in range(3)]
+    params = SamplingParams(max_new_tokens=30, temperature=temperature, seed=5, stop_token_ids=(2,))
+
+    def run(drafter=None):
+        cfg = EngineConfig(max_batch=8, max_len=96, spec=SpecConfig(depth=4, topk=topk, verify_tokens=6), **engine_kwargs)
+        return RolloutEngine(copy.deepcopy(target), cfg, drafter).generate(reqs, params)
+
+    reference = run()
+    torch.manual_seed(0)
+    spec = run(EagleDrafter(EagleModel(EagleConfig.for_target(target.config, "eagle"), target)))
+    assert spec.stats.drafted > 0
+    return list(reference), list(spec)

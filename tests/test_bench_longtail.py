@@ -14,7 +14,7 @@ def test_every_policy_gives_the_autoregressive_tokens_and_the_json_has_the_ratio
     plot = tmp_path / "trace.png"
     rc = longtail.main(["--model", str(char_model_dir), "--drafter", str(char_drafter_dir), "--requests", "3", "--n", "2",
                         "--arms", "off,d2k1v2,d3k2v4", "--new-tokens", "12", "--tail-batch", "2", "--threads", "1",
-                        "--plot", str(plot), "--repeats", "2", "--drafter-products", "bf16", "--json"])
+                        "--plot", str(plot), "--repeats", "2", "--drafter-products", "bf16", "--products", "bf16", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0
     assert out["identical"] is True
@@ -22,7 +22,7 @@ def test_every_policy_gives_the_autoregressive_tokens_and_the_json_has_the_ratio
     assert out["adaptive_vs_ar"] > 0 and out["adaptive_vs_best_fixed"] > 0 and out["cpu"]
     assert set(out["seconds"]) == {"off", "d2k1v2", "d3k2v4", "tail", "adaptive_scratch", "adaptive"}
     assert out["adaptive_vs_best_fixed"] == pytest.approx(out["seconds"][out["best_fixed"]] / out["seconds"]["adaptive"], rel=0.01)
-    assert out["rollouts"] == 6 and out["drafter_products"] == "bf16"
+    assert out["rollouts"] == 6 and out["drafter_products"] == "bf16" and out["products"] == "bf16"
     assert out["repeats"] == 2 and len(out["adaptive_vs_ar_by_round"]) == 2
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -15,11 +15,8 @@ from engine.engine import RolloutEngine
 from engine.kernels.library import available
 from engine.kernels.skinny import SkinnyMatrix
 from engine.runtime import TargetRuntime, round_matrices_to_bf16_
-from engine.sampling import SamplingParams
-from engine.spec.config import SpecConfig
-from engine.spec.eagle import EagleConfig, EagleModel
-from engine.spec.eagle_drafter import EagleDrafter
-from engine.types import Request
+from tests.conftest import engine_error_without_kernels
+from tests.spec_drafters import eagle_against_autoregressive
 
 OK, WHY = available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"CPU kernels unavailable here: {WHY}")
@@ -83,20 +80,7 @@ def test_load_weights_serves_the_new_weights_rounded(target):
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "T1"])
 @pytest.mark.parametrize("topk", [1, 3], ids=["chain", "tree"])
 def test_speculation_with_bf16_weights_changes_no_token(target, temperature, topk):
-    g = torch.Generator().manual_seed(4)
-    reqs = [Request(prompt_id=f"p{i}", prompt=torch.randint(3, 101, (3 + 2 * i,), generator=g).tolist(), n=3)
-            for i in range(3)]
-    params = SamplingParams(max_new_tokens=30, temperature=temperature, seed=5, stop_token_ids=(2,))
-
-    def run(drafter=None):
-        cfg = EngineConfig(max_batch=8, max_len=96, weights="bfloat16",
-                           spec=SpecConfig(depth=4, topk=topk, verify_tokens=6))
-        return RolloutEngine(copy.deepcopy(target), cfg, drafter).generate(reqs, params)
-
-    reference = run()
-    torch.manual_seed(0)
-    spec = run(EagleDrafter(EagleModel(EagleConfig.for_target(target.config, "eagle"), target)))
-    assert spec.stats.drafted > 0
+    reference, spec = eagle_against_autoregressive(target, temperature, topk, weights="bfloat16")
     for a, b in zip(reference, spec):
         assert (a.prompt_id, a.sample, a.tokens) == (b.prompt_id, b.sample, b.tokens)
         assert b.logprobs == a.logprobs
@@ -110,13 +94,5 @@ def test_bf16_weights_config_names_the_conflicting_keys():
 
 
 def test_bf16_weights_without_the_kernels_is_an_error_saying_what_to_use(hf_folders):
-    import os
-    import subprocess
-    import sys
-
-    code = ("from engine.config import EngineConfig; from engine.engine import RolloutEngine\n"
-            f"RolloutEngine.from_pretrained({str(hf_folders['llama'])!r}, EngineConfig(weights='bfloat16'))")
-    env = {**os.environ, "TAILSPEC_CPU_KERNELS": "0"}
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode != 0
-    assert "engine.weights=bfloat16" in run.stderr and "TAILSPEC_CPU_KERNELS=0" in run.stderr, run.stderr[-1500:]
+    err = engine_error_without_kernels(hf_folders["llama"], "weights='bfloat16'")
+    assert "engine.weights=bfloat16" in err and "TAILSPEC_CPU_KERNELS=0" in err, err[-1500:]

@@ -6,8 +6,9 @@
 streamed per product, each weight widened back to float32 exactly in the kernel, so the result is
 the float32 product over `w` rounded to bf16 (`w.bfloat16()`), with the same row independence.
 `SkinnyMatrix(w, dot=True)` computes in bf16 arithmetic: x and w rounded to bf16, pairs of products
-summed into float32 by AVX512_BF16's dot product (2x float32's arithmetic a core does; for drafters,
-whose numerics change proposals, never tokens), in a fixed order, so rows stay independent too.
+summed into float32 by AVX512_BF16's dot product (2x float32's arithmetic a core does: a drafter's
+products, engine.spec.drafter_products, and the target's, engine.products), in a fixed order, so
+rows stay independent too.
 Each output row is accumulated on its own in a fixed order, so a
 row's result does not depend on M nor on the host's tuned loop parameters (engine/kernels/params.py);
 the panel width those fix is read once, when the library loads, and never changes after.
@@ -25,6 +26,17 @@ from engine.kernels.library import library
 # only long prefills go to torch. Where the kernel is slower than torch's GEMM on a host even
 # tuned, the engine drops it for every row count at once (engine/kernels/tune.py, guard).
 MAX_ROWS = 4096
+
+
+def bf16_dot(choice: str) -> bool:
+    """Whether products chosen as `choice` (float32 | bf16 | auto) run in bf16 arithmetic: auto where
+    the kernels build and were compiled with AVX512_BF16, so the dot products run natively (emulated
+    ones are slower than float32's)."""
+    if choice != "auto":
+        return choice == "bf16"
+    from engine.kernels.library import available
+
+    return available()[0] and bool(library().skinny_bf16dot_native())
 
 
 class SkinnyMatrix:

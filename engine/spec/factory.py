@@ -22,11 +22,9 @@ def history_store(cfg: SpecConfig) -> HistoryStore:
 def bf16_products(cfg: SpecConfig) -> bool:
     """Whether an EAGLE drafter's kernels multiply in bf16 (`engine.spec.drafter_products`; auto: where
     the CPU kernels were built with AVX512_BF16, so its dot products run natively)."""
-    if cfg.drafter_products != "auto":
-        return cfg.drafter_products == "bf16"
-    from engine.kernels.library import available, library
+    from engine.kernels.skinny import bf16_dot
 
-    return available()[0] and bool(library().skinny_bf16dot_native())
+    return bf16_dot(cfg.drafter_products)
 
 
 def build_drafter(cfg: SpecConfig, target: Transformer, history: HistoryStore | None = None) -> Drafter | None:
