@@ -28,8 +28,9 @@ logits are those of the bf16-rounded policy (docs/BENCHMARKS.md measures how far
 bf16 products (`TargetRuntime(model, bf16_products=True)`, `engine.products: bf16`): every
 decoder layer's products in bf16 arithmetic (engine.kernels.skinny, `dot`): the kernels round
 each input row and each weight to bf16 and sum pairs of products in float32, with AVX512_BF16
-twice the arithmetic of float32 products. A verify pass on a CPU is bound by arithmetic, a decode
-step of few rows by everything around it, so this pays where speculation verifies. The model's
+twice the arithmetic of float32 products and half the bytes: decode and verify passes both run
+faster (docs/BENCHMARKS.md: both rollouts ~1.2x on the mult miniature, so the step is faster and
+speculation's ratio is not). The model's
 weights are not touched, the final norm and the LM head stay float32, and every pass, decode or
 verify, goes through the same row-independent kernels: speculation still changes no token. The
 served function is the model's with bf16 products (its log-probs differ from float32's as a bf16
