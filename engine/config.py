@@ -39,11 +39,14 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
+    def _float32_native(self) -> bool:
+        """The native engine's float32 mode with float32 weights: where bf16 products can run."""
+        return self.dtype == "float32" and self.backend == "native" and self.weights == "float32"
+
     def bf16_products(self) -> bool:
         """`products` decided for this machine (auto: bf16 where the native CPU engine's float32 mode
         runs on kernels with AVX512_BF16, float32 elsewhere)."""
-        if self.products == "auto" and (self.dtype != "float32" or self.backend != "native" or self.weights != "float32"
-                                         or self.device != "cpu"):
+        if self.products == "auto" and not (self._float32_native() and self.device == "cpu"):
             return False
         from engine.kernels.skinny import bf16_dot
 
@@ -62,7 +65,7 @@ class EngineConfig:
             raise ValueError(f"engine.weights must be float32 or bfloat16, got {self.weights!r}")
         if self.products not in ("float32", "bf16", "auto"):
             raise ValueError(f"engine.products must be float32, bf16 or auto, got {self.products!r}")
-        if self.products == "bf16" and (self.dtype != "float32" or self.backend != "native" or self.weights != "float32"):
+        if self.products == "bf16" and not self._float32_native():
             raise ValueError(f"engine.products=bf16 is the native CPU engine's float32 mode computing its products in "
                              f"bf16; it needs engine.dtype=float32, engine.backend=native and engine.weights=float32 "
                              f"(got {self.dtype}, {self.backend}, {self.weights}); or engine.products=auto")

@@ -45,39 +45,19 @@ void transpose_rows(const float* x, int64_t ldx, int64_t n, int64_t D, float* xt
 
 // s[i * ld + j] = scale * (x_i . key_j) for queries i < Q (rows of x [Q, D]) and the keys of
 // `tiles` transposed tiles: two tiles x four queries a pass, a last odd tile alone
-// (tailspec::score_four: each score's chain of fused multiply-adds runs over d in order).
-template <int Tiles>
-void score_tile_group(const float* x, int64_t Q, const float* k0, int64_t D, float scale, float* out, int64_t ld) {
-  int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 sc = _mm256_set1_ps(scale);
-  for (; i < Q; i += 4) {  // a last group of 1-3 queries repeats its last one, stored once
-    const int64_t r = Q - i < 4 ? Q - i : 4;
-    const float *q0 = x + i * D, *q1 = x + (i + (r > 1)) * D, *q2 = x + (i + (r > 2 ? 2 : r - 1)) * D,
-                *q3 = x + (i + r - 1) * D;
-    __m256 a[4 * Tiles];
-    tailspec::score_four<Tiles>(q0, q1, q2, q3, k0, k0 + D * kLanes, D, a);
-    for (int t = 0; t < Tiles; ++t)
-      for (int64_t c = 0; c < r; ++c)
-        _mm256_storeu_ps(out + (i + c) * ld + t * kLanes, _mm256_mul_ps(a[t * 4 + c], sc));
-  }
-#endif
-  for (; i < Q; ++i)
-    for (int t = 0; t < Tiles; ++t) {
-      const float* kt = k0 + t * D * kLanes;
-      float acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int64_t d = 0; d < D; ++d)
-        for (int64_t l = 0; l < kLanes; ++l) acc[l] = std::fma(x[i * D + d], kt[d * kLanes + l], acc[l]);
-      for (int64_t l = 0; l < kLanes; ++l) out[i * ld + t * kLanes + l] = acc[l] * scale;
-    }
-}
-
+// (tailspec::score_queries: each score's chain of fused multiply-adds runs over d in order).
 void score_tiles(const float* x, int64_t Q, const float* kt, int64_t tiles, int64_t D, float scale, float* s,
                  int64_t ld) {
-  int64_t tile = 0;
-  for (; tile + 2 <= tiles; tile += 2)
-    score_tile_group<2>(x, Q, kt + tile * D * kLanes, D, scale, s + tile * kLanes, ld);
-  if (tile < tiles) score_tile_group<1>(x, Q, kt + tile * D * kLanes, D, scale, s + tile * kLanes, ld);
+  const float* qs[kBlockQueries];
+  for (int64_t i0 = 0; i0 < Q; i0 += kBlockQueries) {  // a block holds more only where G > kBlockQueries
+    const int64_t n = Q - i0 < kBlockQueries ? Q - i0 : kBlockQueries;
+    for (int64_t i = 0; i < n; ++i) qs[i] = x + (i0 + i) * D;
+    float* out = s + i0 * ld;
+    int64_t tile = 0;
+    for (; tile + 2 <= tiles; tile += 2)
+      tailspec::score_queries<2>(qs, n, kt + tile * D * kLanes, D, scale, out + tile * kLanes, ld);
+    if (tile < tiles) tailspec::score_queries<1>(qs, n, kt + tile * D * kLanes, D, scale, out + tile * kLanes, ld);
+  }
 }
 
 // The largest of x[0..n) (n >= 1; max is exact in any order).

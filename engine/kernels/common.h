@@ -73,6 +73,36 @@ inline void score_four(const float* q0, const float* q1, const float* q2, const 
 }
 #endif
 
+// out[i * ld + t * 8 + l] = (q_i . key l of tile t) * scale for Q queries qs[i] [D] and Tiles (1 or
+// 2) tiles kt [Tiles, D, 8] of eight keys: four queries x the tiles a pass (score_four; a last group
+// of 1-3 queries repeats its last one, stored once), or in scalar code, the same chain of fused
+// multiply-adds over d per score either way. The attention kernels' scores (decode_ops.cpp,
+// causal_attention.cpp).
+template <int Tiles>
+inline void score_queries(const float* const* qs, int64_t Q, const float* kt, int64_t D, float scale, float* out,
+                          int64_t ld) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (; i < Q; i += 4) {
+    const int64_t r = Q - i < 4 ? Q - i : 4;
+    const float *q0 = qs[i], *q1 = qs[i + (r > 1)], *q2 = qs[i + (r > 2 ? 2 : r - 1)], *q3 = qs[i + r - 1];
+    __m256 a[4 * Tiles];
+    score_four<Tiles>(q0, q1, q2, q3, kt, kt + D * 8, D, a);
+    for (int t = 0; t < Tiles; ++t)
+      for (int64_t c = 0; c < r; ++c) _mm256_storeu_ps(out + (i + c) * ld + t * 8, _mm256_mul_ps(a[t * 4 + c], sc));
+  }
+#endif
+  for (; i < Q; ++i)
+    for (int t = 0; t < Tiles; ++t) {
+      const float* k0 = kt + t * D * 8;
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t l = 0; l < 8; ++l) acc[l] = std::fma(qs[i][d], k0[d * 8 + l], acc[l]);
+      for (int64_t l = 0; l < 8; ++l) out[i * ld + t * 8 + l] = acc[l] * scale;
+    }
+}
+
 // outs[r][:D] (+)= scales[r] * sum_{i < n} ws[r][i * wstride] * x[i * ldx][:D] for R outputs at once:
 // each output's chain of fused multiply-adds runs over i in order, from zero (the same operations,
 // in the same order, as for one output alone); the R chains interleave, so that they overlap
@@ -85,8 +115,7 @@ inline void score_four(const float* q0, const float* q1, const float* q2, const 
 template <int R, bool Normalize = false>
 inline void weigh_rows(const float* const* ws, int64_t wstride, int64_t n, const float* x, int64_t ldx, int64_t D,
                        float* const* outs, const float* scales, bool accumulate) {
-  float scale[R];
-  bool have_totals = false;
+  float scale[R];  // with Normalize: 1 / the totals, from the first block of d (the scalar loop if none ran)
   if (!Normalize)
     for (int r = 0; r < R; ++r) scale[r] = scales[r];
   int64_t d0 = 0;
@@ -94,7 +123,7 @@ inline void weigh_rows(const float* const* ws, int64_t wstride, int64_t n, const
   for (; d0 + 32 <= D; d0 += 32) {
     __m256 a[R][4], t[R];
     for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = a[r][2] = a[r][3] = t[r] = _mm256_setzero_ps();
-    const bool totals = Normalize && !have_totals;
+    const bool totals = Normalize && d0 == 0;
     for (int64_t i = 0; i < n; ++i) {
       const float* xr = x + i * ldx + d0;
       const __m256 x0 = _mm256_loadu_ps(xr), x1 = _mm256_loadu_ps(xr + 8), x2 = _mm256_loadu_ps(xr + 16),
@@ -109,10 +138,8 @@ inline void weigh_rows(const float* const* ws, int64_t wstride, int64_t n, const
         if (totals) t[r] = _mm256_add_ps(t[r], w);
       }
     }
-    if (totals) {
+    if (totals)
       for (int r = 0; r < R; ++r) scale[r] = 1.f / _mm256_cvtss_f32(t[r]);
-      have_totals = true;
-    }
     for (int r = 0; r < R; ++r) {
       const __m256 sc = _mm256_set1_ps(scale[r]);
       for (int c = 0; c < 4; ++c) {
@@ -124,7 +151,7 @@ inline void weigh_rows(const float* const* ws, int64_t wstride, int64_t n, const
   }
 #endif
   if (d0 == D) return;
-  if (Normalize && !have_totals)
+  if (Normalize && d0 == 0)
     for (int r = 0; r < R; ++r) {
       float total = 0.f;
       for (int64_t i = 0; i < n; ++i) total += ws[r][i * wstride];

@@ -73,39 +73,6 @@ static void transpose_keys(const float* const* rows, int64_t D, float* kt) {
     for (int64_t l = 0; l < kLanes; ++l) kt[d * kLanes + l] = rows[l][d];
 }
 
-// scores[i * ld + t * kLanes + l] = (q_i . key_l of tile t) * scale for Tiles tiles kt [Tiles, D,
-// kLanes] of kLanes keys: per (query, key) one fused multiply-add per d in order of d (the lanes are
-// keys), four queries x the tiles at a time so that their chains of fused multiply-adds overlap
-// (tailspec::score_four).
-extern "C++" {  // a template, inside this file's C linkage block
-template <int Tiles>
-static void score_block(const float* const* qs, int64_t Q, const float* kt, int64_t D, float scale, float* scores,
-                        int64_t ld) {
-  int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 sc8 = _mm256_set1_ps(scale);
-  for (; i < Q; i += 4) {  // a last group of 1-3 queries repeats its last one, stored once
-    const int64_t r = Q - i < 4 ? Q - i : 4;
-    const float *q0 = qs[i], *q1 = qs[i + (r > 1)], *q2 = qs[i + (r > 2 ? 2 : r - 1)], *q3 = qs[i + r - 1];
-    __m256 a[4 * Tiles];
-    tailspec::score_four<Tiles>(q0, q1, q2, q3, kt, kt + D * kLanes, D, a);
-    for (int t = 0; t < Tiles; ++t)
-      for (int64_t c = 0; c < r; ++c)
-        _mm256_storeu_ps(scores + (i + c) * ld + t * kLanes, _mm256_mul_ps(a[t * 4 + c], sc8));
-  }
-#endif
-  for (; i < Q; ++i)
-    for (int t = 0; t < Tiles; ++t) {
-      const float* q = qs[i];
-      const float* k0 = kt + t * D * kLanes;
-      float acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int64_t d = 0; d < D; ++d)
-        for (int64_t l = 0; l < kLanes; ++l) acc[l] = std::fma(q[d], k0[d * kLanes + l], acc[l]);
-      for (int64_t l = 0; l < kLanes; ++l) scores[i * ld + t * kLanes + l] = acc[l] * scale;
-    }
-}
-}  // extern "C++"
-
 extern "C++" {  // templates, inside this file's C linkage block
 // For R queries' softmax weights sc[q] (exact zeros on masked slots): the weighted values times
 // 1 / total, the total in slot order, one add at a time (the visible slots' order is what decoding
@@ -143,9 +110,9 @@ static void attend_group(const float* const* qs, const bool* const* masks, float
     transpose_keys(rows, D, kt);
     if (n > kLanes) {
       transpose_keys(rows + kLanes, D, kt + D * kLanes);
-      score_block<2>(qs, Q, kt, D, scale, scores + j0, ld);
+      tailspec::score_queries<2>(qs, Q, kt, D, scale, scores + j0, ld);
     } else {
-      score_block<1>(qs, Q, kt, D, scale, scores + j0, ld);
+      tailspec::score_queries<1>(qs, Q, kt, D, scale, scores + j0, ld);
     }
   }
   float* live_sc[kQueryChunk];  // the queries that see a slot (every real token's): scores, outputs
