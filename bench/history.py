@@ -1,5 +1,5 @@
-"""`python -m bench.history [--model M] [--drafter D] [--prompts 16] [--n 4] [--min-match 3,12] [--json]`:
-history drafts on a recurring step, against EAGLE and n-gram drafts, at the engine.
+"""`python -m bench.history [--model M] [--drafter D] [--task T] [--chat] [--temperature 1] [--prompts 16] [--n 4]
+[--min-match 3,12] [--ways W,...] [--json]`: history drafts on a recurring step, against EAGLE and n-gram drafts, at the engine.
 
 The task's first `--prompts` training problems, `--n` samples each, are rolled out at RL step 1
 (the history: the prompt's responses of an earlier epoch, other noise) and then at step 2 by each
@@ -10,6 +10,12 @@ noise differs, as between epochs. Counts are exact and repeatable (decode steps,
 tokens emitted per row per speculative step, target tokens verified, the history drafter's share
 of speculative row-steps and its accept length there); seconds are wall time on whatever shares
 the machine. Every way's tokens must equal autoregressive decoding's (exit 2 otherwise).
+
+Every prompt of step 2 recurs, so each way's accept length is over the same rows; each way also
+reports it as a multiple of EAGLE's (`vs_eagle`), and a history way the multiple of EAGLE's that
+its own drafts reach (`history_vs_eagle`: the history-drafted row-steps' accept length over EAGLE's).
+`--task`, `--chat` and `--temperature` give another model's setting (SmolLM2: `--task math --chat
+--temperature 0.7`, as configs/smollm2.yaml samples); `--ways` runs a subset (autoregressive always).
 """
 
 from __future__ import annotations
@@ -61,8 +67,22 @@ def summary(batch: RolloutBatch, seconds: float, source: int | None) -> dict:
     return out
 
 
+def against_eagle(results: dict) -> None:
+    """Adds to every speculative way its accept length as a multiple of EAGLE's (`vs_eagle`), and to a
+    history way its history-drafted row-steps' accept length as one (`history_vs_eagle`), where EAGLE ran."""
+    eagle = results.get("eagle", {}).get("accept_len")
+    if not eagle:
+        return
+    for name, way in results.items():
+        if name == "autoregressive":
+            continue
+        way["vs_eagle"] = round(way["accept_len"] / eagle, 3)
+        if "history_accept_len" in way:
+            way["history_vs_eagle"] = round(way["history_accept_len"] / eagle, 3)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.history", description=__doc__.splitlines()[1])
+    p = argparse.ArgumentParser(prog="python -m bench.history", description="history drafts on a recurring step, against EAGLE and n-gram drafts, at the engine")
     p.add_argument("--model", default="checkpoints/tiny-reason")
     p.add_argument("--drafter", default="checkpoints/tiny-reason-drafter")
     p.add_argument("--task", default="mult")
@@ -71,23 +91,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depth", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=896)
     p.add_argument("--min-match", default="3,12", help="history_min_match values, each for every history way (comma-separated)")
+    p.add_argument("--chat", action="store_true", help="prompts as the user turn of the tokenizer's chat template")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-len", type=int, default=1024, help="the engine's tokens a row (prompt + response)")
+    p.add_argument("--ways", default=None, help="comma-separated subset of the ways (default: all); autoregressive always runs")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    from common.text import load_tokenizer
+    from common.text import encode, load_tokenizer, stop_tokens
     from pipeline.tasks import get_task
 
     try:
         min_matches = [int(k) for k in args.min_match.split(",")]
         tok = load_tokenizer(args.model)
         model = load_checkpoint(args.model, torch.float32, "cpu")
-    except (ValueError, OSError) as e:
+        problems = get_task(args.task).make_problems("train", args.prompts, 0)
+        prompts = [list(encode(tok, q.prompt, args.chat)) for q in problems]
+    except (ValueError, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    problems = get_task(args.task).make_problems("train", args.prompts, 0)
-    requests = lambda: [Request(prompt_id=q.id, prompt=list(tok(q.prompt)["input_ids"]), n=args.n) for q in problems]  # noqa: E731
-    cfg = EngineConfig(max_batch=args.prompts * args.n, max_len=1024, spec=SpecConfig(depth=args.depth, verify_tokens=args.depth))
-    params = lambda step: SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0, step=step,  # noqa: E731
-                                         stop_token_ids=(tok.eos_token_id,))
+    requests = lambda: [Request(prompt_id=q.id, prompt=ids, n=args.n) for q, ids in zip(problems, prompts)]  # noqa: E731
+    cfg = EngineConfig(max_batch=args.prompts * args.n, max_len=args.max_len,
+                       spec=SpecConfig(depth=args.depth, verify_tokens=args.depth))
+    params = lambda step: SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, seed=0,  # noqa: E731
+                                         step=step, stop_token_ids=stop_tokens(model.config, tok))
+    chosen = ways(model, args.drafter, [], min_matches)
+    if args.ways is not None:
+        wanted = [w.strip() for w in args.ways.split(",") if w.strip()]
+        unknown = [w for w in wanted if w not in chosen]
+        if unknown:
+            print(f"error: --ways {','.join(unknown)}: not a way; choose from {', '.join(chosen)}", file=sys.stderr)
+            return 1
     plain = RolloutEngine(model, cfg)
     history = plain.generate(requests(), params(1))
     t = time.perf_counter()
@@ -95,14 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     results = {"autoregressive": summary(reference, time.perf_counter() - t, None)}
     identical = True
     for name, (make, source) in ways(model, args.drafter, list(history), min_matches).items():
+        if args.ways is not None and name not in wanted:
+            continue
         engine = RolloutEngine(model, cfg, make())
         t = time.perf_counter()
         batch = engine.generate(requests(), params(2))
         results[name] = summary(batch, time.perf_counter() - t, source)
         identical &= [r.tokens for r in batch] == [r.tokens for r in reference]
         print(f"{name:<20} " + "  ".join(f"{k} {v}" for k, v in results[name].items()), file=sys.stderr, flush=True)
+    against_eagle(results)
     finish({"ways": results, "identical": identical, "cpu": cpu_model(), "prompts": args.prompts, "n": args.n,
-            "depth": args.depth}, args.json)
+            "depth": args.depth, "temperature": args.temperature, "task": args.task,
+            "tokens": sum(len(r.tokens) for r in reference)}, args.json)
     return 0 if identical else 2
 
 

@@ -24,3 +24,22 @@ def test_every_way_gives_the_autoregressive_tokens_and_history_ways_report_cover
 def test_a_missing_model_is_an_error_naming_it(tmp_path, capsys):
     rc = history.main(["--model", str(tmp_path / "nowhere"), "--json"])
     assert rc == 1 and "nowhere" in capsys.readouterr().err
+
+
+def test_a_subset_of_ways_runs_alone_and_is_compared_with_eagle(char_model_dir, char_drafter_dir, capsys):
+    rc = history.main(["--model", str(char_model_dir), "--drafter", str(char_drafter_dir), "--prompts", "2", "--n", "2",
+                       "--depth", "3", "--new-tokens", "12", "--min-match", "1", "--temperature", "0.7",
+                       "--ways", "eagle,history k1", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["identical"] is True and out["temperature"] == 0.7
+    assert set(out["ways"]) == {"autoregressive", "eagle", "history k1"}
+    eagle, hist = out["ways"]["eagle"], out["ways"]["history k1"]
+    assert eagle["vs_eagle"] == 1.0
+    assert abs(hist["vs_eagle"] - hist["accept_len"] / eagle["accept_len"]) < 1e-3
+    assert abs(hist["history_vs_eagle"] - hist["history_accept_len"] / eagle["accept_len"]) < 1e-3
+
+
+def test_an_unknown_way_is_an_error_listing_the_ways(char_model_dir, char_drafter_dir, capsys):
+    rc = history.main(["--model", str(char_model_dir), "--drafter", str(char_drafter_dir), "--ways", "eagle,bogus"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "bogus" in err and "history+eagle k12" in err

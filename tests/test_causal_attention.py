@@ -114,7 +114,7 @@ def test_the_actor_model_trains_the_same_with_either_attention(tiny_model_dir):
     assert (grads[0] - grads[1]).norm() < 1e-4 * grads[0].norm()
 
 
-def test_auto_picks_the_kernels_on_cpu_float32_only():
+def test_auto_picks_the_kernels_on_cpu_float32_only():  # (bf16-mixed: tests/test_causal_attention_bf16.py)
     from pipeline.actors.attention import NAME, implementation
 
     assert implementation(ActorConfig()) == NAME

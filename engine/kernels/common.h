@@ -28,6 +28,17 @@ inline float fast_expf(float x) {
   return y * __builtin_bit_cast(float, ((int32_t)n + 127) << 23);  // y * 2^n
 }
 
+// x's bf16 bits, rounded to nearest even (as torch's .bfloat16()); a NaN stays a NaN.
+inline uint16_t bf16_bits(float f) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The pair (lo, hi) of bf16s in one 32-bit word, lo in the low half: one element of an operand of
+// AVX512_BF16's dot product, which adds lo * lo' and hi * hi' into a float32 lane.
+inline uint32_t bf16_pair(float lo, float hi) { return bf16_bits(lo) | (uint32_t)bf16_bits(hi) << 16; }
+
 // HF Llama's half rotation, in place, on `heads` consecutive heads of D floats:
 // x = x * cos + rotate_half(x) * sin, with sin_signed = sin whose first half is negated.
 inline void rope_heads(float* x, int64_t heads, int64_t D, const float* cos, const float* sin_signed) {

@@ -32,7 +32,8 @@ from pathlib import Path
 from engine.kernels import tuning_cache
 
 HERE = Path(__file__).parent
-SOURCES = ("skinny.cpp", "decode_ops.cpp", "eagle_chain.cpp", "causal_attention.cpp", "noise.cpp", "fingerprint.cpp")
+SOURCES = ("skinny.cpp", "decode_ops.cpp", "eagle_chain.cpp", "causal_attention.cpp", "causal_attention_bf16.cpp", "noise.cpp",
+           "fingerprint.cpp")
 BUILD_DIR = HERE / "build"  # or, where the package is read-only, ~/.cache/tailspec/kernels
 # TAILSPEC_CPU_MARCH picks another target (e.g. x86-64-v3 to test the AVX2 code path on an AVX-512 machine).
 FLAGS = ["-O3", f"-march={os.environ.get('TAILSPEC_CPU_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -68,7 +69,7 @@ def _loaded() -> tuple[ctypes.CDLL, tuning_cache.Tuning]:
         raise KernelUnavailable("no C++ compiler (install g++)")
     sources = [HERE / name for name in SOURCES]
     digest = hashlib.sha256(" ".join([cxx, *FLAGS, platform.node()]).encode())
-    for src in [*sources, HERE / "common.h"]:
+    for src in [*sources, *sorted(HERE.glob("*.h"))]:
         digest.update(src.read_bytes())
     build_dir = _build_dir()
     lib_path = build_dir / f"tailspec_cpu-{digest.hexdigest()[:16]}.so"
@@ -97,6 +98,8 @@ def _loaded() -> tuple[ctypes.CDLL, tuning_cache.Tuning]:
         "silu_mul_rows": [P, P, I, I],
         "causal_attention_forward": [P, I, I, I, P, P, I, I, I, P, P, I, I, I, I, I, F32, INT],
         "causal_attention_backward": [P, I, I, I, P, P, I, I, I, P, P, P, P, P, P, I, I, I, I, I, F32, INT],
+        "causal_attention_forward_bf16": [P, I, I, I, P, P, I, I, I, P, P, I, I, I, I, I, F32, INT],
+        "causal_attention_backward_bf16": [P, I, I, I, P, P, I, I, I, P, P, P, P, P, P, I, I, I, I, I, F32, INT],
         "uniform_rows": [P, P, P, I, I, P, INT],
         "eagle_draft": [I] * 10 + [P, P, I, P, P, P, P, F32, P, P] + [P] * 7 + [P, F32, P, P, I, I, P, F32, P, P, INT, INT],
         "eagle_tree_draft": [I] * 12 + [P, P, I, P, P, P, P, F32, F32, P, P] + [P] * 8 + [F32, P, P, I, I, P, P, P, INT, INT],
@@ -107,6 +110,7 @@ def _loaded() -> tuple[ctypes.CDLL, tuning_cache.Tuning]:
     lib.sample_bytes_differ.argtypes, lib.sample_bytes_differ.restype = [P, I, P], I
     lib.skinny_set_params.argtypes, lib.skinny_set_params.restype = [INT, INT, I, I, INT], INT
     lib.skinny_wide_rows.argtypes, lib.skinny_wide_rows.restype = [], I
+    lib.causal_attention_bf16_native.argtypes, lib.causal_attention_bf16_native.restype = [], INT
     lib.skinny_max_rows.argtypes, lib.skinny_max_rows.restype = [INT], INT
     return lib, tuning_cache.settle(lib, build_dir, digest.hexdigest()[:16], [cxx, *FLAGS])
 

@@ -27,6 +27,8 @@
 #include <cstring>
 #include <utility>
 #include <vector>
+
+#include "common.h"  // tailspec::bf16_bits
 #if defined(__AVX512F__)
 constexpr int VW = 16, NREG = 32;
 #else
@@ -196,11 +198,7 @@ void pack(const WI* w, int64_t ldw, WT* out, int64_t K, int64_t N) {
 }
 // x [M, K] float32 -> [M, K2] pairs of bf16 (as uint32: element 2j low, 2j + 1 high; K odd: a zero
 // pads the last pair), rounded to nearest even.
-static inline uint16_t bf16_bits(float f) {
-  const uint32_t u = __builtin_bit_cast(uint32_t, f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
-  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+using tailspec::bf16_bits;
 void to_bf16_pairs(const float* x, int64_t ldx, uint32_t* xp, int64_t M, int64_t K) {
   const int64_t K2 = (K + 1) / 2;
   for (int64_t m = 0; m < M; ++m) {

@@ -7,6 +7,13 @@ backward they run 1.4-1.8x torch's SDPA flash kernel at the tiny model's head di
 1.2-1.5x at SmolLM2's 64 (`python -m bench.attention`, docs/BENCHMARKS.md); attention is about a
 fifth of the tiny model's update.
 
+Under bf16-mixed precision (pipeline/actors/precision.py: the matrix products in bf16) the
+attention's products run in bf16 arithmetic too, where the kernels have AVX512_BF16
+(engine/kernels/causal_attention_bf16.cpp, registered as "tailspec_cpu_bf16": q, k, v, dout and the
+probabilities rounded to bf16 where they enter a product, as GPU flash attention in bf16 does; the
+softmax and every sum in float32): 1.35-2.0x the float32 kernels' forward and backward
+(`python -m bench.attention`, docs/BENCHMARKS.md). Without AVX512_BF16 the float32 kernels serve.
+
 They serve whole right-padded rows without a padding mask (the update's `policy_forward`): a query
 at position t sees keys 0..t. Anything else (a padding mask, a KV cache, dropout) is refused with
 what to do, rather than computed some other way.
@@ -20,13 +27,25 @@ import torch
 
 from pipeline.actors.base import ActorConfig
 
-NAME = "tailspec_cpu"
+NAME = "tailspec_cpu"  # the float32 kernels
+NAME_BF16 = "tailspec_cpu_bf16"  # the kernels in bf16 arithmetic (bf16-mixed precision)
 
 
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """HF's attention-function interface: query [B, Hq, T, D], key / value [B, Hkv, T, D] -> ([B, T, Hq, D], None)."""
+    return _kernel_attention(query, key, value, attention_mask, dropout, scaling, is_causal, bf16=False)
+
+
+def _attention_bf16(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """`_attention` in bf16 arithmetic."""
+    return _kernel_attention(query, key, value, attention_mask, dropout, scaling, is_causal, bf16=True)
+
+
+def _kernel_attention(query, key, value, attention_mask, dropout, scaling, is_causal, *, bf16: bool):
     from engine.kernels.causal_attention import causal_attention
 
     if attention_mask is not None:
@@ -38,13 +57,14 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
         raise ValueError(f"actor.attention=tailspec serves whole sequences, got {query.shape[2]} queries over "
                          f"{key.shape[2]} keys (a KV cache): set actor.attention=sdpa to generate with the HF model")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    # Under bf16-mixed precision (pipeline/actors/precision.py) projections arrive in bfloat16; the
-    # kernels attend in float32 (a no-op cast otherwise).
-    return causal_attention(query.float(), key.float(), value.float(), scale), None
+    # Under bf16-mixed precision (pipeline/actors/precision.py) projections arrive in bfloat16 (and
+    # q, k rotated in float32); the kernels take float32 and round to bf16 themselves where bf16.
+    return causal_attention(query.float(), key.float(), value.float(), scale, bf16=bf16), None
 
 
 def implementation(cfg: ActorConfig) -> str:
-    """The attn_implementation for the actor's HF model under cfg (registering the kernels' one if picked)."""
+    """The attn_implementation for the actor's HF model under cfg (registering the kernels' one if picked):
+    sdpa, the float32 kernels, or under bf16-mixed precision the bf16 ones where the kernels have AVX512_BF16."""
     if cfg.attention == "sdpa" or (cfg.attention == "auto" and (cfg.device != "cpu" or cfg.dtype != "float32")):
         return "sdpa"
     from engine.kernels.library import KernelUnavailable, library
@@ -60,7 +80,13 @@ def implementation(cfg: ActorConfig) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(NAME, _attention)
+    from engine.kernels.causal_attention import bf16_native
+    from pipeline.actors import precision
+
+    name, fn = NAME, _attention
+    if precision.resolve(cfg) == "bf16-mixed" and bf16_native():
+        name, fn = NAME_BF16, _attention_bf16
+    AttentionInterface.register(name, fn)
     # SDPA's mask rule: none for unpadded causal rows, a 4-D mask otherwise (which _attention refuses).
-    AttentionMaskInterface.register(NAME, sdpa_mask)
-    return NAME
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
