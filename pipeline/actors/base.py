@@ -54,7 +54,8 @@ class ActorConfig:
     # torch's; "auto" picks tailspec on CPU in float32 where the kernels build, else sdpa.
     attention: Literal["auto", "tailspec", "sdpa"] = "auto"
     # The update's products: "float32", or "bf16-mixed" (float32 weights and optimizer, matrix products
-    # in bfloat16 under autocast, attention and LM head in float32; pipeline/actors/precision.py);
+    # in bfloat16 under autocast, attention's in bf16 arithmetic where the kernels have AVX512_BF16,
+    # its softmax and the LM head in float32; pipeline/actors/precision.py);
     # "auto" picks bf16-mixed for the torch backend on a CPU with bfloat16 dot products.
     precision: Literal["auto", "float32", "bf16-mixed"] = "float32"
     device: str = "cpu"  # "cuda" places each rank on cuda:LOCAL_RANK
