@@ -139,3 +139,26 @@ def test_a_bf16_mixed_model_trains_close_to_float32(tmp_path):
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert 0 < (lps[0] - lps[1]).abs().max() < 5e-2
     assert (grads[0] - grads[1]).norm() < 5e-2 * grads[0].norm()
+
+
+@native
+def test_outside_autocast_a_bf16_mixed_model_attends_in_float32_as_its_products_do(tmp_path):
+    """The bf16 attention follows autocast like the model's matrix products: a bf16-mixed model called
+    without it (a weight check, an HF forward) computes what the float32 model does, bit for bit."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipeline.actors.forward import load_policy
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    ids = torch.randint(0, 32, (2, 30), generator=torch.Generator().manual_seed(0))
+    mixed = load_policy(tmp_path, ActorConfig(precision="bf16-mixed"))
+    plain = load_policy(tmp_path, ActorConfig(precision="float32"))
+    assert mixed.config._attn_implementation == "tailspec_cpu_bf16"
+    with torch.no_grad():
+        assert torch.equal(mixed(input_ids=ids).logits, plain(input_ids=ids).logits)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            under = mixed(input_ids=ids).logits
+    assert not torch.equal(under, plain(input_ids=ids).logits)

@@ -11,8 +11,10 @@ Under bf16-mixed precision (pipeline/actors/precision.py: the matrix products in
 attention's products run in bf16 arithmetic too, where the kernels have AVX512_BF16
 (engine/kernels/causal_attention_bf16.cpp, registered as "tailspec_cpu_bf16": q, k, v, dout and the
 probabilities rounded to bf16 where they enter a product, as GPU flash attention in bf16 does; the
-softmax and every sum in float32): 1.35-2.0x the float32 kernels' forward and backward
-(`python -m bench.attention`, docs/BENCHMARKS.md). Without AVX512_BF16 the float32 kernels serve.
+softmax and every sum in float32): 1.7-2.1x the float32 kernels' forward and backward
+(`python -m bench.attention`, docs/BENCHMARKS.md). Like the model's other products, it follows
+autocast: a forward outside bf16 autocast attends in float32. Without AVX512_BF16 the float32
+kernels serve.
 
 They serve whole right-padded rows without a padding mask (the update's `policy_forward`): a query
 at position t sees keys 0..t. Anything else (a padding mask, a KV cache, dropout) is refused with
@@ -41,8 +43,10 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
 def _attention_bf16(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                     is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """`_attention` in bf16 arithmetic."""
-    return _kernel_attention(query, key, value, attention_mask, dropout, scaling, is_causal, bf16=True)
+    """`_attention` in bf16 arithmetic where the call runs under bf16 autocast, as the model's other
+    products do (bf16-mixed precision's forwards: pipeline/actors/precision.py); in float32 outside it."""
+    bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    return _kernel_attention(query, key, value, attention_mask, dropout, scaling, is_causal, bf16=bf16)
 
 
 def _kernel_attention(query, key, value, attention_mask, dropout, scaling, is_causal, *, bf16: bool):
