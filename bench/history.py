@@ -112,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     requests = lambda: [Request(prompt_id=q.id, prompt=ids, n=args.n) for q, ids in zip(problems, prompts)]  # noqa: E731
     cfg = EngineConfig(max_batch=args.prompts * args.n, max_len=args.max_len,
                        spec=SpecConfig(depth=args.depth, verify_tokens=args.depth))
+    stops = stop_tokens(model.config, tok)
     params = lambda step: SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, seed=0,  # noqa: E731
-                                         step=step, stop_token_ids=stop_tokens(model.config, tok))
+                                         step=step, stop_token_ids=stops)
     chosen = ways(model, args.drafter, [], min_matches)
     if args.ways is not None:
         wanted = [w.strip() for w in args.ways.split(",") if w.strip()]

@@ -15,7 +15,12 @@ try:
 except (KernelUnavailable, OSError) as e:  # pragma: no cover - every CI host has g++
     pytest.skip(f"CPU kernels do not build here: {e}", allow_module_level=True)
 
-from engine.kernels.causal_attention import causal_attention
+from engine.kernels.causal_attention import bf16_native, causal_attention
+
+# The kernels' two arithmetics: float32, and bf16 (tests/test_causal_attention_bf16.py tests its values).
+ARITHMETIC = [pytest.param(False, id="float32"),
+              pytest.param(True, id="bf16", marks=pytest.mark.skipif(
+                  not bf16_native(), reason="the kernels were built without AVX512_BF16 (this CPU lacks it)"))]
 from pipeline.actors.base import ActorConfig
 
 
@@ -49,15 +54,17 @@ def test_forward_and_gradients_match_float64_sdpa(B, Hq, Hkv, T, D):
         assert (mine.grad.double() - theirs.grad).abs().max() <= 2e-6 * max(1.0, theirs.grad.abs().max().item())
 
 
-def test_a_rows_results_do_not_depend_on_the_padding_after_it():
+@pytest.mark.parametrize("bf16", ARITHMETIC)
+def test_a_rows_results_do_not_depend_on_the_padding_after_it(bf16):
     """A micro-batch pads its rows to its longest: a row's real tokens get the same bits either way."""
     q, k, v = inputs(2, 6, 2, 150, 32)
-    long = causal_attention(q, k, v, 0.2)
-    short = causal_attention(q[:1, :, :90], k[:1, :, :90], v[:1, :, :90], 0.2)
+    long = causal_attention(q, k, v, 0.2, bf16=bf16)
+    short = causal_attention(q[:1, :, :90], k[:1, :, :90], v[:1, :, :90], 0.2, bf16=bf16)
     assert torch.equal(long[:1, :90], short)
 
 
-def test_thread_count_changes_no_bit():
+@pytest.mark.parametrize("bf16", ARITHMETIC)
+def test_thread_count_changes_no_bit(bf16):
     q, k, v = [x.requires_grad_() for x in inputs(4, 6, 2, 100, 32, seed=3)]
     grad = torch.randn(4, 100, 6, 32)
     results = []
@@ -67,7 +74,7 @@ def test_thread_count_changes_no_bit():
             torch.set_num_threads(n)
             for x in (q, k, v):
                 x.grad = None
-            out = causal_attention(q, k, v, 0.18)
+            out = causal_attention(q, k, v, 0.18, bf16=bf16)
             out.backward(grad)
             results.append([out.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()])
     finally:

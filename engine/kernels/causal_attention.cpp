@@ -86,8 +86,7 @@ void causal_attention_forward(const float* q, int64_t sqb, int64_t sqh, int64_t 
     std::vector<float*> outs(Qmax);
 #pragma omp for schedule(dynamic)
     for (int64_t job = 0; job < B * Hkv; ++job) {
-      const int64_t b = job / Hkv, h = job % Hkv;
-      const float *kb = k + b * skb + h * skh, *vb = v + b * skb + h * skh;
+      const auto [b, h, kb, vb] = job_at(job, Hkv, k, v, skb, skh);
       transpose_rows(kb, skt, T, D, kt.data());
       for (int64_t t0 = 0; t0 < T; t0 += s.positions) {
         const Block blk = block_at(s, t0);
@@ -131,11 +130,8 @@ void causal_attention_backward(const float* q, int64_t sqb, int64_t sqh, int64_t
     std::vector<float*> outs(Qmax > kLanes ? Qmax : kLanes);
 #pragma omp for schedule(dynamic)
     for (int64_t job = 0; job < B * Hkv; ++job) {
-      const int64_t b = job / Hkv, h = job % Hkv;
-      const float *kb = k + b * skb + h * skh, *vb = v + b * skb + h * skh;
-      float *dkb = dk + (b * Hkv + h) * T * D, *dvb = dv + (b * Hkv + h) * T * D;
-      std::memset(dkb, 0, T * D * sizeof(float));
-      std::memset(dvb, 0, T * D * sizeof(float));
+      const auto [b, h, kb, vb] = job_at(job, Hkv, k, v, skb, skh);
+      float *dkb = zeroed_rows(dk, job, T, D), *dvb = zeroed_rows(dv, job, T, D);
       transpose_rows(kb, skt, T, D, kt.data());
       transpose_rows(vb, skt, T, D, vt.data());
       for (int64_t t0 = 0; t0 < T; t0 += s.positions) {

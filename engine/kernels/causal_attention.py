@@ -14,6 +14,8 @@ bf16's: tests/test_causal_attention.py).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.kernels.library import library
@@ -33,6 +35,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                              "(set actor.attention=sdpa for other dtypes and devices)")
 
 
+@functools.cache
 def bf16_native() -> bool:
     """Whether the kernels were built with AVX512_BF16 (and AVX512VL), so `causal_attention(..., bf16=True)` runs."""
     return bool(library().causal_attention_bf16_native())

@@ -47,16 +47,11 @@ void tile_pairs(const float* x, int64_t ldx, int64_t n, int64_t D, uint32_t* xt)
   }
 }
 
-// out[0 .. n / 2) = the pairs (x[2m], x[2m + 1]) of n floats (n a multiple of 8): x in bf16, in order.
+// out[0 .. n / 2) = the pairs (x[2m], x[2m + 1]) of n floats (n a multiple of 8): x in bf16, in order;
+// packed query (or dout) rows [Q, D] so become operands of a score [Q][D / 2].
 void contiguous_pairs(const float* x, int64_t n, uint32_t* out) {
   for (int64_t j = 0; j < n; j += 8)
     _mm_storeu_si128((__m128i*)(out + j / 2), (__m128i)_mm256_cvtneps_pbh(_mm256_loadu_ps(x + j)));
-}
-
-// xp[i][p] = the pair (x[i][2p], x[i][2p + 1]) for n rows of x [n, D] (row stride ldx): queries
-// (and dout) as operands of a score.
-void row_pairs(const float* x, int64_t ldx, int64_t n, int64_t D, uint32_t* xp) {
-  for (int64_t i = 0; i < n; ++i) contiguous_pairs(x + i * ldx, D, xp + i * (D / 2));
 }
 
 // out[m * ldo + j] = the pair (x[2m][j], x[2m + 1][j]) for rows < n of x (row stride ldx; a last
@@ -201,15 +196,14 @@ void causal_attention_forward_bf16(const float* q, int64_t sqb, int64_t sqh, int
     std::vector<float*> outs(Qmax);
 #pragma omp for schedule(dynamic)
     for (int64_t job = 0; job < B * Hkv; ++job) {
-      const int64_t b = job / Hkv, h = job % Hkv;
-      const float *kb = k + b * skb + h * skh, *vb = v + b * skb + h * skh;
+      const auto [b, h, kb, vb] = job_at(job, Hkv, k, v, skb, skh);
       tile_pairs(kb, skt, T, D, kt.data());
       interleave_pairs(vb, skt, T, D, vp.data(), D);
       for (int64_t t0 = 0; t0 < T; t0 += s.positions) {
         const Block blk = block_at(s, t0);
         const int64_t end = blk.end, count = blk.count, keys = whole_tiles(end), n2 = (end + 1) / 2;
         pack_block(s, blk, b, h, xq.data(), nullptr, nullptr);
-        row_pairs(xq.data(), D, count, D, qp.data());
+        contiguous_pairs(xq.data(), count * D, qp.data());
         score_pairs(qp.data(), count, kt.data(), keys / kLanes, D2, scale, sc.data(), ld);
         for (int64_t i = 0; i < count; ++i) {
           const int64_t t = t0 + i / G, seen = t + 1;
@@ -251,11 +245,8 @@ void causal_attention_backward_bf16(const float* q, int64_t sqb, int64_t sqh, in
     std::vector<float*> outs(Qmax > ld ? Qmax : ld);
 #pragma omp for schedule(dynamic)
     for (int64_t job = 0; job < B * Hkv; ++job) {
-      const int64_t b = job / Hkv, h = job % Hkv;
-      const float *kb = k + b * skb + h * skh, *vb = v + b * skb + h * skh;
-      float *dkb = dk + (b * Hkv + h) * T * D, *dvb = dv + (b * Hkv + h) * T * D;
-      std::memset(dkb, 0, T * D * sizeof(float));
-      std::memset(dvb, 0, T * D * sizeof(float));
+      const auto [b, h, kb, vb] = job_at(job, Hkv, k, v, skb, skh);
+      float *dkb = zeroed_rows(dk, job, T, D), *dvb = zeroed_rows(dv, job, T, D);
       tile_pairs(kb, skt, T, D, kt.data());
       tile_pairs(vb, skt, T, D, vt.data());
       interleave_pairs(kb, skt, T, D, kp.data(), D);
@@ -264,8 +255,8 @@ void causal_attention_backward_bf16(const float* q, int64_t sqb, int64_t sqh, in
         const int64_t end = blk.end, count = blk.count, keys = whole_tiles(end), n2 = (end + 1) / 2,
                       q2 = (count + 1) / 2;
         pack_block(s, blk, b, h, xq.data(), dout, xo.data());
-        row_pairs(xq.data(), D, count, D, qp.data());
-        row_pairs(xo.data(), D, count, D, op.data());
+        contiguous_pairs(xq.data(), count * D, qp.data());
+        contiguous_pairs(xo.data(), count * D, op.data());
         score_pairs(qp.data(), count, kt.data(), keys / kLanes, D2, scale, p.data(), ld);
         score_pairs(op.data(), count, vt.data(), keys / kLanes, D2, 1.f, ds.data(), ld);
         for (int64_t i = 0; i < count; ++i) {

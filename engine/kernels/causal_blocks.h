@@ -74,6 +74,24 @@ inline Block block_at(const Shape& s, int64_t t0) {
   return {t0, (end - t0) * s.G, end};
 }
 
+// A job: row b, kv head h (job = b * Hkv + h), and that head's keys and values (strides skb, skh).
+struct Job {
+  int64_t b, h;
+  const float *k, *v;
+};
+
+inline Job job_at(int64_t job, int64_t Hkv, const float* k, const float* v, int64_t skb, int64_t skh) {
+  const int64_t b = job / Hkv, h = job % Hkv;
+  return {b, h, k + b * skb + h * skh, v + b * skb + h * skh};
+}
+
+// The job's [T, D] rows of a [B, Hkv, T, D] gradient (dk, dv), zeroed for the blocks to accumulate into.
+inline float* zeroed_rows(float* grad, int64_t job, int64_t T, int64_t D) {
+  float* rows = grad + job * T * D;
+  std::memset(rows, 0, T * D * sizeof(float));
+  return rows;
+}
+
 // Packs the block's query vectors into xq [count, D] (and, where given, rows of a [B, T, Hq, D] tensor into xo).
 inline void pack_block(const Shape& s, const Block& blk, int64_t b, int64_t h, float* xq, const float* rows, float* xo) {
   for (int64_t i = 0; i < blk.count; ++i) {
