@@ -42,6 +42,19 @@ def warmup_cosine(lr: float, step: int, warmup_steps: int, progress: float, min_
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def scheduled_lr(lr: float, schedule: str, step: int, steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
+    """The learning rate of 0-based step `step` of a schedule of `steps`: a linear warmup over
+    warmup_steps, then lr ("constant") or a cosine from lr down to lr * min_lr_ratio at its last
+    step and after it ("cosine"). A pure function of the step, so a resumed run continues the same
+    schedule."""
+    if schedule == "constant":
+        return lr * (step + 1) / warmup_steps if step < warmup_steps else lr
+    if schedule != "cosine":
+        raise ValueError(f"unknown learning-rate schedule {schedule!r}: use constant or cosine")
+    progress = (step - warmup_steps) / max(1, steps - 1 - warmup_steps)
+    return warmup_cosine(lr, step, warmup_steps, progress, min_lr_ratio)
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

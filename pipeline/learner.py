@@ -4,6 +4,7 @@
     rank trains (pipeline.train_batch)
     -> old log-probs (the engine's, or the actor's forward) and reference log-probs
     -> the asynchronous mode's truncated importance weight on the advantages
+    -> the step's learning rate (actor.lr_schedule, a function of the step alone)
     -> PPO epochs over mini-batches (the rows the schedule dealt this rank, else even chunks; the
        actor backend's update with the algorithm's loss; rows of advantage 0 left out when no KL
        term reaches them: trainer.skip_zero_advantage)
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.optim import scheduled_lr
 from pipeline.actors.base import ADDITIVE_METRICS
 from pipeline.algorithms import Algorithm, build_algorithm, mismatch_kl
 from pipeline.dist import Ranks, all_sum, gather_objects
@@ -86,8 +88,17 @@ class Learner:
             ratio = (batch.old_logprobs - batch.engine_logprobs).clamp(max=20).exp().clamp(max=self.cfg.trainer.is_cap)
             batch.advantages = batch.advantages * torch.where(batch.response_mask.bool(), ratio, 0)
         t = time.perf_counter()
+        metrics["train/lr"] = self.lr_at(step)
+        self.actor.set_lr(metrics["train/lr"])
         metrics.update(self._update(batch, mini_batch_cut(batch.size, scored.mini_batch_rows, self.cfg.trainer.mini_batches)))
         return metrics, logprob_s, time.perf_counter() - t
+
+    def lr_at(self, step: int) -> float:
+        """The actor's learning rate in 0-based RL step `step` (actor.lr_schedule over
+        actor.lr_schedule_steps, else trainer.steps)."""
+        a = self.cfg.actor
+        return scheduled_lr(a.lr, a.lr_schedule, step, a.lr_schedule_steps or self.cfg.trainer.steps,
+                            a.lr_warmup_steps, a.lr_min_ratio)
 
     def train_batch(self, scored: ScoredRollouts) -> tuple[TrainBatch, dict[str, float]]:
         """The rows this rank trains (`scored.trained`, in training order), with advantages computed

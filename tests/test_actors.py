@@ -19,7 +19,7 @@ import torch
 from pipeline.actors import ActorConfig, build_actor
 from pipeline.actors.deepspeed_actor import deepspeed_config, layer_key
 from pipeline.actors.forward import equal_count, micro_batches, policy_forward
-from common.optim import make_adamw, train_step, warmup_cosine
+from common.optim import make_adamw, scheduled_lr, train_step, warmup_cosine
 from tests.conftest import REPO, hf_config, make_hf_model
 from tests.mp.actor_worker import BACKENDS, RESUMED, TRAIN, make_batch, pg_loss
 
@@ -162,6 +162,54 @@ def test_save_load_then_update_equals_an_uninterrupted_run_bit_for_bit(model_dir
     assert not (tmp_path / "ckpt.tmp").exists()
 
 
+def test_the_rl_schedule_warms_up_linearly_then_holds_or_falls_by_cosine_to_its_floor_at_the_last_step():
+    lr, steps = 1e-4, 30
+    constant = [scheduled_lr(lr, "constant", s, steps, 0, 0.1) for s in range(steps)]
+    assert constant == [lr] * steps
+    cosine = [scheduled_lr(lr, "cosine", s, steps, 0, 0.1) for s in range(steps)]
+    assert cosine[0] == lr and cosine[-1] == pytest.approx(0.1 * lr, rel=1e-12)
+    assert all(a > b for a, b in zip(cosine, cosine[1:]))  # falls every step
+    assert scheduled_lr(lr, "cosine", 15, 31, 0, 0.1) == pytest.approx(0.55 * lr, rel=1e-12)  # half way at mid-run
+    warm = [scheduled_lr(lr, "cosine", s, steps, 4, 0.0) for s in range(steps)]
+    assert warm[:5] == pytest.approx([lr / 4, lr / 2, 3 * lr / 4, lr, lr])  # 4 warmup steps, then the cosine's top
+    assert warm[-1] == pytest.approx(0.0, abs=1e-20)
+    assert [scheduled_lr(lr, "constant", s, steps, 2, 0.1) for s in range(3)] == [lr / 2, lr, lr]
+    assert scheduled_lr(lr, "cosine", 0, 1, 0, 0.1) == lr  # a 1-step run trains at lr
+    assert scheduled_lr(lr, "cosine", 45, steps, 0, 0.1) == pytest.approx(0.1 * lr)  # past its end: the floor
+    with pytest.raises(ValueError, match="linear"):
+        scheduled_lr(lr, "linear", 0, steps, 0, 0.1)
+
+
+def test_set_lr_governs_the_next_updates_and_lr_zero_moves_no_weight(model_dir):
+    batch = make_batch()
+    a = actor(model_dir, micro_batch_tokens=20, weight_decay=0.1)
+    before = {k: w.clone() for k, w in a.named_weights()}
+    a.set_lr(0.0)
+    a.update(batch, pg_loss)
+    assert all(torch.equal(w, before[k]) for k, w in a.named_weights())
+    a.set_lr(1e-3)
+    a.update(batch, pg_loss)
+    assert any(not torch.equal(w, before[k]) for k, w in a.named_weights())
+
+
+def test_the_learner_takes_each_steps_learning_rate_from_the_schedule_over_the_runs_steps():
+    from launch.config import load_config
+    from launch.run_config import TrainConfig
+    from pipeline.dist import Ranks
+    from pipeline.learner import Learner
+
+    cfg = load_config(TrainConfig, None, ["model.path=unused", "trainer.steps=10", "actor.lr=2e-4",
+                                          "actor.lr_schedule=cosine", "actor.lr_min_ratio=0.25"])
+    learner = Learner(cfg, Ranks(), actor=None, pad_id=0, engine_old_logprobs=True)
+    assert [learner.lr_at(s) for s in range(10)] == [scheduled_lr(2e-4, "cosine", s, 10, 0, 0.25) for s in range(10)]
+    assert learner.lr_at(0) == 2e-4 and learner.lr_at(9) == pytest.approx(5e-5)
+    # a fixed horizon: a 10-step run follows the first 10 steps of a 30-step curve
+    cfg30 = load_config(TrainConfig, None, ["model.path=unused", "trainer.steps=10", "actor.lr=2e-4",
+                                            "actor.lr_schedule=cosine", "actor.lr_schedule_steps=30"])
+    learner = Learner(cfg30, Ranks(), actor=None, pad_id=0, engine_old_logprobs=True)
+    assert [learner.lr_at(s) for s in range(10)] == [scheduled_lr(2e-4, "cosine", s, 30, 0, 0.1) for s in range(10)]
+
+
 def test_a_malformed_checkpoint_folder_gives_an_error_naming_it(model_dir, tmp_path):
     a = actor(model_dir)
     a.save(tmp_path / "ckpt")
@@ -178,7 +226,9 @@ def test_config_errors_name_the_key():
     for kw, key in [({"micro_batch_tokens": 0}, "actor.micro_batch_tokens"), ({"lr": 0.0}, "actor.lr"),
                     ({"offload_optimizer": True}, "actor.offload_optimizer"),
                     ({"backend": "deepspeed", "offload_params": True, "zero_stage": 2}, "actor.offload_params"),
-                    ({"device": "tpu"}, "actor.device")]:
+                    ({"device": "tpu"}, "actor.device"), ({"lr_schedule": "linear"}, "actor.lr_schedule"),
+                    ({"lr_warmup_steps": -1}, "actor.lr_warmup_steps"), ({"lr_min_ratio": 1.5}, "actor.lr_min_ratio"),
+                    ({"lr_schedule_steps": 0}, "actor.lr_schedule_steps")]:
         with pytest.raises(ValueError, match=key.replace(".", r"\.")):
             ActorConfig(**kw).validate()
 
@@ -322,6 +372,7 @@ def test_ddp_zero2_and_zero3_at_world_size_2_give_the_single_process_losses_and_
         # with every matrix in the no-decay group (measured) is off by 9.7e-5 at step 2, 8.6e-4 at step 5.
         assert r["losses"] == pytest.approx(single, rel=1e-5, abs=1e-7), backend
         assert r["resumed"] == r["losses"][-RESUMED:], backend  # resume is bit for bit, optimizer state included
+        assert r["lr_zero_still"], backend  # set_lr reaches the optimizer that steps (ZeRO's partitions too)
         assert f"{backend}-malformed is malformed: missing" in r["malformed"], backend
         if backend != "torch":
             assert "saved by 3 data-parallel ranks, this run has 2" in r["other_world"], backend

@@ -43,6 +43,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class ActorConfig:
     backend: Literal["torch", "deepspeed", "megatron"] = "torch"
     lr: float = 1e-6
+    # The learning rate over the RL steps (common.optim.scheduled_lr): a linear warmup over
+    # lr_warmup_steps, then "constant", or "cosine" down to lr * lr_min_ratio at step
+    # lr_schedule_steps (null: trainer.steps), and there after it. A function of the step alone: a
+    # resumed run, or a shorter one with lr_schedule_steps set, follows the same curve.
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    lr_warmup_steps: int = 0
+    lr_min_ratio: float = 0.1
+    lr_schedule_steps: int | None = None
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping
@@ -70,6 +78,15 @@ class ActorConfig:
             raise ValueError(f"actor.lr must be > 0, got {self.lr}")
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"actor.betas must both be in [0, 1), got {self.betas}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"actor.lr_schedule must be constant or cosine, got {self.lr_schedule!r}")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"actor.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        if self.lr_schedule_steps is not None and self.lr_schedule_steps < 1:
+            raise ValueError(f"actor.lr_schedule_steps must be >= 1 (or null: trainer.steps), got {self.lr_schedule_steps}")
+        if not 0 <= self.lr_min_ratio <= 1:
+            raise ValueError(f"actor.lr_min_ratio must be in [0, 1] (the cosine's end as a share of actor.lr), "
+                             f"got {self.lr_min_ratio}")
         for key in ("weight_decay", "grad_clip"):
             if getattr(self, key) < 0:
                 raise ValueError(f"actor.{key} must be >= 0, got {getattr(self, key)}")
@@ -118,6 +135,9 @@ class Actor(Protocol):
         Returns train/loss (this rank's), train/grad_norm (global, before clipping) and loss_fn's
         metrics averaged over micro-batches by response tokens. Collective under torch.distributed.
         """
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the optimizer steps that follow (the learner sets it each RL step)."""
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, full tensor) for every parameter, for weight sync."""

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from pipeline.actors.base import ActorConfig, LogProbs, LossFn
 from pipeline.actors.checkpoint import collective_folder, load_rng, rank_and_world, require_files, rng_file, save_rng
 from pipeline.actors.forward import accumulate, batched_logprobs, load_policy, policy_forward
-from common.optim import param_groups
+from common.optim import param_groups, set_lr
 from pipeline.actors.torch_actor import actor_device
 from pipeline.records import TrainBatch
 
@@ -295,6 +295,9 @@ class DeepSpeedActor:
         self.engine.step()
         metrics["train/grad_norm"] = float(self.engine.get_global_grad_norm())
         return metrics
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.engine.optimizer, lr)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         named = self.engine.module.named_parameters()

@@ -52,7 +52,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from common.optim import make_adamw
+from common.optim import make_adamw, set_lr
 from engine.checkpoint import load_state_dict
 from pipeline.actors.base import ADDITIVE_METRICS, DTYPES, ActorConfig, LogProbs, LossFn
 from pipeline.actors.checkpoint import collective_folder, load_rng, rank_and_world, require_files, rng_file, save_rng
@@ -302,6 +302,9 @@ class MegatronActor:
         shards = [torch.empty_like(p) for _ in range(self.tp)]
         dist.all_gather(shards, p.detach().contiguous(), group=self.tp_group)
         return merge_tensor(name, shards)
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors, one decoder layer at a time (collective over the TP group)."""

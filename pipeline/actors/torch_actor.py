@@ -20,7 +20,7 @@ import torch.distributed as dist
 from pipeline.actors.base import ActorConfig, LogProbs, LossFn
 from pipeline.actors.checkpoint import collective_folder, load_rng, rank_and_world, require_files, rng_file, save_rng
 from pipeline.actors.forward import accumulate, batched_logprobs, forward_in, load_policy
-from common.optim import clip_and_step, make_adamw
+from common.optim import clip_and_step, make_adamw, set_lr
 from pipeline.records import TrainBatch
 
 
@@ -70,6 +70,9 @@ class TorchActor:
                              group=self.group)
         metrics["train/grad_norm"] = clip_and_step(self.optimizer, self.params, self.cfg.grad_clip)
         return metrics
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.model.named_parameters():

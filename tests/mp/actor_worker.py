@@ -3,7 +3,8 @@
 Each rank trains on its rows of one global batch (5 rows and 1: a long tail) with the loss weights
 normalised over the whole batch. Per backend, rank 0 writes to --out the summed loss of every step
 (--steps steps, a save, then RESUMED more), the losses of a fresh actor that loads the save and
-takes the same RESUMED steps, and the error a malformed folder gives. At the save point every rank
+takes the same RESUMED steps, whether a step after set_lr(0.0) leaves every weight as it was, and the
+error a malformed folder gives. At the save point every rank
 writes its named_weights to weights-{backend}-rank{r}.pt beside --out, and the resumed actor's, right
 after its load, to loaded-{backend}-rank{r}.pt. ZeRO-3 also reports whether a fresh actor's
 parameters are partitioned and gather back to the folder's, and, at each named_weights yield after
@@ -107,6 +108,10 @@ def run(backend: str, model: str, out: Path, steps: int, budget: int, group=None
     resumed.load(ckpt)
     torch.save(gathered_weights(resumed)[0], out.parent / f"loaded-{backend}-rank{rank}.pt")
     result["resumed"] = [step(resumed) for _ in range(RESUMED)]
+    still = gathered_weights(resumed)[0]
+    resumed.set_lr(0.0)
+    step(resumed)
+    result["lr_zero_still"] = all(torch.equal(w, still[k]) for k, w in gathered_weights(resumed)[0].items())
     malformed_dir = out.parent / f"{backend}-malformed"
     if rank == 0:
         malformed_dir.mkdir()
