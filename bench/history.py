@@ -12,8 +12,10 @@ of speculative row-steps and its accept length there); seconds are wall time on 
 the machine. Every way's tokens must equal autoregressive decoding's (exit 2 otherwise).
 
 Every prompt of step 2 recurs, so each way's accept length is over the same rows; each way also
-reports it as a multiple of EAGLE's (`vs_eagle`), and a history way the multiple of EAGLE's that
-its own drafts reach (`history_vs_eagle`: the history-drafted row-steps' accept length over EAGLE's).
+reports it as a multiple of EAGLE's (`vs_eagle`). A history way reports EAGLE's accept length on
+exactly the tokens its history-drafted row-steps emitted (`eagle_on_history_tokens`: the same
+samples and positions, every way's tokens being the same; engine.row_steps) and its own as a
+multiple of that (`history_vs_eagle`).
 `--task`, `--chat` and `--temperature` give another model's setting (SmolLM2: `--task math --chat
 --temperature 0.7`, as configs/smollm2.yaml samples); `--ways` runs a subset (autoregressive always).
 """
@@ -33,7 +35,8 @@ from engine.engine import RolloutEngine
 from engine.sampling import SamplingParams
 from engine.spec.compose import FallbackDrafter
 from engine.spec.config import SpecConfig
-from engine.spec.history import HistoryDrafter, history_counts, history_metrics
+from engine.row_steps import accept_on, row_step_tokens
+from engine.spec.history import HistoryDrafter, history_counts, history_drafted, history_metrics
 from engine.spec.history_index import HistoryStore
 from engine.spec.ngram import NgramDrafter
 from engine.types import Request, RolloutBatch
@@ -67,18 +70,22 @@ def summary(batch: RolloutBatch, seconds: float, source: int | None) -> dict:
     return out
 
 
-def against_eagle(results: dict) -> None:
+def against_eagle(results: dict, batches: dict[str, RolloutBatch], sources: dict[str, int | None]) -> None:
     """Adds to every speculative way its accept length as a multiple of EAGLE's (`vs_eagle`), and to a
-    history way its history-drafted row-steps' accept length as one (`history_vs_eagle`), where EAGLE ran."""
-    eagle = results.get("eagle", {}).get("accept_len")
-    if not eagle:
+    history way EAGLE's accept length on the tokens its history-drafted row-steps emitted
+    (`eagle_on_history_tokens`) and its own there as a multiple of it (`history_vs_eagle`), where EAGLE ran."""
+    if "eagle" not in batches:
         return
+    eagle, costs = results["eagle"]["accept_len"], row_step_tokens(batches["eagle"])
     for name, way in results.items():
         if name == "autoregressive":
             continue
         way["vs_eagle"] = round(way["accept_len"] / eagle, 3)
-        if "history_accept_len" in way:
-            way["history_vs_eagle"] = round(way["history_accept_len"] / eagle, 3)
+        if sources.get(name) is not None and "history_accept_len" in way:
+            drafted = row_step_tokens(batches[name], history_drafted(sources[name]))
+            there = accept_on(drafted, costs)
+            way["eagle_on_history_tokens"] = round(there, 3)
+            way["history_vs_eagle"] = round(way["history_accept_len"] / there, 3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = plain.generate(requests(), params(2))
     results = {"autoregressive": summary(reference, time.perf_counter() - t, None)}
     identical = True
+    batches, sources = {}, {}
     for name, (make, source) in ways(model, args.drafter, list(history), min_matches).items():
         if args.ways is not None and name not in wanted:
             continue
@@ -135,9 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         batch = engine.generate(requests(), params(2))
         results[name] = summary(batch, time.perf_counter() - t, source)
+        batches[name], sources[name] = batch, source
         identical &= [r.tokens for r in batch] == [r.tokens for r in reference]
         print(f"{name:<20} " + "  ".join(f"{k} {v}" for k, v in results[name].items()), file=sys.stderr, flush=True)
-    against_eagle(results)
+    if identical:  # the same tokens in every way: their row-steps can be compared token by token
+        against_eagle(results, batches, sources)
     finish({"ways": results, "identical": identical, "cpu": cpu_model(), "prompts": args.prompts, "n": args.n,
             "depth": args.depth, "temperature": args.temperature, "task": args.task,
             "tokens": sum(len(r.tokens) for r in reference)}, args.json)

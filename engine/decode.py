@@ -37,6 +37,7 @@ from engine.spec.drafter import DraftContext, DraftShape
 from engine.spec.pregenerated import sibling_corpus
 from engine.spec.tree import DraftTree, PaddedTree, tree_mask, tree_positions
 from engine.spec.verify import Verdict, coupled_chain_verdict, coupled_verify
+from engine.row_steps import finished_only
 from engine.types import FinishReason, Request, Rollout, RolloutBatch, StepRecord
 
 
@@ -88,8 +89,8 @@ class GenerateRun:
                 self.retire()
             if preempted:
                 break
-        rollouts = [r for r in self.rollouts if r is not None] if preempted else self.rollouts
-        return RolloutBatch(rollouts=rollouts, steps=self.steps, prefill_s=self.prefill_s,  # type: ignore[arg-type]
+        rollouts, steps = (self.rollouts, self.steps) if not preempted else finished_only(self.rollouts, self.steps)
+        return RolloutBatch(rollouts=rollouts, steps=steps, prefill_s=self.prefill_s,  # type: ignore[arg-type]
                             wall_s=time.perf_counter() - self.t0, policy_version=self.e.version)
 
     # -- admission -------------------------------------------------------------------------
@@ -223,6 +224,7 @@ class GenerateRun:
             drafted=drafted.tolist(), accepted=verdict.num_accepted.tolist(), emitted=emitted.tolist(),
             context_mean=context, draft_s=draft_s, forward_s=forward_s, other_s=other_s,
             source=tree.source.tolist() if tree is not None and tree.source is not None else None,
+            rollout=self.state.rollout[:b].tolist(),
         ))
 
     def _forward(self, entries, pos, slots, mask):

@@ -79,6 +79,7 @@ class StepRecord:
     forward_s: float  # the target forward (device-synchronised)
     other_s: float  # sampling, verification, KV commit, emission, drafter and sink updates
     source: list[int] | None = None  # per row, which drafter of a composition drafted it (None: one drafter, or off)
+    rollout: list[int] | None = None  # per row, its index in the call's RolloutBatch.rollouts (engine.row_steps)
 
     @property
     def seconds(self) -> float:

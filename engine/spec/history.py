@@ -21,6 +21,8 @@ this drafter drafted and their accept length.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -126,15 +128,25 @@ def history_counts(steps: list[StepRecord], source: int | None) -> list[float]:
     drafter's index in its composition (StepRecord.source); a step without sources (a drafter
     alone) counts every row that got a draft."""
     rows = covered = emitted = 0
+    drafted = history_drafted(source)
     for s in steps:
         if not s.speculative:
             continue
         rows += s.batch_size
-        mine = ([d > 0 for d in s.drafted] if source is None or s.source is None
-                else [i == source and d > 0 for i, d in zip(s.source, s.drafted)])
+        mine = [drafted(s, i) for i in range(s.batch_size)]
         covered += sum(mine)
         emitted += sum(e for e, m in zip(s.emitted, mine) if m)
     return [float(rows), float(covered), float(emitted)]
+
+
+def history_drafted(source: int | None) -> Callable[[StepRecord, int], bool]:
+    """Whether row i of a step record is a row-step the history drafter drafted (`source`: its index
+    in the composition, as in history_counts)."""
+    def drafted(s: StepRecord, i: int) -> bool:
+        if not s.speculative or s.drafted[i] == 0:
+            return False
+        return source is None or s.source is None or s.source[i] == source
+    return drafted
 
 
 def history_metrics(counts: list[float]) -> dict[str, float]:
