@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from engine.spec.compose import FallbackDrafter
 from engine.spec.config import SpecConfig
 from engine.spec.history import history_counts, history_drafted, history_metrics
 from engine.spec.ngram import NgramDrafter
-from engine.types import FinishReason, Rollout, StepRecord
+from engine.types import FinishReason, Rollout, RolloutBatch, StepRecord
 from tests.spec_drafters import OracleDrafter
 from tests.test_spec import history, requests
 
@@ -84,12 +86,12 @@ def test_a_preempted_call_renumbers_its_rows_to_the_rollouts_it_returns():
                                logprobs=[0.0] * 3, finish_reason=FinishReason.PREEMPTED)
     rollouts, steps = finished_only([done("a"), None, done("c")], [record([0, 1, 2], [2, 1, 2])])
     assert [r.prompt_id for r in rollouts] == ["a", "c"] and steps[0].rollout == [0, -1, 1]
-    batch = type("B", (), {"rollouts": rollouts, "steps": steps})()
+    batch = RolloutBatch(rollouts=rollouts, steps=steps, prefill_s=0.0, wall_s=0.0, policy_version=0)
     assert set(row_step_tokens(batch)) == {("a", 0, 1), ("a", 0, 2), ("c", 0, 1), ("c", 0, 2)}
 
 
 def test_records_without_row_identities_are_refused_by_name():
-    batch = type("B", (), {"rollouts": [], "steps": [record([0], [1])]})()
-    object.__setattr__(batch.steps[0], "rollout", None)
+    unnamed = dataclasses.replace(record([0], [1]), rollout=None)
+    batch = RolloutBatch(rollouts=[], steps=[unnamed], prefill_s=0.0, wall_s=0.0, policy_version=0)
     with pytest.raises(ValueError, match="no rollout per row"):
         row_step_tokens(batch)
