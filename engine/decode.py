@@ -30,6 +30,7 @@ from engine.admission import Pending, Prefill, admission_record, right_pad, take
 
 from engine.features import CommittedFeatures, target_features
 from engine.model import ModelOutput, causal_mask
+from engine.row_steps import finished_only
 from engine.sampling import SamplingParams, gumbel, mask_logits, prompt_key, row_keys, sample
 from engine.slots import SlotState
 from engine.source import RequestSource
@@ -37,7 +38,6 @@ from engine.spec.drafter import DraftContext, DraftShape
 from engine.spec.pregenerated import sibling_corpus
 from engine.spec.tree import DraftTree, PaddedTree, tree_mask, tree_positions
 from engine.spec.verify import Verdict, coupled_chain_verdict, coupled_verify
-from engine.row_steps import finished_only
 from engine.types import FinishReason, Request, Rollout, RolloutBatch, StepRecord
 
 
