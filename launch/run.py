@@ -165,6 +165,8 @@ def _build(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: E
             f"{'bf16' if cfg.engine.bf16_products() else 'float32'} on this machine")
     sampling = StepSampling.of(cfg.rollout, cfg.run.seed, stop_tokens(engine.model_config, tokenizer))
     actor = build_actor(cfg.actor, cfg.model.path)
+    if (schedule := cfg.actor.schedule_summary(cfg.trainer.steps)) is not None:
+        log(schedule)
     if cfg.actor.precision == "auto":
         from pipeline.actors.precision import resolve
 

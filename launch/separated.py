@@ -64,6 +64,8 @@ def build_separated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
 
         loader = prompt_loader(cfg, train_problems, world_size=K, rank=placement.actors.rank)
         actor = build_actor(cfg.actor, cfg.model.path, group=placement.actors.group)
+        if (schedule := cfg.actor.schedule_summary(cfg.trainer.steps)) is not None:
+            log(schedule)
         reference = None
         if cfg.algorithm.kl_coef > 0:
             from pipeline.reference import ReferencePolicy

@@ -180,6 +180,17 @@ def test_the_rl_schedule_warms_up_linearly_then_holds_or_falls_by_cosine_to_its_
         scheduled_lr(lr, "linear", 0, steps, 0, 0.1)
 
 
+def test_the_runs_log_line_says_the_schedule_and_names_steps_past_its_horizon():
+    assert ActorConfig(lr=1e-4).schedule_summary(30) is None
+    assert ActorConfig(lr=1e-4, lr_warmup_steps=3).schedule_summary(30) == (
+        "actor.lr_schedule=constant: a linear warmup over 3 steps, then 0.0001")
+    cosine = ActorConfig(lr=1e-4, lr_schedule="cosine", lr_schedule_steps=30)
+    assert cosine.schedule_summary(30) == "actor.lr_schedule=cosine: 0.0001 -> 1e-05 over steps 1-30"
+    longer = cosine.schedule_summary(60)
+    assert "steps 31-60 at 1e-05" in longer and "actor.lr_schedule_steps=30 < trainer.steps=60" in longer
+    assert ActorConfig(lr=1e-4, lr_schedule="cosine").schedule_summary(12).endswith("over steps 1-12")
+
+
 def test_set_lr_governs_the_next_updates_and_lr_zero_moves_no_weight(model_dir):
     batch = make_batch()
     a = actor(model_dir, micro_batch_tokens=20, weight_decay=0.1)

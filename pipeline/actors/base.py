@@ -73,6 +73,21 @@ class ActorConfig:
     tensor_parallel: int = 1  # megatron only: ranks that split each layer's matrices
     pipeline_parallel: int = 1  # megatron only: ranks that split the layers into stages
 
+    def schedule_summary(self, steps: int) -> str | None:
+        """One line on the learning rate over a run of `steps` RL steps (None for a constant rate
+        without warmup), naming the steps past the schedule's horizon that train at its floor."""
+        if self.lr_schedule == "constant" and self.lr_warmup_steps == 0:
+            return None
+        horizon = self.lr_schedule_steps or steps
+        warm = f"a linear warmup over {self.lr_warmup_steps} steps, then " if self.lr_warmup_steps else ""
+        if self.lr_schedule == "constant":
+            return f"actor.lr_schedule=constant: {warm}{self.lr:g}"
+        line = f"actor.lr_schedule=cosine: {warm}{self.lr:g} -> {self.lr * self.lr_min_ratio:g} over steps 1-{horizon}"
+        if steps > horizon:
+            line += (f"; steps {horizon + 1}-{steps} at {self.lr * self.lr_min_ratio:g} (actor.lr_schedule_steps="
+                     f"{horizon} < trainer.steps={steps}: raise it to stretch the curve)")
+        return line
+
     def validate(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"actor.lr must be > 0, got {self.lr}")
