@@ -21,7 +21,8 @@ chat template, test-split prompts of pipeline.tasks.prompts (varied answer lengt
 test problems of a tiny model's task (`--task`: mult, the RL run's, with its long-tailed counts;
 or arith, with a heavy tail of operand digits, `--max-digits`, `--tail`).
 Prints each run's wall time and the ratios adaptive / autoregressive and adaptive / the best
-fixed arm in hindsight, and each arm's seconds and accept length per active-batch bucket (where
+fixed arm in hindsight; the tuner's ceiling with these arms (`per_bucket_best_vs_ar`: each
+active-batch bucket at the fastest arm's tokens/s there, an estimate); and each arm's seconds and accept length per active-batch bucket (where
 speculation can pay: the share of the time spent in the tail bounds the gain); `--plot` writes a per-step trace of the adaptive runs (active batch size,
 chosen arm, tokens/s of the step). `--json` ends with one line `{"adaptive_vs_ar",
 "adaptive_vs_best_fixed", "best_fixed", "identical", "cpu", ...}`.
@@ -120,6 +121,35 @@ def by_batch(steps: list[StepRecord], thresholds: list[int]) -> dict[str, dict[s
             out[name] = {"s": round(sum(r.seconds for r in sel), 3),
                          "accept_len": round(sum(sum(r.emitted) for r in sel) / sum(r.batch_size for r in sel), 2)}
     return out
+
+
+def per_bucket_best(runs: dict[str, RolloutBatch], labels: list[str], thresholds: list[int], wall_ar: float) -> tuple[float, dict[str, str]]:
+    """The tuner's ceiling with these arms: seconds of a policy that ran each active-batch bucket at the
+    fastest fixed arm's tokens/s there, and that arm per bucket.
+
+    An estimate, not a run: a bucket's tokens are the autoregressive run's (every arm emits the same
+    tokens, and rows leave the batch at the same lengths, so the tokens emitted while 2-4 rows are
+    active barely depend on the arm); the time outside decode steps (prefill) is the autoregressive
+    run's. The tuner can beat it only by noise or by a bucket's mix of arms."""
+    def buckets(steps: list[StepRecord]) -> list[tuple[int, float]]:  # per bucket: (tokens, seconds)
+        out = [(0, 0.0)] * len(thresholds)
+        for r in steps:
+            i = max((j for j, lo in enumerate(thresholds) if r.batch_size >= lo), default=0)
+            out[i] = (out[i][0] + sum(r.emitted), out[i][1] + r.seconds)
+        return out
+
+    per_arm = {k: buckets(runs[k].steps) for k in labels}
+    ar = per_arm["off"]
+    total = wall_ar - sum(s for _, s in ar)
+    chosen = {}
+    for i, (tokens, _) in enumerate(ar):
+        if tokens == 0:
+            continue
+        rates = {k: b[i][0] / b[i][1] for k, b in per_arm.items() if b[i][1] > 0}
+        fastest = max(rates, key=rates.get)
+        chosen[str(thresholds[i])] = fastest
+        total += tokens / rates[fastest]
+    return total, chosen
 
 
 def plot_trace(path: str, traces: dict[str, list[StepRecord]], labels: list[str]) -> None:
@@ -235,10 +265,12 @@ def main(argv: list[str] | None = None) -> int:
         runs["adaptive"], seconds["adaptive"] = timed_rollout(sp, warm_tuner, requests, params)
         ref = runs["off"]
         identical = identical and all([a.tokens for a in out] == [a.tokens for a in ref] for out in runs.values())
+        seconds["per_bucket_best"], per_bucket_arms = per_bucket_best(runs, labels, args.buckets, seconds["off"])
         rounds.append(seconds)
     seconds = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     t_ar = seconds["off"]
     best = min(labels, key=lambda k: seconds[k])  # the fixed arms, off (autoregressive) included
+    ceiling = seconds.pop("per_bucket_best")
     tokens = sum(len(r.tokens) for r in ref)
     lengths = sorted(len(r.tokens) for r in ref)
     result = {
@@ -247,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         "scratch_vs_ar": round(t_ar / seconds["adaptive_scratch"], 3),
         "scratch_vs_best_fixed": round(seconds[best] / seconds["adaptive_scratch"], 3),
         "tail_vs_ar": round(t_ar / seconds["tail"], 3),
+        "per_bucket_best_vs_ar": round(t_ar / ceiling, 3), "adaptive_vs_per_bucket_best": round(ceiling / seconds["adaptive"], 3),
+        "per_bucket_best_arms": per_bucket_arms,
         "best_fixed": best, "identical": identical, "seconds": {k: round(v, 6) for k, v in seconds.items()},
         "accept_len": {k: round(v.stats.accept_len, 3) for k, v in runs.items() if k != "off"},
         "decode_steps": {k: len(v.steps) for k, v in runs.items()},
@@ -271,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"adaptive {result['adaptive_vs_ar']:.2f}x autoregressive, {result['adaptive_vs_best_fixed']:.2f}x the best fixed arm "
           f"({best}); from scratch {result['scratch_vs_ar']:.2f}x / {result['scratch_vs_best_fixed']:.2f}x; "
           f"identical tokens: {identical}", file=sys.stderr)
+    print(f"the fastest arm per active-batch bucket in hindsight (an estimate, {per_bucket_arms}): "
+          f"{result['per_bucket_best_vs_ar']:.2f}x autoregressive, the tuner's ceiling with these arms; "
+          f"the tuner reached {result['adaptive_vs_per_bucket_best']:.2f}x of it", file=sys.stderr)
     print(f"tuner's median reward (tokens/s) per bucket and arm: {result['tuner_medians']}", file=sys.stderr)
     for k, buckets in result["by_batch"].items():
         print(f"{k:>18} by active batch: " + ", ".join(f"{b}: {v['s']:.2f} s, accept {v['accept_len']:.2f}" for b, v in buckets.items()),

@@ -7,6 +7,26 @@ import json
 import pytest
 
 from bench import longtail
+from engine.types import RolloutBatch, StepRecord
+
+
+def _steps(spec: list[tuple[int, int, float]]) -> RolloutBatch:
+    """(active rows, tokens emitted, seconds) per decode step -> a RolloutBatch of those steps."""
+    steps = [StepRecord(index=i, batch_size=b, shape="off", drafted=[0] * b, accepted=[0] * b,
+                        emitted=[tokens // b] * b, context_mean=0.0, draft_s=0.0, forward_s=s, other_s=0.0)
+             for i, (b, tokens, s) in enumerate(spec)]
+    return RolloutBatch(rollouts=[], steps=steps, prefill_s=0.0, wall_s=0.0, policy_version=0)
+
+
+def test_the_per_bucket_ceiling_takes_each_buckets_fastest_arm_over_the_autoregressive_runs_tokens():
+    # Buckets from 1 and from 4 rows. Autoregressive: 8 tokens at 4 rows in 2 s (4 tokens/s), 2 tokens
+    # at 1 row in 2 s (1/s); the drafted arm: 8 tokens at 4 rows in 4 s (2/s), 4 tokens at 1 row in 1 s (4/s).
+    runs = {"off": _steps([(4, 4, 1.0), (4, 4, 1.0), (1, 1, 1.0), (1, 1, 1.0)]),
+            "d2": _steps([(4, 8, 4.0), (1, 4, 1.0)])}
+    seconds, arms = longtail.per_bucket_best(runs, ["off", "d2"], [1, 4], wall_ar=5.0)
+    # 1 s outside decode steps (5 - 4), 8 tokens at 4/s, 2 tokens at 4/s
+    assert seconds == pytest.approx(1.0 + 2.0 + 0.5)
+    assert arms == {"1": "d2", "4": "off"}
 
 
 @pytest.mark.slow
@@ -24,6 +44,7 @@ def test_every_policy_gives_the_autoregressive_tokens_and_the_json_has_the_ratio
     assert out["adaptive_vs_best_fixed"] == pytest.approx(out["seconds"][out["best_fixed"]] / out["seconds"]["adaptive"], rel=0.01)
     assert out["rollouts"] == 6 and out["drafter_products"] == "bf16" and out["products"] == "bf16"
     assert out["repeats"] == 2 and len(out["adaptive_vs_ar_by_round"]) == 2
+    assert out["per_bucket_best_vs_ar"] > 0 and set(out["per_bucket_best_arms"].values()) <= {"off", "d2k1v2", "d3k2v4"}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
