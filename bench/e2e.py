@@ -33,12 +33,15 @@ identical), then:
   wait: the bubble spot training and bubble drafts fill);
 - alpha, as-shipped's accept length, and the ceiling 1 / (R_gen / alpha + 1 - R_gen)
   (NeMo-RL's step bound: speculation free, verification as cheap as decoding), with the step
-  ratio as a share of it;
+  ratio as a share of it; and the same bound at the generation phase's measured ratio in place of
+  alpha (`rollout_bound`): the step ratio if the rest of the step kept its time. The first gap is
+  what drafting and verifying cost on the device; the second what the step around the rollout
+  adds or, with idle work, takes away;
 - each lever's contribution: its step ratio against all-off.
 
 `--plot` draws each step's time split (rollout, idle, log-probs, update, sync), all-off beside
 as-shipped. `--json` ends with one line `{"step_ratio", "rollout_ratio", "r_gen", "accept_len",
-"ceiling", "identical", "idle_share", "update_skipped_share", "levers": {name: {"step_ratio", "rollout_ratio",
+"ceiling", "rollout_bound", "identical", "idle_share", "update_skipped_share", "levers": {name: {"step_ratio", "rollout_ratio",
 "accept_len", "identical"}}, "cpu", ...}`. Exits 0 when every way was identical to all-off, 2
 when one was not, 1 on bad input.
 """
@@ -230,11 +233,16 @@ def headline(ways: dict[str, WayTimes], identical: dict[str, bool]) -> dict:
     each way but all-off was the same run as all-off."""
     off, shipped = ways["all-off"], ways["as-shipped"]
     top = ceiling(off.r_gen, shipped.accept_len or 1.0)  # no speculation: the rollout no faster
+    # The same bound at the generation phase's measured ratio: where verifying costs per token (a
+    # CPU), alpha overstates what speculation gives the rollout; this says how much of the gap is the
+    # rollout's own and how much the step around it.
+    measured = ceiling(off.r_gen, off.gen_s / shipped.gen_s)
     vs = {name: against(off, ways[name], identical[name]) for name in ways if name != "all-off"}
     return {"step_ratio": vs["as-shipped"]["step_ratio"], "rollout_ratio": vs["as-shipped"]["rollout_ratio"],
             "accept_len": vs["as-shipped"]["accept_len"], "r_gen": round(off.r_gen, 3), "idle_share": round(off.idle_share, 3),
             "update_skipped_share": None if off.skipped_share is None else round(off.skipped_share, 3),
             "ceiling": round(top, 3), "of_ceiling": round(off.step_s / shipped.step_s / top, 3),
+            "rollout_bound": round(measured, 3), "of_rollout_bound": round(off.step_s / shipped.step_s / measured, 3),
             "identical": all(identical.values()), "identical_ways": identical,
             "levers": {name: v for name, v in vs.items() if name != "as-shipped"},
             "ways": {name: {k: None if v is None else round(v, 4) for k, v in asdict(w).items()} for name, w in ways.items()}}
@@ -298,6 +306,8 @@ def report(result: dict, chosen: list[Lever]) -> None:
     err(f"step ratio all-off / as-shipped {result['step_ratio']:.3f}x (rollout {result['rollout_ratio']:.3f}x); all-off: "
         f"R_gen {result['r_gen']:.2f}, idle share {result['idle_share']:.2f}; as-shipped accept length "
         f"{fmt(result['accept_len'], '.3f')}; ceiling {result['ceiling']:.2f}x ({result['of_ceiling']:.0%} of it)")
+    err(f"at the generation phase's measured ratio ({result['rollout_ratio']:.3f}x, not alpha) the same bound is "
+        f"{result['rollout_bound']:.2f}x (the step ratio {result['of_rollout_bound']:.0%} of it)")
     if result["update_skipped_share"]:
         err(f"all-off's update left out {result['update_skipped_share']:.0%} of the response tokens (rows of advantage 0, "
             "no gradient: trainer.skip_zero_advantage)")

@@ -68,6 +68,8 @@ def test_the_headline_divides_all_off_by_each_way_and_is_identical_only_if_every
     assert out["step_ratio"] == 1.25 and out["rollout_ratio"] == 1.5 and out["accept_len"] == 3.0
     assert out["r_gen"] == 0.6 and out["ceiling"] == round(1 / (0.6 / 3 + 0.4), 3)
     assert out["of_ceiling"] == round(1.25 / (1 / (0.6 / 3 + 0.4)), 3)
+    # the generation phase 1.5x faster (6 s -> 4 s): 1 / (0.6 / 1.5 + 0.4), which the step ratio meets
+    assert out["rollout_bound"] == 1.25 and out["of_rollout_bound"] == 1.0
     assert out["levers"] == {"spec": {"step_ratio": 2.0, "rollout_ratio": 3.0, "accept_len": 3.0, "identical": True}}
     assert out["identical"] is True
     assert headline(ways, {"as-shipped": True, "spec": False})["identical"] is False
