@@ -125,7 +125,8 @@ def by_batch(steps: list[StepRecord], thresholds: list[int]) -> dict[str, dict[s
 
 def per_bucket_best(runs: dict[str, RolloutBatch], labels: list[str], thresholds: list[int], wall_ar: float) -> tuple[float, dict[str, str]]:
     """The tuner's ceiling with these arms: seconds of a policy that ran each active-batch bucket at the
-    fastest fixed arm's tokens/s there, and that arm per bucket.
+    fastest fixed arm's tokens/s there (autoregressive included, whether or not `--arms` names off),
+    and that arm per bucket.
 
     An estimate, not a run: a bucket's tokens are the autoregressive run's (every arm emits the same
     tokens, and rows leave the batch at the same lengths, so the tokens emitted while 2-4 rows are
@@ -138,7 +139,7 @@ def per_bucket_best(runs: dict[str, RolloutBatch], labels: list[str], thresholds
             out[i] = (out[i][0] + sum(r.emitted), out[i][1] + r.seconds)
         return out
 
-    per_arm = {k: buckets(runs[k].steps) for k in labels}
+    per_arm = {k: buckets(runs[k].steps) for k in dict.fromkeys(["off", *labels])}  # the autoregressive run is always there
     ar = per_arm["off"]
     total = wall_ar - sum(s for _, s in ar)
     chosen = {}

@@ -27,6 +27,7 @@ def test_the_per_bucket_ceiling_takes_each_buckets_fastest_arm_over_the_autoregr
     # 1 s outside decode steps (5 - 4), 8 tokens at 4/s, 2 tokens at 4/s
     assert seconds == pytest.approx(1.0 + 2.0 + 0.5)
     assert arms == {"1": "d2", "4": "off"}
+    assert longtail.per_bucket_best(runs, ["d2"], [1, 4], wall_ar=5.0) == (seconds, arms)  # off not among --arms
 
 
 @pytest.mark.slow
