@@ -50,7 +50,7 @@ from engine.spec.drafter import DraftShape
 from engine.spec.drafter_spec import LEARNED
 from engine.spec.factory import build_drafter
 from engine.spec.policy import FixedPolicy, SpecPolicy, TailPolicy
-from engine.spec.tuner import TunerPolicy, parse_arm
+from engine.spec.tuner import Bandit, TunerPolicy, parse_arm
 from engine.types import Request, RolloutBatch, StepRecord
 
 
@@ -123,19 +123,19 @@ def by_batch(steps: list[StepRecord], thresholds: list[int]) -> dict[str, dict[s
     return out
 
 
-def per_bucket_best(runs: dict[str, RolloutBatch], labels: list[str], thresholds: list[int], wall_ar: float) -> tuple[float, dict[str, str]]:
-    """The tuner's ceiling with these arms: seconds of a policy that ran each active-batch bucket at the
-    fastest fixed arm's tokens/s there (autoregressive included, whether or not `--arms` names off),
-    and that arm per bucket.
+def per_bucket_best(runs: dict[str, RolloutBatch], labels: list[str], bandit: Bandit, wall_ar: float) -> tuple[float, dict[str, str]]:
+    """The tuner's ceiling with these arms: seconds of a policy that ran each of the tuner's
+    active-batch buckets (the bandit's own) at the fastest fixed arm's tokens/s there (autoregressive
+    included, whether or not `--arms` names off), and that arm per bucket's threshold.
 
     An estimate, not a run: a bucket's tokens are the autoregressive run's (every arm emits the same
     tokens, and rows leave the batch at the same lengths, so the tokens emitted while 2-4 rows are
     active barely depend on the arm); the time outside decode steps (prefill) is the autoregressive
     run's. The tuner can beat it only by noise or by a bucket's mix of arms."""
     def buckets(steps: list[StepRecord]) -> list[tuple[int, float]]:  # per bucket: (tokens, seconds)
-        out = [(0, 0.0)] * len(thresholds)
+        out = [(0, 0.0)] * len(bandit.thresholds)
         for r in steps:
-            i = max((j for j, lo in enumerate(thresholds) if r.batch_size >= lo), default=0)
+            i = bandit.bucket(r.batch_size)
             out[i] = (out[i][0] + sum(r.emitted), out[i][1] + r.seconds)
         return out
 
@@ -148,7 +148,7 @@ def per_bucket_best(runs: dict[str, RolloutBatch], labels: list[str], thresholds
             continue
         rates = {k: b[i][0] / b[i][1] for k, b in per_arm.items() if b[i][1] > 0}
         fastest = max(rates, key=rates.get)
-        chosen[str(thresholds[i])] = fastest
+        chosen[str(bandit.thresholds[i])] = fastest
         total += tokens / rates[fastest]
     return total, chosen
 
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         runs["adaptive"], seconds["adaptive"] = timed_rollout(sp, warm_tuner, requests, params)
         ref = runs["off"]
         identical = identical and all([a.tokens for a in out] == [a.tokens for a in ref] for out in runs.values())
-        seconds["per_bucket_best"], per_bucket_arms = per_bucket_best(runs, labels, args.buckets, seconds["off"])
+        seconds["per_bucket_best"], per_bucket_arms = per_bucket_best(runs, labels, warm_tuner.bandit, seconds["off"])
         rounds.append(seconds)
     seconds = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     t_ar = seconds["off"]

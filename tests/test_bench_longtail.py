@@ -7,6 +7,7 @@ import json
 import pytest
 
 from bench import longtail
+from engine.spec.tuner import Bandit
 from engine.types import RolloutBatch, StepRecord
 
 
@@ -23,11 +24,11 @@ def test_the_per_bucket_ceiling_takes_each_buckets_fastest_arm_over_the_autoregr
     # at 1 row in 2 s (1/s); the drafted arm: 8 tokens at 4 rows in 4 s (2/s), 4 tokens at 1 row in 1 s (4/s).
     runs = {"off": _steps([(4, 4, 1.0), (4, 4, 1.0), (1, 1, 1.0), (1, 1, 1.0)]),
             "d2": _steps([(4, 8, 4.0), (1, 4, 1.0)])}
-    seconds, arms = longtail.per_bucket_best(runs, ["off", "d2"], [1, 4], wall_ar=5.0)
+    seconds, arms = longtail.per_bucket_best(runs, ["off", "d2"], Bandit(2, [1, 4]), wall_ar=5.0)
     # 1 s outside decode steps (5 - 4), 8 tokens at 4/s, 2 tokens at 4/s
     assert seconds == pytest.approx(1.0 + 2.0 + 0.5)
     assert arms == {"1": "d2", "4": "off"}
-    assert longtail.per_bucket_best(runs, ["d2"], [1, 4], wall_ar=5.0) == (seconds, arms)  # off not among --arms
+    assert longtail.per_bucket_best(runs, ["d2"], Bandit(2, [1, 4]), wall_ar=5.0) == (seconds, arms)  # off not among --arms
 
 
 @pytest.mark.slow
