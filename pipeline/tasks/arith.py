@@ -30,7 +30,9 @@ from __future__ import annotations
 import random
 import re
 import zlib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 SPLITS = ("train", "test")
 TEST_EVERY = 10  # one prompt in TEST_EVERY belongs to the test split
@@ -44,6 +46,9 @@ class Problem:
     prompt: str
     answer: str
     response: str  # reference worked solution, without end-of-sequence marker
+    # The source row's other fields (a data file's columns beyond prompt, answer and id), passed to a
+    # plug-in reward; empty for the generated tasks. Not part of equality or hashing.
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
 
 def split_of(prompt: str) -> str:
