@@ -98,7 +98,7 @@ def length_aware_arms(arms: list[str], top: int) -> list[str]:
     extra = []
     for label in arms:
         arm = parse_arm(label)
-        if arm is not None and arm.topk == 1 and not arm.long_depth and min(arm.depth, arm.verify_tokens) < top:
+        if arm is not None and arm.topk == 1 and not arm.long_depth and arm.chain_len < top:
             extra.append(DraftShape(depth=arm.depth, topk=1, verify_tokens=arm.verify_tokens, long_depth=top,
                                     min_confidence=arm.min_confidence).label)
     return [*arms, *(a for a in extra if a not in arms)]
@@ -130,12 +130,12 @@ def levers(cfg: TrainConfig, world: int) -> list[Lever]:
     learned = (None if spec.drafter_spec.learned
                else f"spot training trains a learned drafter; engine.spec.drafter={drafter} has none")
     on = lambda d: ("engine.spec.enabled=true", f"engine.spec.drafter={d}")  # noqa: E731
-    top = min(spec.limits()[0], spec.limits()[2])
+    top = spec.max_chain_len
     # The length-aware budget on the config's speculation: a variant of each tuner arm, or the fixed shape's.
     budget = ((f"engine.spec.tuner_arms={json.dumps(length_aware_arms(spec.tuner_arms, top))}", "engine.spec.max_active_batch=null")
               if spec.tuner_arms else ("engine.spec.tuner_arms=[]", f"engine.spec.long_depth={top}"))
     shallow = (length_aware_arms(spec.tuner_arms, top) != spec.tuner_arms if spec.tuner_arms
-               else spec.topk == 1 and min(spec.depth, spec.verify_tokens) < top)
+               else spec.topk == 1 and spec.chain_len < top)
     deepest = None if shallow else (f"every arm already drafts to the engine's maximum depth {top} (engine.spec.max_depth, "
                                     "max_verify_tokens), or none is a chain: nothing to budget")
     return [

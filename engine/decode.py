@@ -67,6 +67,9 @@ class GenerateRun:
         self.drafter_layers = tuple(drafter.feature_layers) if drafter is not None else ()
         self.drafter_wants = drafter is not None and bool(drafter.feature_layers or drafter.wants_features)
         self.drafter_noise = drafter is not None and drafter.wants_noise  # a chain's noise drawn once a step (_noise_ahead)
+        # Drafts are verified by rejection sampling (engine.spec.verify=rejection) when sampling; greedy
+        # decoding and the coupled mode verify by matching the target's own noise-indexed samples.
+        self.rejection = engine.cfg.spec.verify == "rejection" and params.temperature > 0
         self.sink_layers = tuple(sink.feature_layers) if sink is not None else ()
         self._rows = torch.arange(engine.cfg.max_batch, device=self.device)  # [max_batch] a plain step's entry rows, sliced
         self._entries = torch.arange(engine.limits.verify_tokens + engine.limits.depth + 2, device=self.device)  # [root, nodes] indices, sliced
@@ -210,11 +213,11 @@ class GenerateRun:
         tree = self._propose(b, drafting, ahead) if shape is not None else None
         pt = tree.padded() if tree is not None else None
         if long is not None:
-            pt = pt.cut_chains(torch.where(long, drafting.depth, min(shape.depth, shape.verify_tokens)))
+            pt = pt.cut_chains(torch.where(long, drafting.depth, shape.chain_len))
         draft_s = time.perf_counter() - td
         if pt is None or pt.width == 0:
             forward_s, verdict, drafted, emitted = self._plain_step(b)
-        elif pt.chain and not self._rejection(pt):
+        elif pt.chain and not self.rejection:
             forward_s, verdict, drafted, emitted = self._chain_step(b, pt, ahead)
         else:
             forward_s, verdict, drafted, emitted = self._tree_step(b, pt)
@@ -349,7 +352,7 @@ class GenerateRun:
         whose verify positions repeat by depth)."""
         if self.params.temperature == 0 or shape.topk != 1 or shape.iid_children or not self.drafter_noise:
             return None
-        D = min(shape.depth, shape.verify_tokens)
+        D = shape.chain_len
         state = self.state
         pos = state.generated[:b].unsqueeze(1) + self._entries[: D + 1]  # [b, D + 1]
         V = self.e.model.config.vocab_size
@@ -365,11 +368,8 @@ class GenerateRun:
         )
         return self.e.drafter.propose(ctx)
 
-    def _rejection(self, pt) -> bool:
-        return self.e.cfg.spec.verify == "rejection" and self.params.temperature > 0 and pt.width > 0
-
     def _verify(self, pt, logits, target, keys, noise_pos) -> Verdict:
-        if self._rejection(pt):
+        if self.rejection:  # every caller has drafts to verify (pt.width > 0)
             from engine.spec.verify_rejection import rejection_verify
 
             p_logits = mask_logits(logits.flatten(0, 1), self.params.temperature, self.params.top_k, self.params.top_p)

@@ -8,8 +8,8 @@ for the drafter (TLT, arXiv 2511.16665: 30.39 GB for multi-strategy graphs). Buc
 - a target graph is keyed by (capture size, tokens per row): a decode graph (1 token, the `off`
   arm) or a verify graph (1 + the arm's verify width); arms with the same verify width share it,
   chains and trees alike (the tree's shape is in the attention mask, an input);
-- a drafter graph belongs to one arm, captured only for the capture sizes of the buckets where
-  that arm is a candidate (`bucket_arms`; default: every arm in every bucket, as engine.spec.tuner runs).
+- a shape is captured only for the capture sizes of the buckets where one of its arms is a
+  candidate (`bucket_arms`; default: every arm in every bucket, as engine.spec.tuner runs).
 
 `capture_plan` is pure arithmetic (no torch): it lists the graphs and estimates their memory
 from the model configs (activations of one forward at that shape; the weights and the KV cache
@@ -17,8 +17,8 @@ are shared by all graphs and not counted). `GraphRunner` captures `torch.cuda.CU
 the target forward per the plan's target graphs and replays them, padding rows and tokens up
 to the captured shape; a call no graph holds (a larger batch, a wider verify) runs eager.
 `DecodeGraphs` is what the engine holds on CUDA (engine.cuda_graphs): the target shapes of its
-speculation policy and the runner its decode loop calls for every target forward. Drafter
-graphs are planned and sized here; the drafters run eager.
+speculation policy and the runner its decode loop calls for every target forward. The
+drafters run eager: their one-layer forwards are not captured.
 
 Shapes: B rows, T tokens per row, S visible cache slots, H hidden, V vocab, I intermediate size.
 """
@@ -60,7 +60,7 @@ def verify_width(arm: DraftShape | None) -> int:
     (capped by verify_tokens), a tree's verify_tokens."""
     if arm is None:
         return 0
-    return min(arm.depth, arm.verify_tokens) if arm.topk == 1 else arm.verify_tokens
+    return arm.chain_len if arm.topk == 1 else arm.verify_tokens
 
 
 def bucket_ranges(thresholds: list[int], max_batch: int) -> list[range]:
@@ -77,25 +77,17 @@ class TargetGraph:
     bytes: int
 
 
-@dataclass(frozen=True)
-class DrafterGraph:
-    arm: str
-    batch: int
-    bytes: int
-
-
 @dataclass
 class CapturePlan:
     sizes: list[int]  # all capture sizes up to max_batch
     target: list[TargetGraph]  # sorted by (batch, tokens)
-    drafter: list[DrafterGraph]  # sorted by (arm, batch)
-    naive_graphs: int  # every arm x every batch size 1..max_batch, target and drafter
+    naive_graphs: int  # every arm x every batch size 1..max_batch
     naive_bytes: int
     metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
-        return sum(g.bytes for g in self.target) + sum(g.bytes for g in self.drafter)
+        return sum(g.bytes for g in self.target)
 
     def target_shapes(self) -> list[tuple[int, int]]:
         """(batch, tokens per row) of every target graph."""
@@ -116,20 +108,13 @@ def forward_bytes(cfg: ModelConfig, batch: int, tokens: int, visible: int, *, dt
     return outputs + rope_mask + layer
 
 
-def drafter_bytes(cfg: ModelConfig, arm: DraftShape, batch: int, visible: int, *, dtype_bytes: int = 2) -> int:
-    """One arm's draft at batch B: `depth` one-layer forwards of B x topk tokens, every level's
-    outputs kept until the tree is assembled."""
-    return arm.depth * forward_bytes(cfg, batch, arm.topk, visible + arm.depth * arm.topk, dtype_bytes=dtype_bytes)
-
-
 def capture_plan(arms: list[DraftShape | None], thresholds: list[int], max_batch: int, target: ModelConfig,
-                 drafter: ModelConfig | None = None, *, context: int, bucket_arms: list[list[int]] | None = None,
+                 *, context: int, bucket_arms: list[list[int]] | None = None,
                  dtype_bytes: int = 2, feature_layers: int = 0) -> CapturePlan:
     """The graphs for `arms` (None = off) over the tuner's buckets, and their memory against the naive plan.
 
     `context`: the visible cache slots a graph is captured for (the engine's KV cache length).
     `bucket_arms[i]`: indices into `arms` that bucket i may choose (default: all of them).
-    `drafter`: the drafter's config (one layer); None: no drafter graphs.
     """
     if not thresholds or thresholds[0] != 1 or any(b <= a for a, b in zip(thresholds, thresholds[1:])):
         raise ValueError(f"bucket thresholds must start at 1 and increase, got {thresholds}")
@@ -142,30 +127,22 @@ def capture_plan(arms: list[DraftShape | None], thresholds: list[int], max_batch
     labels = [a.label if a is not None else "off" for a in arms]
     sizes = capture_sizes(max_batch)
     shared: dict[tuple[int, int], set[str]] = {}  # (batch, tokens) -> arm labels
-    drafts: set[tuple[int, int]] = set()  # (arm index, batch)
     for rng, members in zip(bucket_ranges(thresholds, max_batch), bucket_arms):
         padded = sorted({pad_batch(b, sizes) for b in rng})
         for a in members:
             for s in padded:
                 shared.setdefault((s, 1 + verify_width(arms[a])), set()).add(labels[a])
-                if arms[a] is not None and drafter is not None:
-                    drafts.add((a, s))
     fb = lambda b, t: forward_bytes(target, b, t, context, dtype_bytes=dtype_bytes, feature_layers=feature_layers)  # noqa: E731
-    db = lambda a, b: drafter_bytes(drafter, arms[a], b, context, dtype_bytes=dtype_bytes)  # noqa: E731
     tgraphs = [TargetGraph(batch=b, tokens=t, arms=tuple(sorted(shared[(b, t)], key=labels.index)), bytes=fb(b, t))
                for b, t in sorted(shared)]
-    dgraphs = [DrafterGraph(arm=labels[a], batch=b, bytes=db(a, b)) for a, b in sorted(drafts)]
     naive = 0
     naive_graphs = 0
-    for a, arm in enumerate(arms):
+    for arm in arms:
         for b in range(1, max_batch + 1):
             naive += fb(b, 1 + verify_width(arm))
             naive_graphs += 1
-            if arm is not None and drafter is not None:
-                naive += db(a, b)
-                naive_graphs += 1
-    plan = CapturePlan(sizes=sizes, target=tgraphs, drafter=dgraphs, naive_graphs=naive_graphs, naive_bytes=naive)
-    plan.metrics = {"graphs/count": float(len(tgraphs) + len(dgraphs)), "graphs/naive_count": float(naive_graphs),
+    plan = CapturePlan(sizes=sizes, target=tgraphs, naive_graphs=naive_graphs, naive_bytes=naive)
+    plan.metrics = {"graphs/count": float(len(tgraphs)), "graphs/naive_count": float(naive_graphs),
                     "graphs/gb": plan.bytes / 1e9, "graphs/naive_gb": naive / 1e9}
     return plan
 

@@ -86,9 +86,3 @@ class KVCache:
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]
         self.lengths[dst] = self.lengths[src]
 
-    def copy_prefix(self, src: int, dsts: torch.Tensor) -> None:
-        """Share row src's committed entries with rows dsts (n samples of one prompt)."""
-        n = int(self.lengths[src])
-        self.k[:, dsts, :, :n] = self.k[:, src : src + 1, :, :n]
-        self.v[:, dsts, :, :n] = self.v[:, src : src + 1, :, :n]
-        self.lengths[dsts] = n

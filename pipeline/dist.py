@@ -13,7 +13,6 @@ import contextlib
 import datetime
 import gc
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -73,14 +72,6 @@ def shutdown() -> None:
         gc.collect()
         dist.destroy_process_group()
         gc.collect()
-
-
-def timed_barrier(r: Ranks) -> float:
-    """Seconds this rank waited for the others (0 alone)."""
-    t = time.perf_counter()
-    if r.world > 1:
-        dist.barrier(group=r.group)
-    return time.perf_counter() - t
 
 
 def gather_floats(r: Ranks, values: list[float]) -> list[list[float]]:

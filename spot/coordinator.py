@@ -91,11 +91,6 @@ def post_average(named: list[tuple[str, torch.Tensor]], weight: float, stats: li
     return PendingAverage(named, buf, work, world, k)
 
 
-def weighted_average(named: list[tuple[str, torch.Tensor]], weight: float, group=None) -> list[tuple[str, torch.Tensor]] | None:
-    """post_average, waited for: the average, or None when every weight is 0 (nobody trained: keep the weights)."""
-    return post_average(named, weight, group=group).result()[0]
-
-
 @dataclass(frozen=True)
 class FilledTime:
     """How training from t0 to t1 filled an idle span from `started` to `end` (one clock)."""

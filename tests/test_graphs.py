@@ -50,48 +50,41 @@ def test_buckets_cover_one_to_max_batch_without_overlap():
 
 def test_a_chain_and_a_tree_of_the_same_verify_width_share_a_target_graph():
     assert [verify_width(a) for a in ARMS] == [0, 4, 4, 16]
-    plan = capture_plan(ARMS, TLT, 64, config(), config(num_hidden_layers=1), context=256)
+    plan = capture_plan(ARMS, TLT, 64, config(), context=256)
     graphs = {(g.batch, g.tokens): g.arms for g in plan.target}
     assert graphs[(8, 5)] == ("d4k1v4", "d4k3v4")
     assert graphs[(8, 1)] == ("off",) and graphs[(8, 17)] == ("d16k1v16",)
     assert {g.tokens for g in plan.target} == {1, 5, 17}  # three widths for four arms
-    assert {g.arm for g in plan.drafter} == {"d4k1v4", "d4k3v4", "d16k1v16"}  # one per arm: drafts differ
 
 
 def test_graphs_are_captured_only_for_the_padded_sizes_of_the_buckets_an_arm_serves():
     # TLT-style assignment: deep chains in the thin tail, off and a short chain once the batch is large.
-    plan = capture_plan(ARMS, TLT, 64, config(), config(num_hidden_layers=1), context=256,
+    plan = capture_plan(ARMS, TLT, 64, config(), context=256,
                         bucket_arms=[[3], [1, 3], [0, 1, 2], [0, 1]])
     by_width = {}
     for g in plan.target:
         by_width.setdefault(g.tokens, []).append(g.batch)
     assert by_width[17] == [1, 2, 4]  # d16k1v16: batch 1 and 2-4 (padded to 4)
     assert by_width[1] == [8, 16, 24, 32, 40, 48, 56, 64]  # off: 5-20 pads to 8, 16, 24; 21-64 to 24..64
-    drafts = {}
-    for g in plan.drafter:
-        drafts.setdefault(g.arm, []).append(g.batch)
-    assert drafts["d16k1v16"] == [1, 2, 4]
-    assert drafts["d4k3v4"] == [8, 16, 24]
-    assert drafts["d4k1v4"] == [2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    # d4k1v4 (2-4, 5-20, 21+) and d4k3v4 (5-20) share width 5: one graph per padded size either serves
+    assert by_width[5] == [2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
 
 
 def test_the_bucketed_estimate_is_well_below_every_arm_at_every_batch_size():
     target = config(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                     num_attention_heads=32, num_key_value_heads=8)
-    plan = capture_plan(ARMS, TLT, 128, target, config(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                        num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8), context=4096)
-    assert plan.bytes == sum(g.bytes for g in plan.target) + sum(g.bytes for g in plan.drafter)
-    assert plan.naive_graphs == 4 * 128 + 3 * 128
-    assert len(plan.target) + len(plan.drafter) < plan.naive_graphs / 5
+    plan = capture_plan(ARMS, TLT, 128, target, context=4096)
+    assert plan.bytes == sum(g.bytes for g in plan.target)
+    assert plan.naive_graphs == 4 * 128
+    assert len(plan.target) < plan.naive_graphs / 5
     assert plan.bytes < plan.naive_bytes / 2
     assert plan.metrics["graphs/gb"] < plan.metrics["graphs/naive_gb"]
 
 
 def test_an_estimate_grows_with_batch_and_tokens():
-    plan = capture_plan([None, DraftShape(depth=8, topk=1, verify_tokens=8)], [1], 16, config(), None, context=128)
+    plan = capture_plan([None, DraftShape(depth=8, topk=1, verify_tokens=8)], [1], 16, config(), context=128)
     size = {(g.batch, g.tokens): g.bytes for g in plan.target}
     assert size[(1, 1)] < size[(2, 1)] < size[(2, 9)] < size[(16, 9)]
-    assert plan.drafter == []  # no drafter config: no drafter graphs
 
 
 def test_bad_buckets_and_arm_lists_are_refused_with_the_fix():

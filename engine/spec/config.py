@@ -114,8 +114,8 @@ class SpecConfig:
             if top is not None and top < getattr(self, key):
                 raise ValueError(f"engine.spec.max_{key}={top} is below engine.spec.{key}={getattr(self, key)}")
         if self.long_depth:
-            top = min(self.limits()[0], self.limits()[2])
-            if self.topk != 1 or not min(self.depth, self.verify_tokens) < self.long_depth <= top:
+            top = self.max_chain_len
+            if self.topk != 1 or not self.chain_len < self.long_depth <= top:
                 raise ValueError(f"engine.spec.long_depth={self.long_depth} needs a chain (topk=1) and a value above "
                                  f"engine.spec.depth and verify_tokens, at most {top} (engine.spec.max_depth and "
                                  "max_verify_tokens); 0 turns it off")
@@ -140,6 +140,17 @@ class SpecConfig:
         if self.history_min_match is not None:
             return self.history_min_match
         return 12 if self.drafter_spec.learned is not None else 3
+
+    @property
+    def chain_len(self) -> int:
+        """Tokens the configured shape drafts per row as a chain: depth, capped by verify_tokens."""
+        return min(self.depth, self.verify_tokens)
+
+    @property
+    def max_chain_len(self) -> int:
+        """The longest chain the engine is built for: its maximum depth, capped by its maximum verify tokens."""
+        depth, _, verify = self.limits()
+        return min(depth, verify)
 
     def limits(self) -> tuple[int, int, int]:
         """(depth, topk, verify_tokens): the largest shape the engine is built for."""

@@ -40,6 +40,11 @@ class DraftShape:
     long_depth: int = 0
 
     @property
+    def chain_len(self) -> int:
+        """Tokens a chain of this shape drafts per row at most: its depth, capped by verify_tokens."""
+        return min(self.depth, self.verify_tokens)
+
+    @property
     def label(self) -> str:
         """"d6k1v8": depth, top-k, verify tokens (the name step records and the tuner use);
         "d8k1v8L16" with a length-aware budget; "d16k1v16c0.1" with a confidence stop."""
@@ -66,10 +71,9 @@ class DraftShape:
             raise ValueError(f"draft shape {self.label}: min_confidence={self.min_confidence} is outside [0, 1)")
         if self.min_confidence > 0 and self.topk != 1:
             raise ValueError(f"draft shape {self.label}: min_confidence stops chains only; use topk=1 or min_confidence=0")
-        if self.long_depth and not (self.topk == 1 and min(self.depth, self.verify_tokens) < self.long_depth
-                                    <= min(limits.depth, limits.verify_tokens)):
+        if self.long_depth and not (self.topk == 1 and self.chain_len < self.long_depth <= limits.chain_len):
             raise ValueError(f"draft shape {self.label}: a length-aware budget L<n> needs a chain (k1) and n between its "
-                             f"depth and the engine's maximum ({min(limits.depth, limits.verify_tokens)}: engine.spec.max_depth "
+                             f"depth and the engine's maximum ({limits.chain_len}: engine.spec.max_depth "
                              "and max_verify_tokens)")
         if self.iid_children != limits.iid_children:
             raise ValueError(f"draft shape {self.label}: iid_children must be {limits.iid_children} (fixed by engine.spec.verify)")

@@ -283,7 +283,7 @@ class EagleDrafter(DrafterBase):
     def _chain_compiled(self, ctx: DraftContext) -> DraftTree:
         """Catch-up and chain in one compiled call (engine.kernels.eagle_chain)."""
         b = ctx.roots.shape[0]
-        D = min(ctx.shape.depth, ctx.shape.verify_tokens)
+        D = ctx.shape.chain_len
         n = self.pend_n[:b]
         T = int(n.max())
         tokens = self.pend_tok[:b, :T]
@@ -303,7 +303,7 @@ class EagleDrafter(DrafterBase):
         With a confidence stop a row's chain ends at the first level where the product of
         q(token) along it falls below `min_confidence` (as engine/kernels/eagle_chain.cpp)."""
         p, b = self.params, pred.shape[0]
-        D = min(ctx.shape.depth, ctx.shape.verify_tokens)
+        D = ctx.shape.chain_len
         ids = self.net.vocab_ids
         noise = self._chain_noise(ctx, b, D)  # all levels' noise at once: [b, D, Vd]
         lengths = self.cache.lengths[:b]

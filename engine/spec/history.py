@@ -56,7 +56,7 @@ class HistoryDrafter(DrafterBase):
         self._siblings.setdefault(prompt_id, SuffixIndex(self.k)).add(tokens)
 
     def propose(self, ctx: DraftContext) -> DraftTree:
-        b, D, M, K = ctx.roots.shape[0], min(ctx.shape.depth, ctx.shape.verify_tokens), self.max_match, self.max_candidates
+        b, D, M, K = ctx.roots.shape[0], ctx.shape.chain_len, self.max_match, self.max_candidates
         device = ctx.responses.device
         if b == 0:
             return DraftTree.empty(b, device)

@@ -33,7 +33,7 @@ class PregeneratedDrafter(DrafterBase):
         self.realign = realign
 
     def propose(self, ctx: DraftContext) -> DraftTree:
-        b, D = ctx.roots.shape[0], min(ctx.shape.depth, ctx.shape.verify_tokens)
+        b, D = ctx.roots.shape[0], ctx.shape.chain_len
         device = ctx.roots.device
         tokens = torch.zeros(b, D, dtype=torch.long, device=device)
         lengths = torch.zeros(b, dtype=torch.long, device=device)

@@ -32,10 +32,6 @@ class Verdict:
     # order and a consumer may skip gathering by the path (the entries past num are not emitted).
     chain: bool = False
 
-    @property
-    def next_token(self) -> torch.Tensor:  # [B] the bonus / correction: the next root
-        return self.tokens.gather(1, self.num_accepted.unsqueeze(1)).squeeze(1)
-
 
 def accepted_nodes(match: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     """match [B, N] (node agrees with the verifier at its parent) -> accepted [B, N].
