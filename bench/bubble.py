@@ -60,7 +60,8 @@ def timed_generate(engine, requests, params):
 def one_lr(cfg: TrainConfig, lr: float, out: Path, batch1: int = 0) -> dict:
     cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, lr=lr))
     tok = load_tokenizer(cfg.model.path)
-    task, train_problems, _ = problems_for(cfg)
+    problems = problems_for(cfg, tok)
+    task, train_problems = problems.task, problems.train
     loader = prompt_loader(cfg, train_problems)
     base = cfg.engine.spec.drafter
     bubble_cfg = dataclasses.replace(cfg.engine, spec=dataclasses.replace(cfg.engine.spec, drafter=f"pregenerated+{base}"))

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     store = dist.distributed_c10d._get_default_store()
     tokenizer = load_tokenizer(cfg.model.path)
-    _, problems, _ = problems_for(cfg)
+    problems = problems_for(cfg, tokenizer).train
     loader = prompt_loader(cfg, problems, world_size=r.world, rank=r.rank)
     engine = build_rollout_engine(cfg.model.path, cfg.engine, seed=cfg.run.seed)
     sampling = StepSampling.of(cfg.rollout, cfg.run.seed, stop_tokens(engine.model_config, tokenizer))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -36,6 +36,9 @@ from launch.config import save_config, to_dict
 from launch.run_config import TrainConfig
 from pipeline.actors import build_actor
 from pipeline.data import PromptLoader
+from pipeline.data.chat import conversation
+from pipeline.data.files import RowFields
+from pipeline.data.sets import FileSets, file_sets
 from pipeline.dist import Ranks, job_store
 from pipeline.history import RunHistory
 from pipeline.metrics import MetricsLogger
@@ -45,6 +48,7 @@ from pipeline.run_state import RunState, latest_checkpoint, load_run
 from pipeline.shares import split_samples
 from pipeline.tasks import Problem, Task, get_task
 from pipeline.tasks.eval import EVAL_SEED
+from pipeline.tasks.math import INSTRUCTION, unreadable_answer
 from pipeline.trainer import StepDriver, Trainer
 
 
@@ -70,6 +74,7 @@ class Run:
     log: RankLog
     task: Task
     held_out: list[Problem]
+    held_out_source: str  # names the held-out set in the eval log (launch.run.RunProblems)
     loader: PromptLoader
     engine: RolloutBackend | None  # None on a separated run's actor ranks
     actor: object | None  # pipeline.actors.base.Actor; None on a separated run's rollout ranks
@@ -90,7 +95,7 @@ class Run:
                 accuracy[0] = trainer.evaluate()
                 if r.main:
                     self.logger.log(0, {"eval/accuracy": accuracy[0]})
-                    log(f"held-out greedy accuracy before training: {accuracy[0]:.1%} on {len(self.held_out)} problems")
+                    log(f"held-out greedy accuracy before training: {accuracy[0]:.1%} on {self.held_out_source}")
             t0 = time.perf_counter()
             for _ in range(self.start_step, tc.steps):
                 result = trainer.step()
@@ -154,8 +159,11 @@ def build_run(cfg: TrainConfig, r: Ranks) -> Run:
 
 def _build(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: ExitStack) -> Run:
     tokenizer = load_tokenizer(cfg.model.path)
-    task, train_problems, held_out = problems_for(cfg)
-    loader = prompt_loader(cfg, train_problems, world_size=r.world, rank=r.rank)
+    problems = problems_for(cfg, tokenizer)
+    for line in problems.summary:
+        log(f"data: {line}")
+    task, held_out = problems.task, problems.held_out
+    loader = prompt_loader(cfg, problems.train, world_size=r.world, rank=r.rank)
     history = history_of(cfg, r)
     engine = build_rollout_engine(cfg.model.path, cfg.engine, seed=cfg.run.seed,
                                   history=history.store if history is not None else None)
@@ -197,8 +205,9 @@ def _build(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: E
     logger = MetricsLogger.from_config(run_dir, cfg.metrics, rank=r.rank, run_name=run_dir.name,
                                        resolved_config=to_dict(cfg),
                                        resume_after_step=state.step if resume is not None else -1)  # -1: a fresh start drops an earlier attempt's lines
-    return Run(cfg=cfg, ranks=r, run_dir=run_dir, log=log, task=task, held_out=held_out, loader=loader, engine=engine,
-               actor=actor, idle_work=idle_work, trainer=trainer, logger=logger, start_step=state.step, resources=resources)
+    return Run(cfg=cfg, ranks=r, run_dir=run_dir, log=log, task=task, held_out=held_out,
+               held_out_source=problems.held_out_source, loader=loader, engine=engine, actor=actor, idle_work=idle_work,
+               trainer=trainer, logger=logger, start_step=state.step, resources=resources)
 
 
 def history_of(cfg: TrainConfig, r: Ranks) -> RunHistory | None:
@@ -282,19 +291,78 @@ def run_dir_for(cfg: TrainConfig, r: Ranks) -> Path:
     return Path(cfg.run.out_dir) / name[0]
 
 
-def problems_for(cfg: TrainConfig) -> tuple[Task, list[Problem], list[Problem]]:
-    """The task, its training problems (generated, or a math file's rows) and the held-out set."""
-    task = get_task(cfg.task.name)
-    held = task.make_problems("test", cfg.task.eval_problems, EVAL_SEED)
-    if cfg.task.file:
-        from pipeline.tasks.math import load_math_file
+@dataclass(frozen=True)
+class RunProblems:
+    task: Task
+    train: list[Problem]
+    held_out: list[Problem]
+    held_out_source: str  # the eval log's name for the held-out set: its file or generator, and counts
+    summary: list[str]  # what the data files held (rows, bad rows, the split), for the run's log
 
-        train, _ = load_math_file(  # bad rows are reported as file:line by the loader
-            cfg.task.file, prompt_field=cfg.task.prompt_field, answer_field=cfg.task.answer_field,
-            id_field=cfg.task.id_field, max_bad_share=cfg.task.max_bad_share)
-        return task, train, held
-    shape = {k: v for k, v in (("max_digits", cfg.task.max_digits), ("tail", cfg.task.tail)) if v is not None}
-    return task, task.make_problems("train", cfg.task.train_problems, cfg.run.seed, **shape), held
+
+def problems_for(cfg: TrainConfig, tokenizer) -> RunProblems:
+    """The task, its training problems (generated, or task.file's rows) and the held-out set
+    (task.eval_file's, a share of task.file's, or a generated task's test problems); in a chat run
+    each problem carries the conversation it is rendered as (pipeline.data.chat)."""
+    tc = cfg.task
+    task = get_task(tc.name)
+    sets = FileSets(train=None, held_out=None, reports=())
+    if tc.file or tc.eval_file:
+        fields = RowFields(prompt=tc.prompt_field, answer=tc.answer_field, id=tc.id_field, response=tc.response_field)
+        sets = file_sets(tc.file, tc.eval_file, eval_share=tc.held_out_share, eval_problems=tc.eval_problems,
+                         fields=fields, max_bad_share=tc.max_bad_share, check=_row_check(cfg, tokenizer))
+    if sets.train is not None:
+        train = sets.train
+    else:
+        shape = {k: v for k, v in (("max_digits", tc.max_digits), ("tail", tc.tail)) if v is not None}
+        train = task.make_problems("train", tc.train_problems, cfg.run.seed, **shape)
+    if sets.held_out is not None:
+        held, source = sets.held_out.problems, sets.held_out.source
+    else:
+        held = task.make_problems("test", tc.eval_problems, EVAL_SEED)
+        source = f"the {task.name} task's generated test problems ({len(held)})"
+    chatted = _chat_form(cfg)
+    return RunProblems(task=task, train=[chatted(p) for p in train], held_out=[chatted(p) for p in held],
+                       held_out_source=source, summary=sets.summary())
+
+
+def _chat_form(cfg: TrainConfig):
+    """problem -> the problem as the run renders it: with its conversation in a chat run."""
+    tc = cfg.task
+    if not tc.chat:
+        return lambda p: p
+    instruction = tc.instruction or INSTRUCTION
+    return lambda p: replace(p, messages=conversation(p, system_prompt=tc.system_prompt, instruction=instruction))
+
+
+def _row_check(cfg: TrainConfig, tokenizer):
+    """(problem, held out?) -> what makes a data row unusable in its role, or None: chat messages in
+    a run that is not one, an answer the math reward cannot read, a prompt the engine has no room for."""
+    tc = cfg.task
+    budgets = {False: ("rollout.max_new_tokens", cfg.rollout.max_new_tokens),
+               True: ("task.eval_max_new_tokens", tc.eval_max_new_tokens) if tc.eval_max_new_tokens
+               else ("rollout.max_new_tokens", cfg.rollout.max_new_tokens)}
+    for key, new_tokens in budgets.values():
+        if cfg.engine.max_len - new_tokens < 1:
+            raise ValueError(f"engine.max_len ({cfg.engine.max_len}) leaves no room for a prompt beside {key} "
+                             f"({new_tokens}): raise engine.max_len")
+    chatted = _chat_form(cfg)
+
+    def check(problem: Problem, held_out: bool) -> str | None:
+        if problem.messages and not tc.chat:
+            return "the prompt is chat messages, which only a chat run renders: set task.chat=true"
+        if tc.name == "math" and (reason := unreadable_answer(problem.answer)):
+            return reason
+        key, new_tokens = budgets[held_out]
+        room = cfg.engine.max_len - new_tokens
+        length = len(encode_problem(tokenizer, chatted(problem), tc.chat))
+        if length > room:
+            return (f"the prompt is {length} tokens{' in the chat template' if tc.chat else ''}, and the engine has "
+                    f"room for {room} (engine.max_len {cfg.engine.max_len} - {key} {new_tokens}): raise "
+                    f"engine.max_len, lower {key}, or drop the row")
+        return None
+
+    return check
 
 
 def prompt_loader(cfg: TrainConfig, problems: list[Problem], *, world_size: int = 1, rank: int = 0) -> PromptLoader:

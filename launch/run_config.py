@@ -32,20 +32,39 @@ class ModelSection:
 
 @dataclass(kw_only=True)
 class TaskSection:
-    name: str = "arith"  # arith | math (built-in generators), or a file below
-    file: str | None = None  # JSONL / parquet of math problems, checked with math-verify (overrides the generator)
+    name: str = "arith"  # arith | mult | math: the reward, and the problems when no task.file is given
+    # Training problems from a JSONL / JSON / parquet file (pipeline.data; `python -m pipeline.data.prepare`
+    # converts GSM8K, MATH, verl / DAPO and TRL layouts), instead of the task's generator.
+    file: str | None = None
+    # Field paths into each row: a key, or keys joined by dots into nested objects (verl's parquet:
+    # prompt_field=prompt, answer_field=reward_model.ground_truth). A prompt is text, or a list of
+    # {"role", "content"} chat messages (rendered as given: set task.chat=true).
     prompt_field: str = "prompt"
     answer_field: str = "answer"
-    id_field: str = "id"
-    max_bad_share: float = 0.01  # stop when more rows than this share are malformed
-    chat: bool = False  # wrap each problem in the tokenizer's chat template (answer in \boxed{})
+    id_field: str | None = "id"  # a row without it (or null here) gets a hash of its prompt as its id
+    response_field: str | None = None  # a worked solution, if the rows have one (trainer.prompt_order=stratified)
+    max_bad_share: float = 0.01  # stop when more rows than this share are malformed (each is logged as file:line)
+    # The held-out set: a file of its own (the same fields), or this share of task.file held out by
+    # a hash of each id (the same on every run and rank, never trained on). null: 0.05 for a file
+    # run without task.eval_file, else 0. Without either, the task's generated test problems (the
+    # built-in tasks only: a file run always evaluates on the user's data).
+    eval_file: str | None = None
+    eval_share: float | None = None
+    chat: bool = False  # render each problem in the tokenizer's chat template
+    # Chat runs: a system turn before each prompt (a row's own system message wins), and the user
+    # turn made from a text prompt, "{prompt}" standing for it. null: the question, then "Put your
+    # final answer within \boxed{}." (what the math reward reads). Chat-message prompts are
+    # rendered as given, without the instruction.
+    system_prompt: str | None = None
+    instruction: str | None = None
     format_weight: float = 0.0  # training reward bonus for a \boxed{} answer (math-verify tasks); eval scores correctness
     train_problems: int = 4096  # problems drawn from a generator for training
     # arith only: the training problems' difficulty (operand digits 1..max_digits, P(d) ~ d^-tail);
     # None: the generator's defaults (12, 1.5), which the held-out problems always use.
     max_digits: int | None = None
     tail: float | None = None
-    eval_problems: int = 200  # held-out problems for greedy accuracy
+    # Held-out problems evaluated (greedy accuracy): a file's, the ones of smallest id hash (a fixed sample).
+    eval_problems: int = 200
     eval_max_new_tokens: int | None = None  # None: rollout.max_new_tokens
 
     def validate(self) -> None:
@@ -57,6 +76,28 @@ class TaskSection:
             raise ValueError(f"task.format_weight must be >= 0, got {self.format_weight}")
         if not 0 <= self.max_bad_share < 1:
             raise ValueError(f"task.max_bad_share must be in [0, 1), got {self.max_bad_share}")
+        for key in ("file", "eval_file", "prompt_field", "answer_field", "id_field", "response_field"):
+            if getattr(self, key) == "":
+                raise ValueError(f"task.{key} is empty: give a value or null")
+        if self.eval_share is not None:
+            if not 0 < self.eval_share < 1:
+                raise ValueError(f"task.eval_share must be in (0, 1) (null: the default), got {self.eval_share}")
+            if not self.file or self.eval_file:
+                raise ValueError("task.eval_share holds out a share of task.file: give it with task.file and "
+                                 "without task.eval_file (which is then the held-out set)")
+        if not self.chat and (self.system_prompt is not None or self.instruction is not None):
+            raise ValueError("task.system_prompt and task.instruction shape chat prompts: set task.chat=true, or "
+                             "leave them null")
+        if self.instruction is not None and self.instruction.count("{prompt}") != 1:
+            raise ValueError(f"task.instruction must hold {{prompt}} exactly once (where the question goes), got "
+                             f"{self.instruction!r}")
+
+    @property
+    def held_out_share(self) -> float:
+        """The share of task.file held out for evaluation (eval_share, or its default)."""
+        if self.eval_share is not None:
+            return self.eval_share
+        return 0.05 if self.file and not self.eval_file else 0.0
 
 
 @dataclass(kw_only=True)

@@ -51,7 +51,10 @@ def build_separated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
     log(f"separated placement: rank {r.rank} of {r.world} is {'an actor' if placement.role == 'actor' else 'a rollout'} "
         f"rank ({K} actor, {len(placement.rollout_ranks)} rollout)")
     tokenizer = load_tokenizer(cfg.model.path)
-    task, train_problems, held_out = problems_for(cfg)
+    problems = problems_for(cfg, tokenizer)
+    for line in problems.summary:
+        log(f"data: {line}")
+    task, train_problems, held_out = problems.task, problems.train, problems.held_out
     resume, state = resume_state(cfg, r, run_dir, log)
     engine = actor = None
     push_flag = spot_group = None
@@ -123,8 +126,9 @@ def build_separated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
         driver.receive_policy(state.step)
     logger = MetricsLogger.from_config(run_dir, cfg.metrics, rank=r.rank, run_name=run_dir.name,
                                        resolved_config=to_dict(cfg), resume_after_step=state.step if resume is not None else -1)
-    return Run(cfg=cfg, ranks=r, run_dir=run_dir, log=log, task=task, held_out=held_out, loader=loader, engine=engine,
-               actor=actor, idle_work=None, trainer=driver, logger=logger, start_step=state.step, resources=resources)
+    return Run(cfg=cfg, ranks=r, run_dir=run_dir, log=log, task=task, held_out=held_out,
+               held_out_source=problems.held_out_source, loader=loader, engine=engine, actor=actor, idle_work=None,
+               trainer=driver, logger=logger, start_step=state.step, resources=resources)
 
 
 def _engine_caps(placement: Placement, engine):

@@ -16,6 +16,7 @@ import torch
 from engine.backend import RolloutBackend
 from engine.sampling import SamplingParams
 from engine.types import Request, RolloutBatch
+from pipeline.data.chat import encode_problem
 from pipeline.tasks import Problem, Task
 
 
@@ -73,14 +74,6 @@ class StepSampling:
     def __call__(self, step: int) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, step=step, stop_token_ids=self.stop_token_ids)
-
-
-def encode_problem(tokenizer, problem: Problem, chat: bool) -> list[int]:
-    if chat:
-        from pipeline.tasks.math import chat_prompt
-
-        return list(tokenizer(chat_prompt(tokenizer, problem.prompt), add_special_tokens=False)["input_ids"])
-    return list(tokenizer(problem.prompt)["input_ids"])
 
 
 def requests_for(tokenizer, problems: list[Problem], n: int, chat: bool,

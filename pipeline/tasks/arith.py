@@ -49,6 +49,9 @@ class Problem:
     # The source row's other fields (a data file's columns beyond prompt, answer and id), passed to a
     # plug-in reward; empty for the generated tasks. Not part of equality or hashing.
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    # The conversation a chat run renders with the tokenizer's chat template, as (role, content)
+    # turns ending with the user's (pipeline.data.chat); empty: the prompt is plain text.
+    messages: tuple[tuple[str, str], ...] = ()
 
 
 def split_of(prompt: str) -> str:
