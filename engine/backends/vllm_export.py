@@ -42,6 +42,9 @@ def vllm_eagle_config(drafter: dict) -> dict:
         raise ValueError(f"vLLM export supports this project's eagle and eagle3_vllm drafters, not {drafter.get('kind')!r}: "
                          "its eagle3 fuses embedding and features in one fc, vLLM's Eagle3 is a different network; "
                          "warm-start an eagle or eagle3_vllm drafter (spot.warmstart --kind eagle3_vllm) for the vLLM backend")
+    if drafter.get("fc_bias"):
+        raise ValueError("this drafter's fc has a bias (an EAGLE-1 checkpoint imported by spot.import_drafter) and vLLM's "
+                         "EAGLE-1 fc has none: serve it with the native engine, or warm-start a drafter for the vLLM backend")
     if drafter.get("draft_vocab_size") not in (None, drafter["vocab_size"]):
         raise ValueError(f"this drafter proposes from a reduced vocabulary ({drafter['draft_vocab_size']} of "
                          f"{drafter['vocab_size']} tokens); vLLM's EAGLE-1 has no draft-to-target map: warm-start with "

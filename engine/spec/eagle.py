@@ -65,6 +65,13 @@ class EagleConfig:
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
+    # A bias on fc, as the EAGLE authors' EAGLE-1 checkpoints carry (spot.import_drafter); warm
+    # starts train without one.
+    fc_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fc_bias and self.kind not in ("eagle", "eagle3"):
+            raise ValueError(f"fc_bias is an eagle / eagle3 option; a {self.kind} drafter's fc has no bias")
 
     @property
     def feature_size(self) -> int:
@@ -94,6 +101,15 @@ class EagleConfig:
             draft_vocab_size=draft_vocab_size, max_position_embeddings=target.max_position_embeddings,
             rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
         )
+
+
+def write_drafter(path: Path, cfg: EagleConfig, state: dict[str, torch.Tensor], extra: dict | None = None) -> None:
+    """A drafter folder (config.json + model.safetensors) from a config and a state dict under
+    EagleModel's names: what `EagleModel.save` writes and `EagleModel.load` reads; the importer of
+    published checkpoints (spot.import_drafter) writes one without building the target."""
+    meta = {"architectures": [ARCH], **asdict(cfg), **(extra or {})}
+    atomic_write(path / "model.safetensors", lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+    atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(meta, indent=2)))
 
 
 @torch.no_grad()
@@ -131,7 +147,7 @@ class EagleModel(RopeSource, nn.Module):
             raise ValueError(f"drafter kind must be one of {KINDS}, got {cfg.kind!r}")
         self.config = cfg
         H, F = cfg.hidden_size, cfg.feature_size
-        self.fc = nn.Linear(H + F, H, bias=False)
+        self.fc = nn.Linear(H + F, H, bias=cfg.fc_bias)
         self.mtp = cfg.kind == "mtp"
         layer = DecoderLayer(cfg.layer_config(), 0)
         if self.mtp:  # MiMo's norms around its block (see the module docstring)
@@ -231,9 +247,7 @@ class EagleModel(RopeSource, nn.Module):
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}  # from any device
         if not self.draft_vocab.numel():
             state.pop("draft_vocab")
-        meta = {"architectures": [ARCH], **asdict(self.config), **(extra or {})}
-        atomic_write(path / "model.safetensors", lambda p: save_file(state, str(p), metadata={"format": "pt"}))
-        atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(meta, indent=2)))
+        write_drafter(path, self.config, state, extra)
 
     @classmethod
     def load(cls, path: str | Path, target: Transformer) -> EagleModel:

@@ -52,7 +52,9 @@ class EagleRuntime:
         self.layer: PackedLayer | None = pack_layer(net.layers[0], bf16, dot) if packable(w) and not own else None
         # Packed copies for the compiled kernels (None: torch's ops serve).
         self.head = Product(net.head_t, True, bf16, dot) if kernel else None
-        self.fc = Product(w.detach().t(), True, bf16, dot) if kernel else None
+        # A biased fc (imported EAGLE-1) runs through torch: the packed product and the compiled
+        # drafts have no bias, so those drafts go the Python way (eagle_chain.supported).
+        self.fc = Product(w.detach().t(), True, bf16, dot) if kernel and net.fc.bias is None else None
         self.fc_out = Product(net.fc_out.weight.detach().t(), True, bf16, dot) if kernel and net.fc_out is not None else None
         self.fingerprint = WeightsFingerprint(net)
 
