@@ -130,6 +130,15 @@ def _reported_id(row: Any, fields: RowFields) -> str | None:
     return None if raw is MISSING or own is not MISSING else prompt_id(raw)
 
 
+def refuse_past_share(source: str, bad: list[BadRow], rows: int, max_bad_share: float) -> None:
+    """ValueError showing the first bad rows when more than `max_bad_share` of `rows` are bad."""
+    if len(bad) > max_bad_share * rows:
+        shown = "\n  ".join(str(b) for b in bad[:MAX_SHOWN])
+        more = f"\n  ... and {len(bad) - MAX_SHOWN} more" if len(bad) > MAX_SHOWN else ""
+        raise ValueError(f"{source}: {len(bad)} of {rows} rows are malformed ({len(bad) / rows:.1%}, more than "
+                         f"max_bad_share={max_bad_share:.1%}); fix them or raise max_bad_share:\n  {shown}{more}")
+
+
 def load_problems(path: str | Path, fields: RowFields = RowFields(), *, max_bad_share: float = 0.01,
                   check: Check | None = None) -> tuple[list[Problem], LoadReport]:
     """The file's problems in file order and its LoadReport (the module's docstring says what is bad)."""
@@ -166,10 +175,5 @@ def load_problems(path: str | Path, fields: RowFields = RowFields(), *, max_bad_
         else:
             first_prompt[key] = (line, pid)
         problems.append(p)
-    if len(bad) > max_bad_share * len(rows):
-        shown = "\n  ".join(str(b) for b in bad[:MAX_SHOWN])
-        more = f"\n  ... and {len(bad) - MAX_SHOWN} more" if len(bad) > MAX_SHOWN else ""
-        raise ValueError(
-            f"{path}: {len(bad)} of {len(rows)} rows are malformed ({len(bad) / len(rows):.1%}, more than "
-            f"max_bad_share={max_bad_share:.1%}); fix them or raise max_bad_share:\n  {shown}{more}")
+    refuse_past_share(str(path), bad, len(rows), max_bad_share)
     return problems, LoadReport(path=str(path), rows=len(rows), bad=tuple(bad), duplicate_prompts=tuple(duplicates))
