@@ -11,6 +11,7 @@ checks. `evaluate` gives the held-out predictors of acceptance (spot.loss).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from common.optim import clip_and_step, make_adamw, set_lr, warmup_cosine
+from engine.spec.config import SpecConfig
 from spot.loss import acceptance_metrics, eagle_loss
 from spot.pairs import PackedPairs
 
@@ -54,8 +56,14 @@ class DrafterOptim:
         return warmup_cosine(self.lr, step, self.warmup_steps, progress, self.min_lr_ratio)
 
 
+def main_process() -> bool:
+    """False on torchrun's ranks other than 0, whose warm-start lines would repeat rank 0's."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    if main_process():
+        print(msg, file=sys.stderr, flush=True)
 
 
 def window_stream(num_windows: int, batch: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
@@ -170,56 +178,112 @@ class DrafterTrainer:
         clip_and_step(self.opt, self.params, self.optim.grad_clip)
 
 
+Step = Callable[["DrafterTrainer", torch.Tensor, float], tuple[float, dict[str, float]]]
+
+
 def train(model, packed: PackedPairs, optim: DrafterOptim, *, steps: int, batch_windows: int, seed: int,
-          seconds: float | None, log_every: int) -> dict:
+          seconds: float | None, log_every: int, step: Step | None = None,
+          clock: Callable[[float], float] | None = None) -> dict:
     """Runs up to `steps` steps, or until `seconds` have passed; returns losses and timings. When
-    time binds, the cosine schedule follows the elapsed fraction of the budget."""
+    time binds, the cosine schedule follows the elapsed fraction of the budget.
+
+    Each step draws `batch_windows` of `packed`'s windows (a seeded stream) and takes
+    `trainer.step(packed, idx, lr)`, or `step(trainer, idx, lr)` when given (the warm start over
+    several ranks, spot.warmstart_ranks, where `packed` is the layout every rank shares and the
+    data lives on the ranks); `clock(elapsed)` makes the ranks agree on the time."""
     trainer = DrafterTrainer(model, optim)
+    take = step or (lambda tr, idx, lr: tr.step(packed, idx, lr))
     batches = window_stream(len(packed), min(batch_windows, len(packed)), torch.Generator().manual_seed(seed))
     losses: list[float] = []
     t0 = t_log = time.perf_counter()
-    pairs = step = 0
+    pairs = step_i = 0
     stopped_early = False
-    for step in range(steps):
+    for step_i in range(steps):
         elapsed = time.perf_counter() - t0
-        if seconds is not None and elapsed >= seconds and step > 0:
+        if clock is not None and seconds is not None:
+            elapsed = clock(elapsed)
+        if seconds is not None and elapsed >= seconds and step_i > 0:
             stopped_early = True
-            log(f"stopping early at step {step}/{steps}: the time budget is spent")
+            log(f"stopping early at step {step_i}/{steps}: the time budget is spent")
             break
-        lr = optim.lr_at(step, max(step / steps, elapsed / seconds if seconds else 0.0))
+        lr = optim.lr_at(step_i, max(step_i / steps, elapsed / seconds if seconds else 0.0))
         idx = next(batches)
-        loss, metrics = trainer.step(packed, idx, lr)
+        loss, metrics = take(trainer, idx, lr)
         losses.append(loss)
         pairs += int(packed.loss[idx].sum())
-        if (step + 1) % log_every == 0 or step + 1 == steps:
+        if (step_i + 1) % log_every == 0 or step_i + 1 == steps:
             now = time.perf_counter()
             w = losses[-log_every:]
-            log(f"step {step + 1}/{steps} loss {sum(w) / len(w):.4f} (feature {metrics['spot/feature_loss']:.4f} "
+            log(f"step {step_i + 1}/{steps} loss {sum(w) / len(w):.4f} (feature {metrics['spot/feature_loss']:.4f} "
                 f"ce {metrics['spot/ce_loss']:.3f}) top1 {metrics['spot/top1_draft_vocab']:.3f} lr {lr:.2e} "
                 f"pairs/s {pairs / (now - t_log):.0f} elapsed {now - t0:.0f}s")
             t_log, pairs = now, 0
     else:
-        step = steps
+        step_i = steps
     k = min(10, len(losses))
     return {
-        "steps": step, "stopped_early": stopped_early, "seconds": round(time.perf_counter() - t0, 1),
+        "steps": step_i, "stopped_early": stopped_early, "seconds": round(time.perf_counter() - t0, 1),
         "loss_start": sum(losses[:k]) / k, "loss_end": sum(losses[-k:]) / k, "losses": losses,
     }
 
 
+def chain_expectation(p: torch.Tensor, seg: torch.Tensor, depth: int) -> torch.Tensor:
+    """p [B, W] each pair's chance that its draft token is accepted (0 off the loss pairs), seg [B, W]
+    the pairs' segments (a row's pairs in order of position) -> [B, W]: the expected accepted
+    tokens of a `depth`-level chain drafted at each pair, sum_{k=1..depth} prod_{j<k} p[i + j]
+    within i's segment (acceptances taken as independent; the chain stops where the row does)."""
+    W = p.shape[1]
+    run, total = torch.ones_like(p), torch.zeros_like(p)
+    for k in range(min(depth, W)):
+        ahead = torch.zeros_like(p)  # [B, W] p[i + k] where pair i + k is in i's segment
+        same = seg[:, k:] == seg[:, : W - k]
+        ahead[:, : W - k] = torch.where(same, p[:, k:], 0.0)
+        run = run * ahead
+        total += run
+    return total
+
+
+EVAL_SUMS = ("loss", "top1_agreement", "expected_acceptance", "accept_len", "accept_len_greedy")
+
+
 @torch.no_grad()
-def evaluate(model, packed: PackedPairs, ce_weight: float) -> dict:
-    """Held-out loss, top-1 agreement and expected acceptance at T = 1, weighted by pairs."""
+def evaluate_sums(model, packed: PackedPairs, ce_weight: float, depth: int) -> dict[str, float]:
+    """EVAL_SUMS summed over the loss pairs of `packed` (their means' numerators), and `pairs`:
+    what ranks add up (spot.warmstart_ranks). `accept_len`: 1 + the expected accepted tokens of a
+    depth-`depth` chain drafted at each pair at T = 1 (from the per-pair expected acceptance),
+    `accept_len_greedy` the same from top-1 agreement; both teacher-forced (deeper levels see the
+    target's features, not the drafter's own), so they estimate from above."""
     W_full = model.target.lm_head.weight.detach()  # [V, H]
     H = model.config.hidden_size
-    sums = {"loss": 0.0, "top1_agreement": 0.0, "expected_acceptance": 0.0}
+    sums = dict.fromkeys(EVAL_SUMS, 0.0)
     total = 0
     for w in range(len(packed)):  # one window at a time: [M, V] full-vocabulary logits are large
-        loss, _, pred, targets = batch_loss(model, packed, torch.tensor([w]), ce_weight)
+        idx = torch.tensor([w])
+        loss, _, pred, targets = batch_loss(model, packed, idx, ce_weight)
         M = pred.shape[0]
-        _, acc = acceptance_metrics(model.logits(pred), targets[:, -H:] @ W_full.t(), model.vocab_ids)
+        target_logits = targets[:, -H:] @ W_full.t()  # [M, V]
+        draft_logits = model.logits(pred)  # [M, Vd]
+        accept, acc = acceptance_metrics(draft_logits, target_logits, model.vocab_ids)
+        ids = draft_logits.argmax(-1)
+        top1 = ((model.vocab_ids[ids] if model.vocab_ids is not None else ids) == target_logits.argmax(-1)).float()
+        mask, seg = packed.loss[idx], packed.seg[idx]  # [1, W]
+        for key, p in (("accept_len", accept), ("accept_len_greedy", top1)):
+            grid = torch.zeros(mask.shape, dtype=torch.float32)
+            grid[mask] = p.float().cpu()
+            sums[key] += float((1 + chain_expectation(grid, seg, depth))[mask].sum())
         sums["loss"] += loss.item() * M
         sums["top1_agreement"] += acc["spot/top1_agreement"] * M
         sums["expected_acceptance"] += acc["spot/expected_acceptance"] * M
         total += M
-    return {k: round(v / total, 4) for k, v in sums.items()} | {"pairs": total}
+    return sums | {"pairs": total}
+
+
+def means(sums: dict[str, float]) -> dict:
+    """evaluate_sums' (or their sum over ranks') means over the pairs, rounded."""
+    return {k: round(sums[k] / sums["pairs"], 4) for k in EVAL_SUMS} | {"pairs": int(sums["pairs"])}
+
+
+def evaluate(model, packed: PackedPairs, ce_weight: float, depth: int = SpecConfig.depth) -> dict:
+    """Held-out loss, top-1 agreement, expected acceptance at T = 1 and the chain accept-length
+    estimates (evaluate_sums), means over the pairs."""
+    return means(evaluate_sums(model, packed, ce_weight, depth))

@@ -22,6 +22,7 @@ Everything is flat: all rows' tokens and features are concatenated once (`tokens
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -87,7 +88,12 @@ def pack_first_fit(lengths: Sequence[int], window: int) -> list[list[int]]:
 
 
 class PackedPairs:
-    """All pairs of a set of rows, packed into windows; `batch(idx)` gathers windows into a DrafterBatch."""
+    """All pairs of a set of rows, packed into windows; `batch(idx)` gathers windows into a DrafterBatch.
+
+    `segments` and `bins` (window -> its segment indices) say which rows' pairs each window holds;
+    `repacked(segments)` packs a chosen subset of segments into windows of their own over the same
+    (shared) data: a pair's prediction depends only on its segment, not on its window's other
+    members, so any packing of the same segments gives the same per-pair losses."""
 
     def __init__(self, rows: Sequence[HiddenStateRows], window: int) -> None:
         if window < 1:
@@ -99,14 +105,19 @@ class PackedPairs:
         self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])  # [R+1]
         self.tokens = torch.cat([r.tokens for r in rows])  # [N]
         self.features = torch.cat([r.features for r in rows])  # [N, F]
-        segments = row_segments(rows, window)
-        bins = pack_first_fit([s.length for s in segments], window)
-        Nw = len(bins)
+        self.prompt_lens = [r.prompt_len for r in rows]
+        self._pack(row_segments(rows, window))
+
+    def _pack(self, segments: list[Segment]) -> None:
+        window = self.window
+        self.segments = segments
+        self.bins = pack_first_fit([s.length for s in segments], window)
+        Nw = len(self.bins)
         self.src = torch.zeros(Nw, window, dtype=torch.long)  # flat index of f_t
         self.pos = torch.zeros(Nw, window, dtype=torch.long)  # t+1
         self.seg = torch.full((Nw, window), -1, dtype=torch.long)  # segment id within the window; -1 padding
         self.loss = torch.zeros(Nw, window, dtype=torch.bool)
-        for w, members in enumerate(bins):
+        for w, members in enumerate(self.bins):
             at = 0
             for k, si in enumerate(members):
                 s = segments[si]
@@ -115,9 +126,15 @@ class PackedPairs:
                 self.src[w, sl] = self.offsets[s.row] + t
                 self.pos[w, sl] = t + 1
                 self.seg[w, sl] = k
-                self.loss[w, sl] = t + 1 >= rows[s.row].prompt_len
+                self.loss[w, sl] = t + 1 >= self.prompt_lens[s.row]
                 at += s.length
         self.num_pairs = int(self.loss.sum())
+
+    def repacked(self, segments: list[Segment]) -> PackedPairs:
+        """The same rows' data, not copied, in windows holding `segments` (rows indexed as here) only."""
+        view = copy.copy(self)
+        view._pack(segments)
+        return view
 
     def __len__(self) -> int:
         return self.src.shape[0]

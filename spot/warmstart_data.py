@@ -24,14 +24,15 @@ from engine.spec.eagle import EagleConfig
 from engine.types import FinishReason, Request
 from common.text import encode, stop_tokens
 from spot.draft_vocab import default_size, most_frequent
-from spot.drafter_training import log
+from spot.drafter_training import log, main_process
 from spot.features import TokenSequence, capture_features
 from spot.records import RowStore
 
 
 def progress_bar(total: int, desc: str, unit: str) -> tqdm:
-    """A tqdm bar on stderr; redirected to a file it updates every 30 s instead of flooding it."""
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, mininterval=1 if sys.stderr.isatty() else 30)
+    """A tqdm bar on stderr (rank 0's only); redirected to a file it updates every 30 s instead of flooding it."""
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, mininterval=1 if sys.stderr.isatty() else 30,
+                disable=not main_process())
 
 
 def generate(engine: RolloutEngine, tokenizer, prompts: list[dict], cfg) -> tuple[list[TokenSequence], dict]:
@@ -58,10 +59,10 @@ def generate(engine: RolloutEngine, tokenizer, prompts: list[dict], cfg) -> tupl
     return seqs, stats
 
 
-def collect_rows(target: Transformer, tokenizer, prompts: list[dict], cfg) -> tuple[RowStore, dict]:
+def collect_rows(target: Transformer, tokenizer, prompts: list[dict], cfg, longest: int) -> tuple[RowStore, dict]:
     """Steps 1-2: the target's responses, then its features over prompt + response (both through
-    the engine's runtime: packed layers, compiled kernels)."""
-    longest = max(len(encode(tokenizer, r["prompt"], cfg.chat)) for r in prompts)
+    the engine's runtime: packed layers, compiled kernels). `longest`: the longest prompt of the
+    whole run in tokens (every rank's engine is then the same shape)."""
     engine = RolloutEngine(target, EngineConfig(max_batch=cfg.max_batch, max_len=longest + cfg.max_new_tokens, threads=cfg.threads,
                                                 device=str(target.device)))
     seqs, gen_stats = generate(engine, tokenizer, prompts, cfg)
