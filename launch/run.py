@@ -336,30 +336,26 @@ def _chat_form(cfg: TrainConfig):
 
 
 def _row_check(cfg: TrainConfig, tokenizer):
-    """(problem, held out?) -> what makes a data row unusable in its role, or None: chat messages in
-    a run that is not one, an answer the math reward cannot read, a prompt the engine has no room for."""
+    """problem -> what makes a data row unusable, or None: chat messages in a run that is not a chat
+    run, an answer the math reward cannot read, a prompt longer than the engine's room (engine.max_len
+    less rollout.max_new_tokens, which the engine would otherwise take from the response)."""
     tc = cfg.task
-    budgets = {False: ("rollout.max_new_tokens", cfg.rollout.max_new_tokens),
-               True: ("task.eval_max_new_tokens", tc.eval_max_new_tokens) if tc.eval_max_new_tokens
-               else ("rollout.max_new_tokens", cfg.rollout.max_new_tokens)}
-    for key, new_tokens in budgets.values():
-        if cfg.engine.max_len - new_tokens < 1:
-            raise ValueError(f"engine.max_len ({cfg.engine.max_len}) leaves no room for a prompt beside {key} "
-                             f"({new_tokens}): raise engine.max_len")
+    room = cfg.engine.max_len - cfg.rollout.max_new_tokens
+    if room < 1:
+        raise ValueError(f"engine.max_len ({cfg.engine.max_len}) leaves no room for a prompt beside "
+                         f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}): raise engine.max_len")
     chatted = _chat_form(cfg)
 
-    def check(problem: Problem, held_out: bool) -> str | None:
+    def check(problem: Problem) -> str | None:
         if problem.messages and not tc.chat:
             return "the prompt is chat messages, which only a chat run renders: set task.chat=true"
         if tc.name == "math" and (reason := unreadable_answer(problem.answer)):
             return reason
-        key, new_tokens = budgets[held_out]
-        room = cfg.engine.max_len - new_tokens
         length = len(encode_problem(tokenizer, chatted(problem), tc.chat))
         if length > room:
             return (f"the prompt is {length} tokens{' in the chat template' if tc.chat else ''}, and the engine has "
-                    f"room for {room} (engine.max_len {cfg.engine.max_len} - {key} {new_tokens}): raise "
-                    f"engine.max_len, lower {key}, or drop the row")
+                    f"room for {room} (engine.max_len {cfg.engine.max_len} - rollout.max_new_tokens "
+                    f"{cfg.rollout.max_new_tokens}): raise engine.max_len, lower rollout.max_new_tokens, or drop the row")
         return None
 
     return check
@@ -375,8 +371,8 @@ def prompt_loader(cfg: TrainConfig, problems: list[Problem], *, world_size: int 
         bare = [p.id for p in problems if not p.response]
         if bare:
             raise ValueError(f"trainer.prompt_order=stratified sizes problems by their reference response, and "
-                             f"{len(bare)} of {len(problems)} have none (first: {bare[0]}; a math file's rows carry none): "
-                             "use trainer.prompt_order=shuffled")
+                             f"{len(bare)} of {len(problems)} have none (first: {bare[0]}; a data file's rows carry one in "
+                             "task.response_field): use trainer.prompt_order=shuffled")
         sizes = [len(p.response) for p in problems]
     return PromptLoader(problems, cfg.trainer.prompts_per_step, cfg.run.seed, world_size=world_size, rank=rank,
                         sizes=sizes)

@@ -12,26 +12,22 @@
 A held-out file whose prompts or ids also occur in the training file is allowed (a team may
 evaluate on what it trains on) and reported: logged and counted in the summary.
 
-This module knows nothing about tokenizers or configs; the caller's `check(problem, held_out)`
-says what is wrong with a problem in its role (a prompt too long for the engine's room, which
-differs between training and evaluation) and makes it a bad row of its file.
+This module knows nothing about tokenizers or configs; the caller's `check(problem)` says what
+is wrong with a problem (a prompt too long for the engine's room) and makes it a bad row of its
+file.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.data.files import LoadReport, RowFields, load_problems, prompt_key
-from pipeline.data.split import first_by_position, hold_out, is_held_out
+from pipeline.data.files import Check, LoadReport, RowFields, load_problems, prompt_key
+from pipeline.data.split import first_by_position, hold_out
 from pipeline.tasks.arith import Problem
 
 log = logging.getLogger(__name__)
-
-RoleCheck = Callable[[Problem, bool], "str | None"]  # (problem, held out?) -> what is wrong, or None
-
 
 @dataclass(frozen=True)
 class HeldOut:
@@ -65,7 +61,7 @@ def _evaluated(problems: list[Problem], where: str, eval_problems: int) -> HeldO
 
 
 def file_sets(file: str | Path | None, eval_file: str | Path | None, *, eval_share: float, eval_problems: int,
-              fields: RowFields = RowFields(), max_bad_share: float = 0.01, check: RoleCheck | None = None) -> FileSets:
+              fields: RowFields = RowFields(), max_bad_share: float = 0.01, check: Check | None = None) -> FileSets:
     """The training problems and held-out set of a run's files (the module's docstring says which)."""
     if eval_share and (eval_file or not file):
         raise ValueError("task.eval_share holds out a share of task.file: give it with task.file and without "
@@ -74,8 +70,7 @@ def file_sets(file: str | Path | None, eval_file: str | Path | None, *, eval_sha
         raise ValueError(f"task.eval_problems must be >= 1, got {eval_problems}")
     reports, train, held = [], None, None
     if file:
-        role = None if check is None else (lambda p: check(p, is_held_out(p.id, eval_share)))
-        problems, report = load_problems(file, fields, max_bad_share=max_bad_share, check=role)
+        problems, report = load_problems(file, fields, max_bad_share=max_bad_share, check=check)
         reports.append(report)
         train, shared = hold_out(problems, eval_share)
         if eval_share:
@@ -86,8 +81,7 @@ def file_sets(file: str | Path | None, eval_file: str | Path | None, *, eval_sha
             held = _evaluated(shared, f"{file}'s held-out share {eval_share:g}", eval_problems)
     overlap = 0
     if eval_file:
-        role = None if check is None else (lambda p: check(p, True))
-        problems, report = load_problems(eval_file, fields, max_bad_share=max_bad_share, check=role)
+        problems, report = load_problems(eval_file, fields, max_bad_share=max_bad_share, check=check)
         reports.append(report)
         held = _evaluated(problems, str(eval_file), eval_problems)
         if train:
