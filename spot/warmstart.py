@@ -38,14 +38,14 @@ from pathlib import Path
 import torch
 
 from common.atomic import atomic_folder
-from common.text import encode, load_tokenizer, read_prompts
+from common.text import load_tokenizer, read_prompts
 from engine.checkpoint import load_checkpoint, read_config
 from engine.spec.config import SpecConfig
 from engine.spec.eagle import KINDS as DRAFTER_KINDS, EagleConfig, EagleModel
 from spot.drafter_training import DrafterOptim, Step, evaluate, log, train
 from spot.pairs import PackedPairs
 from spot.records import RowStore
-from spot.warmstart_data import choose_draft_vocab, collect_rows
+from spot.warmstart_data import Prompt, choose_draft_vocab, collect_rows, encode_prompts
 from spot.warmstart_ranks import (Ranks, ShardedPairs, clock, evaluate_sharded, gather_layout, gather_stats, join, leave,
                                   local_part, rank_device, shard)
 
@@ -59,6 +59,7 @@ class WarmstartConfig:
     n: int = 4  # samples per prompt
     max_new_tokens: int = 256
     temperature: float = 1.0
+    top_k: int = 0  # 0: off
     top_p: float = 1.0
     chat: bool = False
     max_batch: int = 32  # engine decode slots
@@ -99,6 +100,8 @@ class WarmstartConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.draft_vocab is not None and self.draft_vocab < 0:
             raise ValueError(f"draft_vocab must be >= 0 (0 = full vocabulary), got {self.draft_vocab}")
         if self.kind == "mtp" and self.draft_vocab:
@@ -146,7 +149,7 @@ def prepare(rows: RowStore, cfg: WarmstartConfig, vocab_size: int) -> Prepared:
     )
 
 
-def prepare_sharded(rows: RowStore, prompts: list[dict], cfg: WarmstartConfig, vocab_size: int, r: Ranks,
+def prepare_sharded(rows: RowStore, prompts: list[Prompt], cfg: WarmstartConfig, vocab_size: int, r: Ranks,
                     device) -> Prepared:
     """Several ranks: the same choices as `prepare` from every rank's token ids; features stay (spot.warmstart_ranks)."""
     layout = gather_layout(rows, prompts, r)
@@ -165,19 +168,32 @@ def prepare_sharded(rows: RowStore, prompts: list[dict], cfg: WarmstartConfig, v
 
 def warmstart(cfg: WarmstartConfig, target_path: str | Path, prompts_path: str | Path, out: str | Path,
               r: Ranks = Ranks()) -> dict:
-    """The whole run; returns the summary written next to the drafter (by rank 0 of `r`)."""
+    """The whole run on a `{"id", "prompt"}` JSONL file's prompts (`cfg.chat`: as user turns of the
+    chat template); returns the summary written next to the drafter (by rank 0 of `r`)."""
     cfg.validate()
+    rows = read_prompts(prompts_path)
+    read_config(target_path)  # a missing or broken target fails here, before anything slow
+    prompts = encode_prompts(load_tokenizer(target_path), rows, cfg.chat)
+    return warmstart_prompts(cfg, target_path, prompts, out, r, source=str(prompts_path))
+
+
+def warmstart_prompts(cfg: WarmstartConfig, target_path: str | Path, prompts: list[Prompt], out: str | Path,
+                      r: Ranks = Ranks(), source: str = "") -> dict:
+    """The whole run on prompts given as token ids (launch.warmstart: the RL run's own); `source`
+    says where they came from in the summary."""
+    cfg.validate()
+    if not prompts:
+        raise ValueError(f"no prompts to warm-start on ({source or 'none given'})")
     t0 = time.perf_counter()
     target_path, out = Path(target_path), Path(out)
     torch.set_num_threads(cfg.threads)
     device = rank_device(cfg.device, r)
-    prompts = read_prompts(prompts_path)
     read_config(target_path)  # a missing or broken target fails here, before anything slow
     tokenizer = load_tokenizer(target_path)
     target = load_checkpoint(target_path, torch.float32, device).requires_grad_(False)
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    longest = max(len(encode(tokenizer, p["prompt"], cfg.chat)) for p in prompts)
+    longest = max(len(p.tokens) for p in prompts)
     mine = shard(prompts, r) if r.world > 1 else prompts
     rows, data_stats = collect_rows(target, tokenizer, mine, cfg, longest)
     if r.world > 1:
@@ -210,7 +226,7 @@ def warmstart(cfg: WarmstartConfig, target_path: str | Path, prompts_path: str |
             f"expected acceptance {before['expected_acceptance']:.3f} -> {after['expected_acceptance']:.3f}, "
             f"{accept_len_phrase(after, cfg.accept_depth)}")
     summary = {
-        "kind": cfg.kind, "target": str(target_path), "prompts": len(prompts), "ranks": r.world,
+        "kind": cfg.kind, "target": str(target_path), "prompts": len(prompts), "prompt_source": source, "ranks": r.world,
         "sequences": len(data.rows), "train_sequences": data.train_sequences, "heldout_sequences": data.held_sequences,
         "tokens": data.rows.num_tokens, "response_tokens": data_stats["generation"]["response_tokens"],
         "train_pairs": packed.num_pairs,
@@ -237,17 +253,20 @@ def accept_len_phrase(held: dict, depth: int) -> str:
             f"greedy) for a depth-{depth} chain (teacher-forced: an estimate from above)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m spot.warmstart", paths: bool = True) -> argparse.ArgumentParser:
+    """The warm start's flags; `paths`: with --target and --prompts (launch.warmstart takes both from a run config)."""
     d = WarmstartConfig()
-    p = argparse.ArgumentParser(prog="python -m spot.warmstart", description=__doc__.splitlines()[0])
-    p.add_argument("--target", required=True, help="the target's HF folder (config.json, safetensors, tokenizer)")
-    p.add_argument("--prompts", required=True, help='JSONL with {"id": ..., "prompt": "..."} lines')
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    if paths:
+        p.add_argument("--target", required=True, help="the target's HF folder (config.json, safetensors, tokenizer)")
+        p.add_argument("--prompts", required=True, help='JSONL with {"id": ..., "prompt": "..."} lines')
     p.add_argument("--out", required=True, help="drafter folder to write (replaced atomically)")
     p.add_argument("--kind", choices=KINDS, default=d.kind)
     p.add_argument("--samples", "--n", dest="n", type=int, default=d.n,
                    help="samples per prompt (under torchrun write --samples: its parser reads --n as one of its flags)")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--top-k", type=int, default=d.top_k)
     p.add_argument("--top-p", type=float, default=d.top_p)
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to prompts")
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="decode slots while generating")
@@ -287,12 +306,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if not r.main:
         return 0
+    print(result_line(paths["out"], s))
+    return 0
+
+
+def result_line(out: str, s: dict) -> str:
+    """The run's last line: what was written and the held-out accept estimate a user should expect."""
     held = (f"held-out top-1 agreement {s['heldout_top1_agreement']:.3f}, expected acceptance "
             f"{s['heldout_expected_acceptance']:.3f}, {accept_len_phrase(s['heldout'], s['accept_depth'])}"
             if s["heldout"] else "no held-out rows: no accept estimate (--holdout)")
-    print(f"wrote {paths['out']}: {s['kind']} drafter, {s['sequences']} sequences / {s['tokens']} tokens, {s['steps']} steps, "
-          f"loss {s['train_loss_start']:.3f} -> {s['train_loss_end']:.3f}, {s['seconds']:.0f}s; {held}")
-    return 0
+    return (f"wrote {out}: {s['kind']} drafter, {s['sequences']} sequences / {s['tokens']} tokens, {s['steps']} steps, "
+            f"loss {s['train_loss_start']:.3f} -> {s['train_loss_end']:.3f}, {s['seconds']:.0f}s; {held}")
 
 
 if __name__ == "__main__":

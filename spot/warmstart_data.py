@@ -1,7 +1,8 @@
 """Warm-start data: the target's own responses, their features, and a draft vocabulary.
 
 1. generate: the target samples `n` responses per prompt (RolloutEngine, no speculation, its
-   eos as stop token; `chat` applies the tokenizer's chat template);
+   eos as stop token), prompts given as token ids (`encode_prompts`: text, or with `chat` the
+   user turn of the tokenizer's chat template; launch.warmstart: as the RL run renders them);
 2. features: one teacher-forced forward per prompt + response gives the target's features
    (spot.features) as HiddenStateRows;
 3. draft vocabulary: the most frequent ids of that text (spot.draft_vocab), or the full one.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -35,14 +37,27 @@ def progress_bar(total: int, desc: str, unit: str) -> tqdm:
                 disable=not main_process())
 
 
-def generate(engine: RolloutEngine, tokenizer, prompts: list[dict], cfg) -> tuple[list[TokenSequence], dict]:
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt as the target sees it: its id (which keys the sampling noise) and its token ids."""
+
+    id: str
+    tokens: list[int]
+
+
+def encode_prompts(tokenizer, rows: list[dict], chat: bool) -> list[Prompt]:
+    """`{"id", "prompt"}` rows (common.text.read_prompts) as Prompts; `chat`: the user turn of the chat template."""
+    return [Prompt(str(r["id"]), encode(tokenizer, r["prompt"], chat)) for r in rows]
+
+
+def generate(engine: RolloutEngine, tokenizer, prompts: list[Prompt], cfg) -> tuple[list[TokenSequence], dict]:
     """The target's own responses: n per prompt; -> sequences (prompt + response) and generation stats."""
-    requests = [Request(prompt_id=str(r["id"]), prompt=encode(tokenizer, r["prompt"], cfg.chat), n=cfg.n) for r in prompts]
+    requests = [Request(prompt_id=p.id, prompt=p.tokens, n=cfg.n) for p in prompts]
     stops = stop_tokens(engine.model.config, tokenizer)
     if not stops:
         log("warning: the target has no eos token id: every response runs to --max-new-tokens")
-    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                            stop_token_ids=stops, seed=cfg.seed)
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                            top_p=cfg.top_p, stop_token_ids=stops, seed=cfg.seed)
     bar = progress_bar(len(requests) * cfg.n, "generate", "seq")
     batch = engine.generate(requests, params, progress=lambda done: bar.update(done - bar.n))
     bar.close()
@@ -59,7 +74,7 @@ def generate(engine: RolloutEngine, tokenizer, prompts: list[dict], cfg) -> tupl
     return seqs, stats
 
 
-def collect_rows(target: Transformer, tokenizer, prompts: list[dict], cfg, longest: int) -> tuple[RowStore, dict]:
+def collect_rows(target: Transformer, tokenizer, prompts: list[Prompt], cfg, longest: int) -> tuple[RowStore, dict]:
     """Steps 1-2: the target's responses, then its features over prompt + response (both through
     the engine's runtime: packed layers, compiled kernels). `longest`: the longest prompt of the
     whole run in tokens (every rank's engine is then the same shape)."""

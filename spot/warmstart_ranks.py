@@ -34,6 +34,7 @@ import torch.distributed as dist
 from spot.drafter_training import EVAL_SUMS, DrafterTrainer, evaluate_sums, means
 from spot.pairs import PackedPairs, Segment
 from spot.records import HiddenStateRows, RowStore
+from spot.warmstart_data import Prompt
 
 
 @dataclass(frozen=True)
@@ -76,20 +77,20 @@ def rank_device(device: str, r: Ranks) -> str:
     return f"cuda:{r.local_rank}"
 
 
-def shard(prompts: list[dict], r: Ranks) -> list[dict]:
+def shard(prompts: list[Prompt], r: Ranks) -> list[Prompt]:
     """This rank's prompts: every R-th from the r-th."""
     if len(prompts) < r.world:
         raise ValueError(f"{len(prompts)} prompts for {r.world} ranks: give at least one prompt per rank")
     return prompts[r.rank :: r.world]
 
 
-def gather_layout(local: RowStore, prompts: list[dict], r: Ranks) -> RowStore:
+def gather_layout(local: RowStore, prompts: list[Prompt], r: Ranks) -> RowStore:
     """Every rank's rows without their features (token ids, prompt lengths), in the 1-rank order:
     by the prompt's place in the file, then sample."""
     meta = [(row.prompt_id, row.sample, row.tokens.to(torch.int32), row.prompt_len) for row in local]
     everyone: list = [None] * r.world
     dist.all_gather_object(everyone, meta)
-    place = {str(p["id"]): i for i, p in enumerate(prompts)}
+    place = {p.id: i for i, p in enumerate(prompts)}
     rows = sorted((m for part in everyone for m in part), key=lambda m: (place[m[0]], m[1]))
     return RowStore([HiddenStateRows(prompt_id=pid, sample=s, tokens=t.long(), features=torch.empty(len(t), 0),
                                      prompt_len=p) for pid, s, t, p in rows])

@@ -19,7 +19,8 @@ from pipeline.tasks.prompts import make_prompts
 from spot.records import HiddenStateRows, RowStore
 from spot.drafter_training import batch_loss, train
 from spot.warmstart import WarmstartConfig, warmstart
-from tests.conftest import REPO
+from common.text import load_tokenizer
+from tests.conftest import REPO, make_hf_model
 
 
 def coded_rows(lengths: list[int], prompt_lens: list[int]) -> list[HiddenStateRows]:
@@ -229,3 +230,71 @@ def test_a_warmstart_on_cuda_writes_a_drafter_that_loads_on_cpu(char_model_dir, 
 def test_a_warmstart_device_that_does_not_exist_is_refused_by_name():
     with pytest.raises(ValueError, match="device must be cpu or cuda"):
         WarmstartConfig(device="tpu").validate()
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory):
+    """A random Llama over the character tokenizer with a chat template (a chat run's model)."""
+    from tests.test_data_files import chat_tokenizer
+
+    tok = chat_tokenizer()
+    path = tmp_path_factory.mktemp("chat-model")
+    make_hf_model("llama", vocab=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                  pad_token_id=tok.pad_token_id).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def verl_run(chat_model_dir, tmp_path) -> list[str]:
+    """Overrides of configs/tiny.yaml for a chat run on a verl-layout parquet file without ids."""
+    from tests.test_data_files import verl_row, write_parquet
+
+    data = write_parquet(tmp_path / "verl.parquet", [verl_row(i) for i in range(60)])
+    return [f"model.path={chat_model_dir}", "task.name=math", f"task.file={data}",
+            "task.answer_field=reward_model.ground_truth", "task.chat=true", "task.system_prompt=Be brief.",
+            "rollout.n=3", "rollout.max_new_tokens=12", "engine.spec.drafter=ngram+eagle3"]
+
+
+def test_the_warm_start_of_a_run_config_reads_the_runs_training_prompts_as_the_run_renders_them(chat_model_dir, tmp_path):
+    from launch.config import load_config
+    from launch.run import problems_for
+    from launch.run_config import TrainConfig
+    from launch.warmstart import run_prompts
+
+    cfg = load_config(TrainConfig, REPO / "configs" / "tiny.yaml", verl_run(chat_model_dir, tmp_path))
+    tok = load_tokenizer(chat_model_dir)
+    prompts, source = run_prompts(cfg, tok, 10)
+    train = problems_for(cfg, tok).train
+    assert [p.id for p in prompts] == [p.id for p in train[:10]]  # the training share: held-out ids never appear
+    assert len(train) < 60 and "10 of the" in source and "verl.parquet (chat)" in source
+    # The conversation a chat run renders: the system prompt's turn ('#' in this template), then the
+    # file's user message as it is ('*'), then the assistant's opening ('=').
+    expect = tok("#Be brief.\n*" + train[0].prompt + "\n=", add_special_tokens=False)["input_ids"]
+    assert prompts[0].tokens == expect and train[0].prompt.startswith("What is")
+
+
+@pytest.mark.slow
+def test_the_warm_start_cli_takes_the_runs_model_sampling_and_drafter_kind_unless_a_flag_says_otherwise(chat_model_dir,
+                                                                                                      tmp_path):
+    base = [sys.executable, "-m", "launch.warmstart", "--config", str(REPO / "configs" / "tiny.yaml"),
+            *verl_run(chat_model_dir, tmp_path), "--steps", "4", "--window", "64", "--threads", "1", "--holdout", "0.3"]
+    res = subprocess.run([*base, "--max-prompts", "6", "--out", str(tmp_path / "d")], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = json.loads((tmp_path / "d" / "warmstart_summary.json").read_text())
+    assert s["kind"] == "eagle3" and s["prompts"] == 6 and s["sequences"] == 18  # rollout.n = 3
+    assert s["config"]["max_new_tokens"] == 12 and "verl.parquet" in s["prompt_source"]
+    assert "expected accept length" in res.stdout.splitlines()[-1]
+    res = subprocess.run([*base, "--max-prompts", "4", "--samples", "1", "--kind", "eagle", "--out", str(tmp_path / "e")],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = json.loads((tmp_path / "e" / "warmstart_summary.json").read_text())
+    assert s["kind"] == "eagle" and s["sequences"] == 4
+
+
+@pytest.mark.slow
+def test_the_warm_start_of_a_config_names_the_keys_it_still_needs():
+    res = subprocess.run([sys.executable, "-m", "launch.warmstart", "--config", str(REPO / "configs" / "7b.yaml"),
+                          "--out", "/nonexistent/d"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "leaves model.path, task.file to be set" in res.stderr
+    assert "Traceback" not in res.stderr
