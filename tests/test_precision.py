@@ -9,6 +9,7 @@ import torch
 from pipeline.actors import precision
 from pipeline.actors.base import ActorConfig
 from pipeline.actors.forward import forward_in, load_policy
+from pipeline.actors.head import LogprobHead
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,8 @@ def test_bf16_mixed_log_probs_and_gradients_track_float32(model_dir, attention):
 def test_the_lm_head_computes_in_float32_and_keeps_its_weights(model_dir, tmp_path):
     model = load_policy(model_dir, ActorConfig(precision="bf16-mixed"))
     head = model.get_output_embeddings()
-    assert isinstance(head, precision.Float32Head)
+    assert isinstance(head, LogprobHead) and head.float32
+    assert not load_policy(model_dir, ActorConfig(precision="float32")).get_output_embeddings().float32
     assert head.weight is model.get_input_embeddings().weight  # still tied
     hidden = torch.randn(2, 5, 64)
     with torch.autocast("cpu", dtype=torch.bfloat16):

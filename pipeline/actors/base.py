@@ -55,6 +55,12 @@ class ActorConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping
     micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) per micro-batch
+    # Tokens per chunk of the LM head + log-softmax (pipeline/actors/chunked_head.py; torch and deepspeed
+    # backends, megatron computes whole logits): the forward holds one chunk's [head_chunk_tokens, V]
+    # float32 logits instead of a micro-batch's, the backward that and two more of its size (the softmax,
+    # the logits' gradient) plus the head weight's float32 gradient [V, H]. 512 x 152,064 (Qwen2.5's
+    # vocabulary) x 4 bytes is 311 MB a buffer.
+    head_chunk_tokens: int = 512
     gradient_checkpointing: bool = False
     dtype: Literal["float32", "bfloat16"] = "float32"  # parameters and activations
     # The model's attention in the update: "tailspec" the project's causal CPU kernels (float32 on CPU;
@@ -107,6 +113,9 @@ class ActorConfig:
                 raise ValueError(f"actor.{key} must be >= 0, got {getattr(self, key)}")
         if self.micro_batch_tokens < 1:
             raise ValueError(f"actor.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        if self.head_chunk_tokens < 1:
+            raise ValueError(f"actor.head_chunk_tokens must be >= 1 (tokens per chunk of the LM head), "
+                             f"got {self.head_chunk_tokens}")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"actor.device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.backend == "torch" and (self.offload_optimizer or self.offload_params):

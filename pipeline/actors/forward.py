@@ -4,7 +4,11 @@
 log-probs (pipeline.records' rule: column t = log p(ids[t] | ids[:t]), column 0 is 0), the
 entropy of each of those distributions, and hidden states (HF's `hidden_states` indexing:
 0 = the embeddings, i = the output of decoder layer i; `hidden` is the final, post-norm one that
-feeds the LM head), always detached: a loss on them cannot reach the policy.
+feeds the LM head), always detached: a loss on them cannot reach the policy. The log-probs and
+entropies come out of the model's LM head itself, computed `actor.head_chunk_tokens` tokens at a
+time (pipeline/actors/head.py, chunked_head.py): no [tokens, V] logits of a micro-batch exist.
+`token_logprobs` / `token_entropy` are the same quantities from whole logits, for a model that
+computes its logits itself (megatron's GPTModel).
 
 `micro_batches` cuts a mini-batch into groups of rows of at most `budget` padded tokens (rows x
 longest row), longest rows first; each group is trimmed to its longest row, which changes no
@@ -24,21 +28,22 @@ import torch.distributed as dist
 from pipeline.actors import precision
 from pipeline.actors.attention import implementation
 from pipeline.actors.base import ADDITIVE_METRICS, DTYPES, ActorConfig, LogProbs, LossFn
+from pipeline.actors.head import install_head, picking
 from pipeline.records import TrainBatch
 
 
 def load_policy(path: str | Path, cfg: ActorConfig):
     """The transformers AutoModelForCausalLM in folder `path` (the one the engine serves), in cfg.dtype,
-    with cfg.attention's implementation (pipeline/actors/attention.py); under bf16-mixed precision its
-    LM head computes in float32 (pipeline/actors/precision.py)."""
+    with cfg.attention's implementation (pipeline/actors/attention.py) and an LM head that computes
+    log-probs cfg.head_chunk_tokens tokens at a time (pipeline/actors/head.py); under bf16-mixed
+    precision that head computes in float32 (pipeline/actors/precision.py)."""
     from transformers import AutoModelForCausalLM
 
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"actor model folder {path} has no config.json: expected a Hugging Face model folder")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype], attn_implementation=implementation(cfg))
     model.config.use_cache = False
-    if precision.resolve(cfg) == "bf16-mixed":
-        precision.keep_head_float32(model)
+    install_head(model, cfg.head_chunk_tokens, float32=precision.resolve(cfg) == "bf16-mixed")
     if cfg.gradient_checkpointing:
         # transformers 5 renamed it; both take the checkpoint kwargs first.
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
@@ -66,18 +71,21 @@ def policy_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     The model gets no padding mask: rows are right-padded and attention is causal, so no real token
     sees a pad, and the causal kernels (actor.attention's: tailspec's or SDPA's) skip the masked half
     of each score matrix where an explicit mask makes SDPA compute all of it.
-    Log-probs and entropies at pads are zeroed below; hidden states at pads mean nothing.
+    The model's head returns the log-probs and entropies (`picking`), 0 at pads, and computes none
+    for pads; hidden states at pads mean nothing. A model not loaded by `load_policy` gets that head
+    here, with actor.head_chunk_tokens' default.
     """
     if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
         raise ValueError("policy_forward needs right-padded rows (every row's real tokens first, then pads); "
                          "a row has a real token after a pad: build rows with pipeline.train_batch")
     want_states = hidden or bool(hidden_layers)
-    out = model(input_ids=input_ids, attention_mask=None, output_hidden_states=want_states, use_cache=False)
-    real = attention_mask.bool()  # [b, T]
+    with picking(model, input_ids, attention_mask, entropy, ActorConfig.head_chunk_tokens):
+        out = model(input_ids=input_ids, attention_mask=None, output_hidden_states=want_states, use_cache=False)
+    picked = out.logits  # [b, T, 1 or 2]: log-prob (and entropy) per token, not logits (pipeline/actors/head.py)
     states = out.hidden_states if want_states else None
     return LogProbs(
-        logprobs=token_logprobs(out.logits, input_ids).masked_fill(~real, 0.0),
-        entropy=token_entropy(out.logits).masked_fill(~real, 0.0) if entropy else None,
+        logprobs=picked[..., 0],
+        entropy=picked[..., 1] if entropy else None,
         hidden=states[-1].detach() if hidden else None,
         hidden_layers={i: states[i].detach() for i in hidden_layers} if hidden_layers else None,
     )

@@ -25,6 +25,9 @@ rank and loaded strictly. The layer spec is Transformer Engine's when it is inst
 attention), else megatron's local spec, which materialises [b, heads, T, T] attention scores.
 Logits are gathered over TP (runtime_gather_output) and the padded vocabulary dropped, so
 log-probs and entropy are forward.py's token_logprobs / token_entropy, token-aligned the same way.
+Unlike the torch and DeepSpeed backends' head (pipeline/actors/head.py), this one holds a micro-batch's
+whole [b, T, V] logits and ignores actor.head_chunk_tokens: chunking it needs a vocabulary-parallel
+log-softmax over each chunk's TP shards, which is not written (lower actor.micro_batch_tokens instead).
 Attention is causal with no padding mask: rows are right-padded, so no real token sees a pad.
 
 A checkpoint is each TP rank's parameters and optimizer state (`model_tp{t}.pt`,

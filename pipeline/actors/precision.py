@@ -12,7 +12,9 @@ stays float32, and why:
 - attention's softmax and sums: its products run in bf16 arithmetic too where the kernels have
   AVX512_BF16 (pipeline/actors/attention.py, engine/kernels/causal_attention_bf16.cpp), else in float32;
 - the LM head: its logits give the log-probs that the PPO ratio compares with the engine's float32
-  ones; a bf16 head is the trainer-sampler mismatch MiniMax-M1 traced and fixed the same way.
+  ones; a bf16 head is the trainer-sampler mismatch MiniMax-M1 traced and fixed the same way. The
+  head (pipeline/actors/head.py, installed by load_policy with `float32` set under bf16-mixed)
+  computes its products in float32 whatever autocast says, a chunk of tokens at a time.
 On 7,128 tokens of the mult task's worked solutions the tiny model's log-probs differ from float32's
 by 1.6e-3 on average and 4.4e-2 at the 99th percentile; 0.07% of tokens have a ratio outside PPO's
 clip range of 0.2 (`python -m bench.precision`; tests/test_precision.py bounds it on a small model).
@@ -45,24 +47,6 @@ def resolve(cfg: ActorConfig) -> str:
         return cfg.precision
     mixed = cfg.backend == "torch" and cfg.device == "cpu" and cfg.dtype == "float32" and cpu_has_bf16()
     return "bf16-mixed" if mixed else "float32"
-
-
-class Float32Head(torch.nn.Linear):
-    """An LM head that computes in float32 under autocast (its class swapped in by `keep_head_float32`:
-    the parameters, their names and the tying to the embeddings stay what they were)."""
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(hidden.device.type, enabled=False):
-            return torch.nn.functional.linear(hidden.float(), self.weight, self.bias)
-
-
-def keep_head_float32(model) -> None:
-    """Make `model`'s output embedding (an nn.Linear) compute in float32 whatever autocast says."""
-    head = model.get_output_embeddings()
-    if type(head) is not torch.nn.Linear:
-        raise ValueError(f"actor.precision=bf16-mixed keeps the LM head in float32 and expects an nn.Linear head, "
-                         f"got {type(head).__name__}: set actor.precision=float32")
-    head.__class__ = Float32Head
 
 
 def autocast(precision: str, device: str) -> Callable[[], contextlib.AbstractContextManager]:

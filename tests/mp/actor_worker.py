@@ -1,4 +1,7 @@
-"""torchrun worker for tests/test_actors.py: the torch (DDP), DeepSpeed ZeRO-2 and ZeRO-3 actors at world size 2.
+"""torchrun worker for tests/test_actors.py: the torch (DDP), DeepSpeed ZeRO-1, ZeRO-2 and ZeRO-3 actors at world size 2.
+
+The LM head computes log-probs HEAD_CHUNK tokens at a time, so every micro-batch's head runs in
+several chunks (under ZeRO-3 with its weight partitioned, gathered for the forward and backward).
 
 Each rank trains on its rows of one global batch (5 rows and 1: a long tail) with the loss weights
 normalised over the whole batch. Per backend, rank 0 writes to --out the summed loss of every step
@@ -31,9 +34,11 @@ from pipeline.records import TrainBatch
 
 VOCAB = 101
 LINEAR = torch.nn.functional.linear  # before any DeepSpeed import: ZeRO-3 must leave it in place
-TRAIN = {"lr": 1e-3, "grad_clip": 0.5, "weight_decay": 0.1}  # weight decay: a wrong decay group changes the losses
-BACKENDS = {"torch": {"backend": "torch"}, "zero2": {"backend": "deepspeed", "zero_stage": 2},
-            "zero3": {"backend": "deepspeed", "zero_stage": 3}}
+HEAD_CHUNK = 5  # tokens per chunk of the LM head: a micro-batch of up to 28 tokens runs in several
+TRAIN = {"lr": 1e-3, "grad_clip": 0.5, "weight_decay": 0.1,  # weight decay: a wrong decay group changes the losses
+         "head_chunk_tokens": HEAD_CHUNK}
+BACKENDS = {"torch": {"backend": "torch"}, "zero1": {"backend": "deepspeed", "zero_stage": 1},
+            "zero2": {"backend": "deepspeed", "zero_stage": 2}, "zero3": {"backend": "deepspeed", "zero_stage": 3}}
 RESUMED = 2  # steps after the save: the second one also sees the restored optimizer state
 
 
@@ -58,6 +63,20 @@ def pg_loss(logprobs, entropy, micro: TrainBatch):
     loss = (-micro.advantages * ratio * micro.loss_weights).sum()
     resp = micro.response_mask.bool()
     return loss, {"train/ratio_mean": float(ratio.detach()[resp].mean()) if resp.any() else 0.0}
+
+
+def whole_logits_forward(model, input_ids, attention_mask, *, entropy=False, hidden=False, hidden_layers=None):
+    """pipeline.actors.forward.policy_forward computed the way it was before the chunked head: the
+    model's whole [b, T, V] logits (its head called plainly), then log-softmax over them. The
+    reference the chunked head is compared with."""
+    from pipeline.actors.base import LogProbs
+    from pipeline.actors.forward import token_entropy, token_logprobs
+
+    assert not hidden and not hidden_layers
+    logits = model(input_ids=input_ids, attention_mask=None, use_cache=False).logits  # [b, T, V]
+    real = attention_mask.bool()
+    return LogProbs(logprobs=token_logprobs(logits, input_ids).masked_fill(~real, 0.0),
+                    entropy=token_entropy(logits).masked_fill(~real, 0.0) if entropy else None)
 
 
 def gathered_weights(actor) -> tuple[dict[str, torch.Tensor], list]:
