@@ -49,7 +49,7 @@ from pipeline.shares import split_samples
 from pipeline.tasks import Problem, Task, get_task
 from pipeline.tasks.eval import EVAL_SEED
 from pipeline.tasks.math import INSTRUCTION, unreadable_answer
-from pipeline.trainer import StepDriver, Trainer
+from pipeline.trainer import StepDriver, Trainer, peak_rss_gb
 
 
 class RankLog:
@@ -101,6 +101,7 @@ class Run:
                 result = trainer.step()
                 step = trainer.step_index
                 log_step(self.run_dir, step, r.rank, result.decode_steps, result.rollouts)
+                log(f"step {step}: peak RSS {peak_rss_gb():.2f} GB on rank {r.rank}")
                 metrics = result.metrics
                 if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
                     acc = trainer.evaluate()

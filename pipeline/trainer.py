@@ -30,6 +30,7 @@ weight min(pi_old / pi_behaviour, is_cap) on each token's advantage.
 from __future__ import annotations
 
 import itertools
+import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,11 @@ from pipeline.run_state import RunState, checkpoint_dir, save_run
 from pipeline.schedule import RolloutSchedule
 from pipeline.step_metrics import RolloutReport, rollout_metrics
 from pipeline.tasks import Problem, Task
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory so far, in GB (getrusage's ru_maxrss, KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 _RUNS = itertools.count()  # runs made in this process: part of their idle windows' store scope
@@ -227,6 +233,9 @@ class Trainer:
         m.update(rollout_metrics(reports))
         rewards = scored.rewards[scored.trained]
         m["reward/std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
+        peaks = [row[0] for row in gather_floats(self.r, [peak_rss_gb()])]  # by rank
+        m["memory/peak_rss_gb"] = max(peaks)  # the rank nearest to running out
+        m.update({f"memory/peak_rss_gb/rank{rank}": gb for rank, gb in enumerate(peaks)})
         return m
 
     # -- eval and checkpoints --------------------------------------------------------------
