@@ -149,10 +149,14 @@ class TrainerSection:
     # A checkpoint folder (runs/<run>/checkpoints/step-N) to continue from, or "auto": the run folder's
     # (run.dir's) latest complete checkpoint if it has one, else a fresh start (requeued Slurm jobs).
     resume: str | None = None
-    # Old log-probs of the PPO ratio: the actor's recomputed ones, or the engine's own (the
-    # behaviour policy's, free: exactly the old policy in synchronous mode, when the sampling
-    # distribution is the policy's: temperature 1, no top-k / top-p). auto: engine where it holds.
-    old_logprobs: Literal["auto", "actor", "engine"] = "auto"
+    # Old log-probs of the PPO ratio (pipeline/old_logprobs.py): engine, the engine's own (the
+    # behaviour policy's, free: exactly the old policy in synchronous mode when the sampling
+    # distribution is the policy's: temperature 1, no top-k / top-p); update, the update's own
+    # forward, detached, for the rows it passes before any optimizer step (all of them with one
+    # mini-batch and one epoch), and one actor forward over the later mini-batches' rows; actor, one
+    # actor forward over every row before the update. auto: engine where it holds, else update,
+    # else (async_steps=1, or spot training from the actor's features) actor.
+    old_logprobs: Literal["auto", "actor", "engine", "update"] = "auto"
     async_steps: Literal[0, 1] = 0  # 1: step t+1's rollouts use the policy before step t's update
     is_cap: float = 2.0  # truncated importance weight cap of the asynchronous mode
     # Which prompt groups each rank trains (pipeline.shares): shard, its loader shard (whatever rank
@@ -179,6 +183,10 @@ class TrainerSection:
         if self.old_logprobs == "engine" and self.async_steps:
             raise ValueError("trainer.old_logprobs=engine is wrong with trainer.async_steps=1 (the behaviour policy is "
                              "one update behind the old one); use actor or auto")
+        if self.old_logprobs == "update" and self.async_steps:
+            raise ValueError("trainer.old_logprobs=update is wrong with trainer.async_steps=1 (the rollouts come from the "
+                             "policy one update behind; the importance weight needs the old log-probs before the "
+                             "update): use actor or auto")
         if self.resume == "":
             raise ValueError("trainer.resume is empty: name a checkpoint folder, 'auto', or leave it null")
         if not self.is_cap >= 1:

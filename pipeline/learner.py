@@ -2,7 +2,9 @@
 
     rewards -> advantages over whole groups (pipeline.algorithms) -> a TrainBatch of the rows this
     rank trains (pipeline.train_batch)
-    -> old log-probs (the engine's, or the actor's forward) and reference log-probs
+    -> old log-probs (pipeline.old_logprobs: the engine's; the update's own forward, detached, for
+       the rows it passes before any optimizer step, and one actor forward over the later
+       mini-batches' rows; or one actor forward over every row) and reference log-probs
     -> the asynchronous mode's truncated importance weight on the advantages
     -> the step's learning rate (actor.lr_schedule, a function of the step alone)
     -> PPO epochs over mini-batches (the rows the schedule dealt this rank, else even chunks; the
@@ -11,7 +13,9 @@
 
 Its metrics are the step's, over every rank, each counted once: the reward and advantage metrics
 over every group (owned_group_metrics), the update's (combine_update_metrics: losses summed, token
-means weighted by each rank's tokens), and `train/update_balance` (pipeline.shares.update_balance
+means weighted by each rank's tokens; `train/mismatch_kl`, engine against actor, over every row
+from the separate pass, else over the first mini-batch's rows that reach the actor, from its
+forward before the optimizer step), and `train/update_balance` (pipeline.shares.update_balance
 over every rank's tokens in each mini-batch: 1 when no rank waits at a mini-batch's gradient
 all-reduce). One gather each, per step.
 
@@ -33,6 +37,7 @@ from common.optim import scheduled_lr
 from pipeline.actors.base import ADDITIVE_METRICS
 from pipeline.algorithms import Algorithm, build_algorithm, mismatch_kl
 from pipeline.dist import Ranks, all_sum, gather_objects
+from pipeline.old_logprobs import UpdateLogprobs, old_logprobs_source
 from pipeline.records import TrainBatch
 from pipeline.rollouts import ScoredRollouts
 from pipeline.shares import update_balance
@@ -56,6 +61,7 @@ class Learner:
                  actor_features=None) -> None:
         self.cfg, self.r, self.actor, self.pad_id = cfg, ranks, actor, pad_id
         self.engine_old_logprobs = engine_old_logprobs
+        self.old_source = old_logprobs_source(cfg.trainer, engine_old_logprobs, actor_features is not None)
         self.reference = reference  # a ReferencePolicy when algorithm.kl_coef > 0
         self.actor_features = actor_features  # a spot.actor_features.ActorFeatures: the buffer from the actor's forward
         if cfg.algorithm.kl_coef > 0 and reference is None:
@@ -76,9 +82,12 @@ class Learner:
     def train(self, scored: ScoredRollouts, step: int) -> tuple[dict[str, float], float, float]:
         """One update on this rank's rollouts of `step`; -> (metrics, seconds of log-probs, seconds of update)."""
         batch, metrics = self.train_batch(scored)
+        cuts = mini_batch_cut(batch.size, scored.mini_batch_rows, self.cfg.trainer.mini_batches)
         t = time.perf_counter()
-        if self.engine_old_logprobs:
+        if self.old_source == "engine":
             batch.old_logprobs = batch.engine_logprobs.clone()
+        elif self.old_source == "update":
+            self._later_old_logprobs(batch, cuts[1:])
         else:
             metrics.update(self._actor_old_logprobs(batch, scored, step))
         if self.reference is not None:
@@ -90,7 +99,7 @@ class Learner:
         t = time.perf_counter()
         metrics["train/lr"] = self.lr_at(step)
         self.actor.set_lr(metrics["train/lr"])
-        metrics.update(self._update(batch, mini_batch_cut(batch.size, scored.mini_batch_rows, self.cfg.trainer.mini_batches)))
+        metrics.update(self._update(batch, cuts))
         return metrics, logprob_s, time.perf_counter() - t
 
     def lr_at(self, step: int) -> float:
@@ -132,6 +141,21 @@ class Learner:
             metrics["spot/entries_put"] = all_sum(self.r, float(put))  # over all ranks
         return metrics
 
+    def _later_old_logprobs(self, batch: TrainBatch, later: list[torch.Tensor]) -> None:
+        """The actor's recomputed old log-probs into `batch` for the rows of the `later` mini-batches
+        that go through the actor (old_source update: the first mini-batch's come from its own
+        forward, in `_update`); one forward, before any optimizer step."""
+        rows = [chunk[self._through_actor(batch.select(chunk))] for chunk in later]
+        rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+        if len(rows) == 0:
+            return
+        out = self.actor.logprobs(batch.input_ids[rows], batch.attention_mask[rows])
+        batch.old_logprobs[rows] = out.logprobs.cpu() * batch.response_mask[rows]
+
+    def _through_actor(self, mb: TrainBatch) -> torch.Tensor:
+        """The rows [k] of mini-batch `mb` that the update passes to the actor."""
+        return gradient_rows(mb) if self.skip_inert else torch.arange(mb.size)
+
     def _update(self, batch: TrainBatch, mini_batches: list[torch.Tensor]) -> dict[str, float]:
         tc = self.cfg.trainer
         sums: dict[str, float] = {}
@@ -144,18 +168,16 @@ class Learner:
                 mb = batch.select(chunk)
                 mb.loss_weights = self._global_weights(mb.response_mask)  # normalised over every row
                 tokens += float(mb.response_mask.sum())
-                if self.skip_inert:
-                    mb = mb.select(gradient_rows(mb))
+                rows = self._through_actor(mb)
+                mb = mb.select(rows)
                 loads.append(float(mb.response_mask.sum()))
-                measure = self.engine_old_logprobs and count == 0
-
-                def loss_fn(lp, ent, micro, measure=measure):
-                    loss, m = self.algo.loss(lp, micro, ent)
-                    if measure:  # before any update: the actor's log-probs against the engine's
-                        m.update(mismatch_kl(micro.engine_logprobs, lp.detach(), micro.response_mask)[1])
-                    return loss, m
-
-                m = self.actor.update(mb, loss_fn)
+                # Before any optimizer step the forward's own log-probs are the old policy's.
+                on_policy = self.old_source == "update" and count == 0
+                kept = UpdateLogprobs(mb) if on_policy and tc.ppo_epochs > 1 else None
+                m = self.actor.update(mb, self._loss_fn(on_policy, kept, measure=self.old_source != "actor" and count == 0))
+                if kept is not None:  # the same rows' old log-probs in the later epochs
+                    assert kept.complete(), "a row of the first mini-batch never reached the loss"
+                    batch.old_logprobs[chunk[rows]] = kept.logprobs
                 for k in [k for k in m if k.startswith("train/mismatch")]:
                     first[k] = m.pop(k)
                 for k, v in m.items():
@@ -169,6 +191,23 @@ class Learner:
             "train/skipped_token_share": 1 - through / total if total else 0.0,
             "train/update_balance": update_balance([p.loads for p in parts]),
         }
+
+    def _loss_fn(self, on_policy: bool, kept: UpdateLogprobs | None, measure: bool):
+        """The algorithm's loss as the actor's LossFn. on_policy: the micro-batch's old log-probs are
+        its own forward's, detached (the ratio is exactly 1), and `kept` keeps them; measure: the
+        forward runs before any optimizer step, so train/mismatch_kl compares it with the engine's."""
+
+        def loss_fn(lp, ent, micro):
+            if on_policy:
+                micro.old_logprobs = lp.detach() * micro.response_mask
+                if kept is not None:
+                    kept.put(micro, micro.old_logprobs)
+            loss, m = self.algo.loss(lp, micro, ent)
+            if measure:
+                m.update(mismatch_kl(micro.engine_logprobs, lp.detach(), micro.response_mask)[1])
+            return loss, m
+
+        return loss_fn
 
     def _global_weights(self, mask: torch.Tensor) -> torch.Tensor:
         """The algorithm's aggregation weights for this rank's rows, rescaled so that they are
