@@ -17,6 +17,7 @@ from pipeline.dist import Ranks
 from pipeline.learner import Learner
 from pipeline.old_logprobs import UpdateLogprobs, old_logprobs_source
 from pipeline.records import TrainBatch
+from pipeline.reference import ReferencePolicy
 from pipeline.rollouts import ScoredRollouts
 from tests.conftest import make_hf_model
 from tests.test_trainer import LEARNED, config, digits_task, step_rows, weights  # noqa: F401  (a fixture)
@@ -122,8 +123,10 @@ def learner(model_dir, source: str, mini_batches: int, epochs: int, *overrides: 
     cfg = load_config(TrainConfig, None, ["model.path=unused", f"trainer.old_logprobs={source}",
                                           f"trainer.mini_batches={mini_batches}", f"trainer.ppo_epochs={epochs}",
                                           "rollout.max_new_tokens=16", "rollout.temperature=0.8", *overrides])
-    actor = CountingActor(build_actor(ActorConfig(lr=1e-3, grad_clip=0.5, micro_batch_tokens=48), model_dir))
-    return Learner(cfg, Ranks(), actor, pad_id=0, engine_old_logprobs=False), actor
+    actor_cfg = ActorConfig(lr=1e-3, grad_clip=0.5, micro_batch_tokens=48)
+    actor = CountingActor(build_actor(actor_cfg, model_dir))
+    reference = ReferencePolicy(actor_cfg, model_dir) if cfg.algorithm.kl_coef > 0 else None
+    return Learner(cfg, Ranks(), actor, pad_id=0, engine_old_logprobs=False, reference=reference), actor
 
 
 @pytest.mark.parametrize("mini_batches, epochs", [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow),
@@ -151,6 +154,22 @@ def test_the_update_forwards_old_logprobs_learn_what_the_actor_pass_learns_step_
         assert [ids.tolist() for ids in a_short.passes] == ([batch.input_ids[later].tolist()] if later else [])
         if (mini_batches, epochs) == (1, 1):
             assert m_short["train/ratio_mean"] == 1.0 and m_short["train/approx_kl_old"] == 0.0
+
+
+@pytest.mark.slow
+def test_with_a_kl_term_the_update_forwards_old_logprobs_learn_what_the_actor_pass_learns(model_dir):
+    # kl_coef > 0: every row reaches the actor (group 0's too), and the reference's log-probs are unchanged.
+    (today, a_today), (short, a_short) = (learner(model_dir, s, 2, 1, "algorithm.kl_coef=0.1") for s in ("actor", "auto"))
+    for step in range(2):
+        scored = scored_rollouts(seed=10 + step)
+        a_short.passes.clear()
+        m_today, m_short = today.train(scored, step)[0], short.train(scored, step)[0]
+        for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/kl"):
+            assert m_short[key] == pytest.approx(m_today[key], rel=1e-5, abs=1e-7), (step, key)
+        assert m_short["train/kl"] > 0 or step == 0
+        assert [len(ids) for ids in a_short.passes] == [8]  # the second mini-batch, group 2's and 3's rows
+    for (name, p), q in zip(a_today.model.named_parameters(), a_short.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_the_update_forward_measures_the_engine_mismatch_the_actor_pass_measures_over_the_same_rows(model_dir):
