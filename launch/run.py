@@ -48,6 +48,7 @@ from pipeline.run_state import RunState, latest_checkpoint, load_run
 from pipeline.shares import split_samples
 from pipeline.tasks import Problem, Task, get_task
 from pipeline.tasks.eval import EVAL_SEED
+from pipeline.tasks.reward_scoring import build_rewards
 from pipeline.tasks.math import INSTRUCTION, unreadable_answer
 from pipeline.trainer import StepDriver, Trainer, peak_rss_gb
 
@@ -165,6 +166,9 @@ def _build(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: E
         log(f"data: {line}")
     task, held_out = problems.task, problems.held_out
     loader = prompt_loader(cfg, problems.train, world_size=r.world, rank=r.rank)
+    rewards = build_rewards(cfg.task, task, log)  # before any rollout: a reward that does not load stops the build
+    resources.callback(rewards.close)
+    log(rewards.summary())
     history = history_of(cfg, r)
     engine = build_rollout_engine(cfg.model.path, cfg.engine, seed=cfg.run.seed,
                                   history=history.store if history is not None else None)
@@ -197,7 +201,7 @@ def _build(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: E
     if idle_work is not None and "idle_work" in state.components:
         idle_work.load_state_dict(state.components["idle_work"])
 
-    trainer = Trainer(cfg, r, engine, actor, tokenizer, task, loader, held_out, run_dir, idle_work=idle_work,
+    trainer = Trainer(cfg, r, engine, actor, tokenizer, rewards, loader, held_out, run_dir, idle_work=idle_work,
                       start_step=state.step, reference=reference, bubbles=bubbles,
                       actor_features=spot.actor_features if spot is not None else None, sampling=sampling, history=history)
     if "length_predictor" in state.components:

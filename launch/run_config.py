@@ -12,6 +12,7 @@ from pipeline.actors.base import ActorConfig
 from pipeline.algorithms.config import AlgorithmConfig
 from pipeline.bubble import BubbleConfig
 from pipeline.metrics.config import MetricsConfig
+from pipeline.tasks.reward_plugins import check_reward_name
 from spot.config import SpotConfig
 
 
@@ -58,6 +59,15 @@ class TaskSection:
     system_prompt: str | None = None
     instruction: str | None = None
     format_weight: float = 0.0  # training reward bonus for a \boxed{} answer (math-verify tasks); eval scores correctness
+    # The training reward (pipeline.tasks.reward_plugins): null, the task's own (run in this process);
+    # math_verify, exact, path/to/file.py:function or package.module:function, each called as
+    # fn(prompt, response, answer, extra) -> float | {"score": float, <metric>: float, ...}.
+    reward: str | None = None
+    reward_workers: int = 2  # worker processes a named reward runs in; 0: this process, without timeouts
+    reward_timeout_s: float = 10.0  # a call running longer is abandoned (its worker replaced) and scores 0
+    # A rank's step whose failed reward calls (raised or timed out: each scores 0, counted in
+    # reward/errors and reward/timeouts) exceed this share stops the run, showing one failing row.
+    max_reward_error_share: float = 0.1
     train_problems: int = 4096  # problems drawn from a generator for training
     # arith only: the training problems' difficulty (operand digits 1..max_digits, P(d) ~ d^-tail);
     # None: the generator's defaults (12, 1.5), which the held-out problems always use.
@@ -74,6 +84,14 @@ class TaskSection:
             raise ValueError("task.max_digits / task.tail shape the arith generator only (task.name=arith, no task.file)")
         if self.format_weight < 0:
             raise ValueError(f"task.format_weight must be >= 0, got {self.format_weight}")
+        check_reward_name(self.reward)
+        if self.reward_workers < 0:
+            raise ValueError(f"task.reward_workers must be >= 0 (0: the reward runs in the trainer's process), got "
+                             f"{self.reward_workers}")
+        if not self.reward_timeout_s > 0:
+            raise ValueError(f"task.reward_timeout_s must be > 0 seconds, got {self.reward_timeout_s}")
+        if not 0 <= self.max_reward_error_share < 1:
+            raise ValueError(f"task.max_reward_error_share must be in [0, 1), got {self.max_reward_error_share}")
         if not 0 <= self.max_bad_share < 1:
             raise ValueError(f"task.max_bad_share must be in [0, 1), got {self.max_bad_share}")
         for key in ("file", "eval_file", "prompt_field", "answer_field", "id_field", "response_field"):

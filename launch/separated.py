@@ -40,6 +40,7 @@ from pipeline.metrics import MetricsLogger
 from pipeline.placement import Placement, build_placement
 from pipeline.rollouts import StepSampling
 from pipeline.shares import shard_shares
+from pipeline.tasks.reward_scoring import build_rewards
 
 _RUNS = itertools.count()  # runs built in this process: part of their push announcements' store scope
 
@@ -88,6 +89,9 @@ def build_separated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
         from pipeline.separated_rollout import SeparatedRollout
 
         loader = prompt_loader(cfg, train_problems)  # the whole global step
+        rewards = build_rewards(cfg.task, task, log)  # before any rollout: a reward that does not load stops the build
+        resources.callback(rewards.close)
+        log(rewards.summary())
         history = history_of(cfg, placement.rollouts)  # over the rollout ranks: every one keeps the same store
         engine = build_rollout_engine(cfg.model.path, cfg.engine, seed=cfg.run.seed,
                                       history=history.store if history is not None else None)
@@ -121,7 +125,7 @@ def build_separated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
                 spot.work.load_state_dict(state.components["idle_work"])
             idle_work = spot.work
             log(f"spot training on the rollout ranks' idle time: node buffer {spot.buffer.name} ({cfg.spot.buffer_mb} MiB)")
-        driver = SeparatedRollout(cfg, placement, engine, tokenizer, task, loader, held_out, sampling, stops, run_dir,
+        driver = SeparatedRollout(cfg, placement, engine, tokenizer, rewards, loader, held_out, sampling, stops, run_dir,
                                   state.step, idle_work=idle_work, push_flag=push_flag, history=history)
         driver.receive_policy(state.step)
     logger = MetricsLogger.from_config(run_dir, cfg.metrics, rank=r.rank, run_name=run_dir.name,

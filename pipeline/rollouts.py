@@ -2,13 +2,13 @@
 
 A step's requests key the sampling noise by (run seed, RL step, prompt id, sample index), so
 the same step of the same run samples the same tokens on any rank, with speculation on or off.
-Rewards are the task's, computed on the decoded response text; a reward outside [0, inf) or not
-finite is an error naming the prompt (never silently dropped).
+Each rollout is scored once, on its decoded response text, by the run's rewards
+(pipeline.tasks.reward_scoring: where they run, what a failed call scores, and a non-finite
+score as an error naming the prompt, never silently dropped).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +17,8 @@ from engine.backend import RolloutBackend
 from engine.sampling import SamplingParams
 from engine.types import Request, RolloutBatch
 from pipeline.data.chat import encode_problem
-from pipeline.tasks import Problem, Task
+from pipeline.tasks import Problem
+from pipeline.tasks.reward_scoring import RewardRow, Rewards
 
 
 @dataclass
@@ -86,42 +87,47 @@ def requests_for(tokenizer, problems: list[Problem], n: int, chat: bool,
             for p in problems]
 
 
-def roll_out(engine: RolloutBackend, tokenizer, task: Task, problems: list[Problem], params: SamplingParams, n: int,
-             chat: bool, reward=None, drafts: dict[str, dict[int, list[int]]] | None = None,
+def roll_out(engine: RolloutBackend, tokenizer, problems: list[Problem], params: SamplingParams, n: int, chat: bool,
+             rewards: Rewards, drafts: dict[str, dict[int, list[int]]] | None = None,
              predicted: dict[str, int] | None = None, first_sample: int = 0) -> ScoredRollouts:
     """Samples first_sample .. first_sample + n - 1 of each problem (a part of each group when a
-    group is split over ranks), scored. `reward(text, answer) -> float`: the training reward
-    (default: the task's own, correctness). `drafts`: pre-generated responses by prompt id and
-    sample (bubble drafts), for the engine's `pregenerated` drafter; `predicted`: response lengths
-    by prompt id (the length-aware draft budget). Neither changes a token."""
+    group is split over ranks), scored with the run's training reward. `drafts`: pre-generated
+    responses by prompt id and sample (bubble drafts), for the engine's `pregenerated` drafter;
+    `predicted`: response lengths by prompt id (the length-aware draft budget). Neither changes a token."""
     requests = requests_for(tokenizer, problems, n, chat, drafts, predicted, first_sample)
-    return score(task, tokenizer, problems, [r.prompt for r in requests], engine.generate(requests, params), n, reward)
+    return score(tokenizer, problems, [r.prompt for r in requests], engine.generate(requests, params), n, rewards,
+                 params.step)
 
 
-def score(task: Task, tokenizer, problems: list[Problem], prompts: list[list[int]], batch: RolloutBatch, n: int,
-          reward=None) -> ScoredRollouts:
-    """The rollouts of `problems` (n each, in order) with their rewards."""
-    reward = reward or task.reward
-    rewards = []
+def score(tokenizer, problems: list[Problem], prompts: list[list[int]], batch: RolloutBatch, n: int, rewards: Rewards,
+          step: int) -> ScoredRollouts:
+    """The rollouts of `problems` (n each, in order) of RL step `step`, with their training rewards."""
+    scores = rewards.score(reward_rows(tokenizer, problems, batch, n), step)
+    return ScoredRollouts(problems=problems, prompts=prompts, batch=batch, rewards=torch.tensor(scores), n=n)
+
+
+def reward_rows(tokenizer, problems: list[Problem], batch: RolloutBatch, n: int) -> list[RewardRow]:
+    """What the reward sees of each rollout of `problems` (n each, in order)."""
+    rows = []
     for i, ro in enumerate(batch):
         p = problems[i // n]
-        value = reward(tokenizer.decode(ro.tokens, skip_special_tokens=True), p.answer)
-        if not (isinstance(value, (int, float)) and math.isfinite(value)):
-            raise ValueError(f"task {task.name!r}: reward {value!r} of prompt {p.id!r} sample {ro.sample} is not a finite number")
-        rewards.append(float(value))
-    return ScoredRollouts(problems=problems, prompts=prompts, batch=batch, rewards=torch.tensor(rewards), n=n)
+        rows.append(RewardRow(prompt_id=p.id, sample=ro.sample, prompt=p.prompt, answer=p.answer, extra=p.extra,
+                              response=tokenizer.decode(ro.tokens, skip_special_tokens=True)))
+    return rows
 
 
-def held_out_accuracy(engine: RolloutBackend, tokenizer, task: Task, problems: list[Problem], cfg,
-                      stop_token_ids: tuple[int, ...]) -> float:
-    """Greedy accuracy on the held-out problems with the served policy (cfg: the run's TrainConfig:
-    task.eval_max_new_tokens or rollout.max_new_tokens, task.chat). Held-out rollouts are not
+def held_out_accuracy(engine: RolloutBackend, tokenizer, problems: list[Problem], cfg, stop_token_ids: tuple[int, ...],
+                      rewards: Rewards) -> float:
+    """Greedy accuracy on the held-out problems with the served policy: the mean held-out reward
+    (correctness, without a format bonus; a plug-in's score). cfg: the run's TrainConfig
+    (task.eval_max_new_tokens or rollout.max_new_tokens, task.chat). Held-out rollouts are not
     training data for anyone: the engine's feature sink is off while they run."""
     params = SamplingParams(max_new_tokens=cfg.task.eval_max_new_tokens or cfg.rollout.max_new_tokens, temperature=0.0,
                             stop_token_ids=stop_token_ids)
     sink, engine.sink = engine.sink, None
     try:
-        scored = roll_out(engine, tokenizer, task, problems, params, 1, cfg.task.chat)
+        batch = engine.generate(requests_for(tokenizer, problems, 1, cfg.task.chat), params)
     finally:
         engine.sink = sink
-    return float(scored.rewards.mean())
+    scores = rewards.score_held_out(reward_rows(tokenizer, problems, batch, 1))
+    return sum(scores) / len(scores)

@@ -45,6 +45,7 @@ from pipeline.rollouts import ScoredRollouts, requests_for, score
 from pipeline.shares import row_shares, shard_shares, split_samples, update_tokens
 from pipeline.stealing import StealingSource, UnitQueue, default_inflight, plan_units
 from pipeline.tasks import Problem
+from pipeline.tasks.reward_scoring import Rewards
 
 
 @dataclass
@@ -75,10 +76,11 @@ class RolloutSchedule:
         self.lengths = LengthPredictor() if rollout_cfg.long_first else None
         self.plan: _Plan | None = None
 
-    def generate(self, step: int, engine: RolloutBackend, tokenizer, task, loader, params: SamplingParams, chat: bool,
-                 reward, drafts=None, predicted_len: dict[str, int] | None = None) -> ScoredRollouts:
-        """This rank's rollouts of the step (its shard, or the units it took); advances the loader.
-        `predicted_len`: response lengths by prompt id for the length-aware draft budget (engine.spec)."""
+    def generate(self, step: int, engine: RolloutBackend, tokenizer, loader, params: SamplingParams, chat: bool,
+                 rewards: Rewards, drafts=None, predicted_len: dict[str, int] | None = None) -> ScoredRollouts:
+        """This rank's rollouts of the step (its shard, or the units it took), scored once each by
+        `rewards`; advances the loader. `predicted_len`: response lengths by prompt id for the
+        length-aware draft budget (engine.spec)."""
         problems = loader.global_step()
         mine = loader.next_step()
         predicted = [self.lengths.predict(p.id) for p in problems] if self.lengths is not None else None
@@ -90,18 +92,19 @@ class RolloutSchedule:
             plan.source = StealingSource(queue, requests, self._inflight(len(problems)))
             batch = engine.generate([], params, source=plan.source)
             taken = [problems[i] for i in plan.source.taken]
-            local = score(task, tokenizer, taken, [requests[i].prompt for i in plan.source.taken],
-                          _grouped(batch, taken, range(self.n)), self.n, reward)
+            local = score(tokenizer, taken, [requests[i].prompt for i in plan.source.taken],
+                          _grouped(batch, taken, range(self.n)), self.n, rewards, step)
         elif self.split:
             part = len(self.samples)
             requests = requests_for(tokenizer, problems, part, chat, drafts, predicted_len, first_sample=self.samples.start)
-            local = score(task, tokenizer, problems, [r.prompt for r in requests],
-                          self._generate(engine, requests, params, problems, predicted, self.samples), part, reward)
+            local = score(tokenizer, problems, [r.prompt for r in requests],
+                          self._generate(engine, requests, params, problems, predicted, self.samples), part, rewards, step)
         else:
             requests = requests_for(tokenizer, mine, self.n, chat, drafts, predicted_len)
             mine_predicted = [self.lengths.predict(p.id) for p in mine] if self.lengths is not None else None
-            local = score(task, tokenizer, mine, [r.prompt for r in requests],
-                          self._generate(engine, requests, params, mine, mine_predicted, range(self.n)), self.n, reward)
+            local = score(tokenizer, mine, [r.prompt for r in requests],
+                          self._generate(engine, requests, params, mine, mine_predicted, range(self.n)), self.n, rewards,
+                          step)
         plan.ended = time.time()
         return local
 

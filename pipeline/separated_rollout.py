@@ -50,15 +50,16 @@ from pipeline.run_state import checkpoint_dir
 from pipeline.shares import generation_shares, shard_shares, split_samples
 from pipeline.shipment import pack_shipments, send_shipments
 from pipeline.step_metrics import RolloutReport
-from pipeline.tasks import Problem, Task
-from pipeline.trainer import StepResult, training_reward
+from pipeline.tasks import Problem
+from pipeline.tasks.reward_scoring import Rewards
+from pipeline.trainer import StepResult
 from pipeline.weight_sync import receive_weights
 
 _RUNS = itertools.count()  # runs made in this process: part of their idle windows' store scope
 
 
 class SeparatedRollout:
-    def __init__(self, cfg, placement: Placement, engine: RolloutBackend, tokenizer, task: Task, loader: PromptLoader,
+    def __init__(self, cfg, placement: Placement, engine: RolloutBackend, tokenizer, rewards: Rewards, loader: PromptLoader,
                  eval_problems: list[Problem], sampling: StepSampling, stops: tuple[int, ...], run_dir: Path,
                  start_step: int, idle_work: IdleWork | None = None, push_flag: PushFlag | None = None,
                  history: RunHistory | None = None) -> None:
@@ -67,7 +68,8 @@ class SeparatedRollout:
         self.idle_work, self.push_flag = idle_work, push_flag
         self.history = history  # the history drafter's store, over the rollout group (None: no history part)
         self.idle_metrics: dict[str, float] = {}  # the idle work's, of the step's idle windows
-        self.cfg, self.p, self.r, self.engine, self.tok, self.task = cfg, placement, placement.rollouts, engine, tokenizer, task
+        self.cfg, self.p, self.r, self.engine, self.tok = cfg, placement, placement.rollouts, engine, tokenizer
+        self.rewards = rewards  # the run's (pipeline.tasks.reward_scoring.build_rewards), released by whoever built them
         self.loader, self.eval_problems, self.sampling, self.stops = loader, eval_problems, sampling, stops
         self.run_dir = Path(run_dir)
         self.start_step = self.step_index = start_step
@@ -77,7 +79,6 @@ class SeparatedRollout:
         self.groups = list(range(P)) if split else generation_shares(P, R)[self.r.rank]
         self.samples = split_samples(n, R, self.r.rank) if split else range(n)
         self.actor_shares = shard_shares(P, len(placement.actor_ranks))
-        self.reward = training_reward(cfg.task, task)
         group = self.r.group
         self.windows = IdleWindows(job_store(placement.job), self.r.rank, self.r.world,
                                    f"tailspec/{Path(run_dir).name}/{next(_RUNS)}/rollout",
@@ -112,8 +113,8 @@ class SeparatedRollout:
         mine = [problems[g] for g in self.groups]
         predicted = self.history.predicted([p.id for p in mine]) if self.history is not None else None
         t = time.perf_counter()
-        scored = roll_out(self.engine, self.tok, self.task, mine, self.sampling(step), len(self.samples),
-                          self.cfg.task.chat, self.reward, predicted=predicted, first_sample=self.samples.start)
+        scored = roll_out(self.engine, self.tok, mine, self.sampling(step), len(self.samples), self.cfg.task.chat,
+                          self.rewards, predicted=predicted, first_sample=self.samples.start)
         rollout_s = time.perf_counter() - t
         if self.idle_work is not None:
             self.idle_work.rollouts_done(step, scored.batch)
@@ -123,7 +124,7 @@ class SeparatedRollout:
         if self.history is not None:  # every rollout rank is done: gathering the responses makes none wait
             self.history.remember(scored.batch.rollouts)
             self.history_metrics[step] = self.history.metrics(scored.batch.steps)
-        report = RolloutReport.of(scored, rollout_s, idle_s)
+        report = RolloutReport.of(scored, rollout_s, idle_s, self.rewards.take_stats())
         with transfer(f"sending step {step + 1}'s rollouts to the actor ranks"):
             send_shipments(pack_shipments(scored, self.groups, self.actor_shares, step, self.p.job.rank, report),
                            self.p.actor_ranks)
@@ -151,7 +152,7 @@ class SeparatedRollout:
     def evaluate(self) -> None:
         """The first rollout rank sends actor rank 0 the held-out greedy accuracy of the served policy."""
         if self.first:
-            acc = held_out_accuracy(self.engine, self.tok, self.task, self.eval_problems, self.cfg, self.stops)
+            acc = held_out_accuracy(self.engine, self.tok, self.eval_problems, self.cfg, self.stops, self.rewards)
             self._send(acc, "sending the held-out accuracy")
 
     def save(self) -> None:

@@ -1,16 +1,19 @@
 """A step's rollout metrics from one report per generating rank, whichever placement made them.
 
 A `RolloutReport` is what one rank's rollouts of a step were (its seconds generating and idle,
-tokens, rewards, speculation counts); `rollout_metrics` turns the reports of every generating
-rank, keyed by global rank, into the step's `timing/rollout*`, `timing/idle*`, `reward/mean`,
-`rollout/*` and `spec/accept_*` metrics. Colocated ranks gather theirs (pipeline.trainer); the
-rollout ranks of a separated placement send theirs with their rollouts (pipeline.shipment).
+tokens, rewards, its reward calls, speculation counts); `rollout_metrics` turns the reports of every
+generating rank, keyed by global rank, into the step's `timing/rollout*`, `timing/idle*`,
+`reward/mean`, `reward/errors`, `reward/timeouts` and a reward's own `reward/<key>` metrics
+(pipeline.tasks.reward_scoring), `rollout/*` and `spec/accept_*` metrics. Colocated ranks gather
+theirs (pipeline.trainer); the rollout ranks of a separated placement send theirs with their
+rollouts (pipeline.shipment).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from pipeline.tasks.reward_scoring import RewardStats, reward_metrics
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,25 +28,20 @@ class RolloutReport:
     accepted: float
     drafted: float
     prefill_s: float  # the prompts' prefill within rollout_s
+    rewards: RewardStats = field(default_factory=RewardStats)  # the reward calls this rank made
 
     @classmethod
-    def of(cls, scored, rollout_s: float, idle_s: float) -> RolloutReport:
+    def of(cls, scored, rollout_s: float, idle_s: float, rewards: RewardStats) -> RolloutReport:
         """scored: a pipeline.rollouts.ScoredRollouts of this rank: its tokens and rewards are those of
         the rows it trains (`trained`: each row of the step on one rank), its speculation counts those
-        of the passes it ran."""
+        of the passes it ran; `rewards`: the reward calls it made (wherever their rows are trained)."""
         stats = scored.batch.stats
         rows = scored.trained
         return cls(rollout_s=rollout_s, idle_s=idle_s, new_tokens=float(sum(len(scored.batch[i].tokens) for i in rows)),
                    reward_sum=float(scored.rewards[rows].sum()), rollouts=float(len(rows)),
                    accept_len=stats.accept_len, speculative_steps=float(stats.speculative_steps),
-                   accepted=float(stats.accepted), drafted=float(stats.drafted), prefill_s=stats.prefill_s)
-
-    def values(self) -> list[float]:
-        return [float(v) for v in dataclasses.astuple(self)]
-
-    @classmethod
-    def from_values(cls, values: list[float]) -> RolloutReport:
-        return cls(**dict(zip([f.name for f in dataclasses.fields(cls)], values)))
+                   accepted=float(stats.accepted), drafted=float(stats.drafted), prefill_s=stats.prefill_s,
+                   rewards=rewards)
 
 
 def rollout_metrics(reports: dict[int, RolloutReport]) -> dict[str, float]:
@@ -65,6 +63,7 @@ def rollout_metrics(reports: dict[int, RolloutReport]) -> dict[str, float]:
         m[f"rollout/busy_share/rank{rank}"] = r.rollout_s / rollout_max if rollout_max > 0 else 1.0
     m["rollout/busy_share"] = m["timing/rollout"] / rollout_max if rollout_max > 0 else 1.0
     m["reward/mean"] = sum(r.reward_sum for r in rows) / max(sum(r.rollouts for r in rows), 1)
+    m.update(reward_metrics(r.rewards for r in rows))
     m["rollout/tokens_per_s"] = tokens / rollout_max if rollout_max > 0 else 0.0
     m["rollout/batch_size"] = sum(r.rollouts for r in rows)
     drafted, accepted = sum(r.drafted for r in rows), sum(r.accepted for r in rows)

@@ -9,7 +9,8 @@ placement runs the same stages on separate ranks: pipeline.separated_actor, pipe
     -> idle window (common.idle: wait for the slowest rank, or pre-generate / train the drafter)
     -> the rows this rank trains (pipeline.schedule.share: its shard, exchanged if made elsewhere)
     -> history (pipeline.history: every rank's responses into the history drafter's store)
-    -> rewards -> advantages -> old (and reference) log-probs -> PPO epochs (pipeline.learner);
+       (each rollout scored once, as it is made: pipeline.tasks.reward_scoring)
+    -> advantages -> old (and reference) log-probs -> PPO epochs (pipeline.learner);
        DAPO's dynamic sampling refills the batch first
     -> weight sync (engine.load_weights(actor.named_weights(), version=step))
     -> metrics -> eval every N steps -> checkpoint every N steps.
@@ -47,11 +48,12 @@ from pipeline.algorithms import fill_groups, informative_groups
 from pipeline.data import PromptLoader
 from pipeline.dist import Ranks, all_sum, gather_floats, gather_objects, job_store
 from pipeline.learner import Learner, uses_engine_logprobs
-from pipeline.rollouts import ScoredRollouts, StepSampling, held_out_accuracy, roll_out
+from pipeline.rollouts import ScoredRollouts, StepSampling, held_out_accuracy
 from pipeline.run_state import RunState, checkpoint_dir, save_run
 from pipeline.schedule import RolloutSchedule
 from pipeline.step_metrics import RolloutReport, rollout_metrics
-from pipeline.tasks import Problem, Task
+from pipeline.tasks import Problem
+from pipeline.tasks.reward_scoring import Rewards
 
 
 def peak_rss_gb() -> float:
@@ -86,11 +88,12 @@ class StepDriver(Protocol):
 
 
 class Trainer:
-    def __init__(self, cfg, ranks: Ranks, engine: RolloutBackend, actor, tokenizer, task: Task, loader: PromptLoader,
+    def __init__(self, cfg, ranks: Ranks, engine: RolloutBackend, actor, tokenizer, rewards: Rewards, loader: PromptLoader,
                  eval_problems: list[Problem], run_dir, idle_work: IdleWork | None = None, start_step: int = 0,
                  reference=None, bubbles=None, actor_features=None, sampling: StepSampling | None = None,
                  windows: IdleWindows | None = None, history=None) -> None:
-        self.cfg, self.r, self.engine, self.actor, self.tok, self.task = cfg, ranks, engine, actor, tokenizer, task
+        """`rewards`: the run's (pipeline.tasks.reward_scoring.build_rewards), released by whoever built them."""
+        self.cfg, self.r, self.engine, self.actor, self.tok, self.rewards = cfg, ranks, engine, actor, tokenizer, rewards
         self.loader, self.eval_problems, self.run_dir, self.idle_work = loader, eval_problems, run_dir, idle_work
         # Store keys of this run's idle windows and work queues: the same on every rank (they make their
         # runs in the same order), distinct from an earlier run of this job (common.idle.window).
@@ -107,7 +110,6 @@ class Trainer:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.stops = stop_tokens(engine.model_config, tokenizer)
         self.sampling = sampling or StepSampling.of(cfg.rollout, cfg.run.seed, self.stops)
-        self.reward = training_reward(cfg.task, task)
         self.pending: ScoredRollouts | None = None  # async mode: the next step's rollouts, made before this update
         self.learner = Learner(cfg, ranks, actor, self.pad_id,
                                uses_engine_logprobs(cfg.trainer, self.sampling.is_policy, engine.caps.exact_logprobs),
@@ -126,8 +128,8 @@ class Trainer:
         drafts = self.bubbles.take(step) if self.bubbles is not None else None
         problems = self.loader.global_step()
         predicted = self.history.predicted([p.id for p in problems]) if self.history is not None else None
-        scored = self.schedule.generate(step, self.engine, self.tok, self.task, self.loader, self.sampling(step),
-                                        self.cfg.task.chat, self.reward, drafts, predicted_len=predicted)
+        scored = self.schedule.generate(step, self.engine, self.tok, self.loader, self.sampling(step),
+                                        self.cfg.task.chat, self.rewards, drafts, predicted_len=predicted)
         if drafts is not None:
             from pipeline.bubble import coverage_metrics, draft_metrics
 
@@ -226,8 +228,9 @@ class Trainer:
         return out
 
     def _step_metrics(self, scored: ScoredRollouts, rollout_s, idle_s, logprob_s, update_s, sync_s, step_s) -> dict[str, float]:
-        mine = RolloutReport.of(scored, rollout_s, idle_s)
-        reports = {rank: RolloutReport.from_values(row) for rank, row in enumerate(gather_floats(self.r, mine.values()))}
+        # the reward calls made during this step (an asynchronous run's include the next step's rollouts)
+        mine = RolloutReport.of(scored, rollout_s, idle_s, self.rewards.take_stats())
+        reports = dict(enumerate(gather_objects(self.r, mine)))
         m = {"step": float(self.step_index), "timing/step": step_s, "timing/logprob": logprob_s, "timing/update": update_s,
              "timing/sync": sync_s, "world_size": float(self.r.world)}
         m.update(rollout_metrics(reports))
@@ -244,7 +247,7 @@ class Trainer:
         for it here, so that the wait is not counted as the next step's idle time."""
         accuracy = None
         if self.r.main:
-            accuracy = held_out_accuracy(self.engine, self.tok, self.task, self.eval_problems, self.cfg, self.stops)
+            accuracy = held_out_accuracy(self.engine, self.tok, self.eval_problems, self.cfg, self.stops, self.rewards)
         self._barrier()
         return accuracy
 
@@ -266,18 +269,6 @@ class Trainer:
         if drafter is None and self.idle_work is not None:  # a drafter served out of process (vLLM): the spot trainer's copy
             drafter = self.idle_work.drafter()
         save_run(checkpoint_dir(self.run_dir, self.step_index), state, self.actor, drafter, main=self.r.main, extras=extras)
-
-
-def training_reward(task_cfg, task: Task):
-    """The task's correctness reward, plus `task.format_weight` for a \\boxed{} answer (math-verify tasks)."""
-    if task_cfg.format_weight == 0:
-        return task.reward
-    if task.name != "math" and not task_cfg.file:
-        raise ValueError(f"task.format_weight needs a math-verify task (task.name=math or task.file), not {task.name!r}")
-    from pipeline.tasks.rewards import MathVerifyReward
-
-    scorer = MathVerifyReward(format_weight=task_cfg.format_weight)
-    return lambda text, answer: scorer(text, answer)[0]
 
 
 def _informative(parts: list[ScoredRollouts], n: int) -> int:

@@ -11,7 +11,9 @@ from pipeline.tasks import get_task
 from pipeline.tasks.make_math import DATA_DIR, make_problems, write_jsonl
 from pipeline.data.files import RowFields, load_problems
 from pipeline.tasks.math import BOXED_INSTRUCTION, INSTRUCTION, unreadable_answer
-from pipeline.tasks.rewards import ExactAnswerReward, MathVerifyReward, checked
+from pipeline.tasks.reward_plugins import BuiltinReward
+from pipeline.tasks.reward_scoring import RewardRow, read_result
+from pipeline.tasks.rewards import ExactAnswerReward, MathVerifyReward
 from pipeline.tasks.tokenizer import build_tokenizer
 
 TRAIN, TEST = DATA_DIR / "math_train.jsonl", DATA_DIR / "math_test.jsonl"
@@ -109,14 +111,18 @@ class _Broken:
 
 @pytest.mark.parametrize("score", [float("nan"), float("inf"), 1.5, -0.1])
 def test_a_non_finite_or_out_of_range_score_names_the_reward_and_row(score):
-    with pytest.raises(ValueError, match=r"reward 'broken' .* row math-train-000042"):
-        checked(_Broken(score), "x", "1", row="math-train-000042")
-    assert checked(_Broken(1.0), "x", "1", row="r") == (1.0, {})
+    row = RewardRow(prompt_id="math-train-000042", sample=3, prompt="p", response="x", answer="1")
+    with pytest.raises(ValueError, match=r"broken: reward .* of prompt 'math-train-000042' sample 3 is (not a finite|outside)"):
+        read_result(BuiltinReward(_Broken(score)), BuiltinReward(_Broken(score))("p", "x", "1", {}), row)
+    assert read_result(BuiltinReward(_Broken(1.0)), {"score": 1.0}, row) == (1.0, {})
 
 
-def test_exact_answer_reward_is_the_arith_reward():
+def test_exact_answer_reward_reads_the_arith_answer_line_or_the_last_box():
     assert ExactAnswerReward()("1+2+0=3\n#### 3", "3") == (1.0, {"extracted": "3"})
     assert ExactAnswerReward()("#### 4", "3")[0] == 0.0
+    assert ExactAnswerReward()("\\boxed{2} no: \\boxed{ \\frac{1}{2} }", "\\frac{1}{2}") == (1.0, {"extracted": " \\frac{1}{2} "})
+    assert ExactAnswerReward()("\\boxed{0.5}", "\\frac{1}{2}")[0] == 0.0  # strings, not values
+    assert ExactAnswerReward()("\\boxed{3", "3") == (0.0, {"extracted": None})  # never closed
 
 
 def test_the_gold_answer_check_names_what_math_verify_cannot_read():

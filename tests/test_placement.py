@@ -163,6 +163,7 @@ def test_a_rollout_rank_rolls_out_only_with_the_steps_expected_policy_version(mo
     from pipeline.placement import Placement
     from pipeline.separated_rollout import SeparatedRollout
     from pipeline.tasks import TASKS
+    from pipeline.tasks.reward_scoring import build_rewards
 
     cfg = load_config(TrainConfig, REPO / "configs" / "tiny.yaml",
                       [*SEPARATED,
@@ -172,7 +173,8 @@ def test_a_rollout_rank_rolls_out_only_with_the_steps_expected_policy_version(mo
     placement = Placement(kind="separated", job=Ranks(), actor_ranks=(1,), rollout_ranks=(0,), actors=None, rollouts=Ranks())
     engine = SimpleNamespace(version=2)  # a resumed run at step 3 serves version 3: this one is stale
     task = TASKS["mult"]
-    side = SeparatedRollout(cfg, placement, engine, None, task, PromptLoader(task.make_problems("train", 8, 0), 4, 0),
+    side = SeparatedRollout(cfg, placement, engine, None, build_rewards(cfg.task, task),
+                            PromptLoader(task.make_problems("train", 8, 0), 4, 0),
                             [], None, (), tmp_path, start_step=3)
     assert [side.expected_version(s) for s in (3, 4, 5)] == expected
     with pytest.raises(ValueError, match="policy version 3, the engine serves version 2; refusing a stale policy"):

@@ -17,6 +17,7 @@ from launch.run_config import TrainConfig
 from launch.run import run
 from pipeline.dist import Ranks
 from pipeline.tasks import TASKS, Task, arith
+from pipeline.tasks.reward_scoring import build_rewards
 from tests.conftest import digit_share
 
 REPO = Path(__file__).resolve().parent.parent
@@ -113,7 +114,7 @@ def test_after_a_sync_the_engine_serves_the_actors_weights(char_model_dir, digit
     engine = RolloutEngine.from_pretrained(char_model_dir, cfg.engine)
     actor = build_actor(cfg.actor, char_model_dir)
     loader = PromptLoader(task.make_problems("train", 16, 0), 4, 0)
-    trainer = Trainer(cfg, Ranks(), engine, actor, tok, task, loader, [], tmp_path)
+    trainer = Trainer(cfg, Ranks(), engine, actor, tok, build_rewards(cfg.task, task), loader, [], tmp_path)
     result = trainer.step()
     assert engine.version == 1 and all(r.policy_version == 0 for r in result.rollouts.batch)
     ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10]])
@@ -142,7 +143,7 @@ def test_with_bf16_weights_the_engine_serves_the_rounded_actor_and_the_actor_rec
     cfg = config(char_model_dir, tmp_path, "engine.spec.enabled=false", "engine.weights=bfloat16")
     engine = RolloutEngine.from_pretrained(char_model_dir, cfg.engine)
     actor = build_actor(cfg.actor, char_model_dir)
-    trainer = Trainer(cfg, Ranks(), engine, actor, load_tokenizer(char_model_dir), TASKS["digits"],
+    trainer = Trainer(cfg, Ranks(), engine, actor, load_tokenizer(char_model_dir), build_rewards(cfg.task, TASKS["digits"]),
                       PromptLoader(TASKS["digits"].make_problems("train", 16, 0), 4, 0), [], tmp_path)
     assert not trainer.learner.engine_old_logprobs
     result = trainer.step()

@@ -1,10 +1,11 @@
-"""Rewards: a response text and a reference answer -> (score, info).
+"""The built-in rewards: a response text and a reference answer -> (score, info).
 
-A `Reward` is any callable with a `name` and the `bounds` its scores lie in; `checked` calls one
-and refuses a score that is not finite or out of bounds, naming the reward and the row, so a
-broken reward stops the run instead of training on garbage. Two are built in:
+A `Reward` is any callable with a `name` and the `bounds` its scores lie in (the run refuses a
+score that is not finite or out of bounds, naming the row: pipeline.tasks.reward_scoring). Two
+are built in; `task.reward` names them, or a plug-in (pipeline.tasks.reward_plugins):
 
-- `ExactAnswerReward`: the arithmetic task's `#### N` answer line, compared as a string.
+- `ExactAnswerReward`: the response's final answer (the last `\\boxed{}`'s content, else the last
+  `#### N` line, the arithmetic tasks' format) compared with the gold answer as a string.
 - `MathVerifyReward`: math-verify (Hugging Face) extracts the response's final answer (a
   `\\boxed{}` first, else the last LaTeX or plain expression) and compares it with the gold answer
   numerically and symbolically with sympy: `\\boxed{14/2}`, `7.0` and `7` all match a gold `7`.
@@ -13,8 +14,9 @@ broken reward stops the run instead of training on garbage. Two are built in:
 
 math-verify bounds every parse and comparison by a `signal.alarm` timeout, and `signal` works
 only in the main thread: elsewhere math-verify raises instead of scoring. `MathVerifyReward`
-therefore passes its timeout in the main thread and none in other threads (the caller, e.g. a
-thread pool of reward workers, then owns the time limit).
+therefore passes its timeout in the main thread and none in other threads (the caller then owns
+the time limit). The run's reward workers are processes (pipeline.tasks.reward_pool) that call it
+in their main thread, so there it has both its own timeouts and the pool's deadline.
 
 math-verify is imported on first use, so importing the task registry stays cheap.
 """
@@ -39,24 +41,32 @@ class Reward(Protocol):
     def __call__(self, response: str, answer: str) -> tuple[float, dict[str, Any]]: ...
 
 
-def checked(reward: Reward, response: str, answer: str, *, row: str) -> tuple[float, dict[str, Any]]:
-    """`reward(response, answer)`, or ValueError naming the reward and `row` for a bad score."""
-    score, info = reward(response, answer)
-    low, high = reward.bounds
-    if not (isinstance(score, (int, float)) and math.isfinite(score) and low <= score <= high):
-        raise ValueError(f"reward {reward.name!r} returned {score!r} for row {row}; expected a finite number in "
-                         f"[{low}, {high}]")
-    return float(score), info
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` in `text` (braces matched), or None if there is none
+    (or it is never closed)."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    if not starts:
+        return None
+    depth, start = 1, starts[-1]
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start:i]
+    return None
 
 
 class ExactAnswerReward:
-    """1.0 when the response's last `#### N` line is exactly the answer (the arithmetic task)."""
+    """1.0 when the response's final answer is exactly the gold answer (both stripped of
+    surrounding whitespace): the last `\\boxed{}`'s content, else the last `#### N` line."""
 
-    name = "exact_answer"
+    name = "exact"
     bounds = (0.0, 1.0)
 
     def __call__(self, response: str, answer: str) -> tuple[float, dict[str, Any]]:
-        return arith.reward(response, answer), {"extracted": arith.extract_answer(response)}
+        boxed = last_boxed(response)
+        found = boxed if boxed is not None else arith.extract_answer(response)
+        correct = found is not None and found.strip() == answer.strip()
+        return float(correct), {"extracted": found}
 
 
 def _signal_timeout(seconds: int) -> int | None:

@@ -18,8 +18,8 @@ Path(os.environ["TAILSPEC_TEST_PIDS"], f"rank{rank}.pid").write_text(str(os.getp
 if rank == os.environ.get("TAILSPEC_TEST_KILL_RANK"):
     _roll_out = separated_rollout.roll_out
 
-    def _roll_out_then_die(engine, tokenizer, task, problems, params, *args, **kwargs):
-        out = _roll_out(engine, tokenizer, task, problems, params, *args, **kwargs)
+    def _roll_out_then_die(engine, tokenizer, problems, params, *args, **kwargs):
+        out = _roll_out(engine, tokenizer, problems, params, *args, **kwargs)
         if params.step + 1 == int(os.environ["TAILSPEC_TEST_KILL_STEP"]):
             os.kill(os.getpid(), signal.SIGKILL)
         return out
