@@ -342,7 +342,7 @@ def _chat_form(cfg: TrainConfig):
 
 def _row_check(cfg: TrainConfig, tokenizer):
     """problem -> what makes a data row unusable, or None: chat messages in a run that is not a chat
-    run, an answer the math reward cannot read, a prompt longer than the engine's room (engine.max_len
+    run, an answer math-verify cannot read (where it is the reward), a prompt longer than the engine's room (engine.max_len
     less rollout.max_new_tokens, which the engine would otherwise take from the response)."""
     tc = cfg.task
     room = cfg.engine.max_len - cfg.rollout.max_new_tokens
@@ -350,11 +350,12 @@ def _row_check(cfg: TrainConfig, tokenizer):
         raise ValueError(f"engine.max_len ({cfg.engine.max_len}) leaves no room for a prompt beside "
                          f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}): raise engine.max_len")
     chatted = _chat_form(cfg)
+    math_verify = tc.reward == "math_verify" or (tc.reward is None and tc.name == "math")  # a plug-in reads its own answers
 
     def check(problem: Problem) -> str | None:
         if problem.messages and not tc.chat:
             return "the prompt is chat messages, which only a chat run renders: set task.chat=true"
-        if tc.name == "math" and (reason := unreadable_answer(problem.answer)):
+        if math_verify and (reason := unreadable_answer(problem.answer)):
             return reason
         length = len(encode_problem(tokenizer, chatted(problem), tc.chat))
         if length > room:

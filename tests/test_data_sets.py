@@ -150,3 +150,11 @@ def test_file_sets_refuse_a_share_that_leaves_no_problems_on_one_side(tmp_path):
     path = write_jsonl(tmp_path / "two.jsonl", [json.dumps({"prompt": f"{i}", "answer": "1"}) for i in range(2)])
     with pytest.raises(ValueError, match="leaves 0 held out and 2 for training; choose a share"):
         file_sets(path, None, eval_share=0.01, eval_problems=10)
+
+
+def test_answers_are_checked_by_math_verify_only_where_it_is_the_reward(tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", math_rows(20) + [{"question": "code?", "answer": "def f(): pass"}])
+    base = [f"task.file={path}", "task.prompt_field=question", "task.max_bad_share=0.1"]
+    for reward, kept in ((None, 20), ("math_verify", 20), ("my_rewards:score", 21)):  # a plug-in reads its own answers
+        run = problems_for(config(*base, *([f"task.reward={reward}"] if reward else [])), chat_tokenizer())
+        assert len(run.train) + len(run.held_out) == kept, reward
