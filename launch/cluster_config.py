@@ -40,6 +40,9 @@ class ClusterSection:
     sbatch_args: list[str] = field(default_factory=list)  # extra #SBATCH options, e.g. "--reservation=rl"
     log_dir: str = "runs/slurm"  # the job's stdout (rank 0 of each node) and the rendered scripts
     min_free_disk_gb: float = 0.0  # preflight: the least free space at run.out_dir; 0 = estimate from the model
+    # One GPU's memory in GiB as its vendor names it (80: an H100 / A100 80GB; 141: an H200): the memory
+    # planner (launch.memory, also run by the preflight) checks every rank role against it.
+    gpu_memory_gb: float = 80.0
 
     @property
     def ranks_per_node(self) -> int:
@@ -70,5 +73,7 @@ class ClusterSection:
         if bad:
             raise ValueError(f"cluster.sbatch_args entries must be long sbatch options such as '--reservation=rl', "
                              f"got {bad[0]!r}")
+        if not self.gpu_memory_gb > 0:
+            raise ValueError(f"cluster.gpu_memory_gb must be > 0 (one GPU's memory in GiB, e.g. 80), got {self.gpu_memory_gb}")
         if self.min_free_disk_gb < 0:
             raise ValueError(f"cluster.min_free_disk_gb must be >= 0, got {self.min_free_disk_gb}")

@@ -3,7 +3,9 @@
 Two moments, one table each:
 - before submission (`launch.slurm` runs it on the login node): the required settings, `sbatch`,
   the model / drafter / dataset folders, the interpreter, free disk for checkpoints, W&B
-  credentials or offline mode, and that the config's devices and sizes fit cluster.*;
+  credentials or offline mode, that the config's devices and sizes fit cluster.*, and that every
+  rank role fits its GPU's memory (launch.memory's plan from the model's config.json, printed under
+  the line: a role that does not fit fails the preflight, naming the part and the knob);
 - inside the job (`--in-job`, first step of the sbatch script, once per node): CUDA devices and
   NCCL where GPUs are asked for, the model readable and the run folder writable from the node.
 A failed check names the key or thing and how to fix it; a warning does not stop the job.
@@ -33,6 +35,7 @@ class Check:
     detail: str
     fix: str = ""
     fatal: bool = True  # False: a warning
+    table: str = ""  # printed under the line (the memory plan)
 
     @property
     def failed(self) -> bool:
@@ -126,7 +129,32 @@ def submit_checks(cfg: TrainConfig, repo: Path) -> list[Check]:
     checks += [_devices(cfg), _wandb(cfg)]
     if "model.path" not in missing:
         checks.append(_disk(cfg))
+    checks.append(_memory(cfg, missing))
     return checks
+
+
+def _memory(cfg: TrainConfig, missing: list[str]) -> Check:
+    """The memory plan (launch.memory) from the model's config.json: every rank role must fit its device."""
+    from engine.model_config import ModelConfig
+    from launch.memory import MODEL_CONFIGS, on_gpu, plan_for, render
+    from launch.memory_model import GiB
+
+    config = Path(cfg.model.path) / "config.json"
+    if "model.path" in missing or not config.is_file():
+        return Check("memory", False, "not sized: model.path has no config.json yet",
+                     f"size it before the download: python -m launch.memory --config <this config> --model-config "
+                     f"{MODEL_CONFIGS.relative_to(MODEL_CONFIGS.parent.parent)}/<model>.json", fatal=False)
+    try:
+        p = plan_for(cfg, ModelConfig.from_hf(json.loads(config.read_text())))
+    except ValueError as e:
+        return Check("memory", False, f"not sized: {e}", "python -m launch.memory --config <this config> says more",
+                     fatal=False)
+    fails = p.failures()
+    worst = max(p.roles, key=lambda r: r.peak)
+    where = f"GPU of {cfg.cluster.gpu_memory_gb:g} GiB" if on_gpu(cfg) else "CPU machine"
+    detail = (f"peak {worst.peak / GiB:.1f} GiB ({worst.role} rank, {worst.peak_phase}) of {p.device.usable / GiB:.1f} "
+              f"usable on a {where}")
+    return Check("memory", not fails, detail, "; ".join(fails), table=render(p, "memory plan"))
 
 
 def _node_checks(cfg: TrainConfig, missing: list[str]) -> list[Check]:
@@ -180,6 +208,7 @@ def report(checks: list[Check], title: str) -> str:
     for c in checks:
         mark = "ok  " if c.ok else ("FAIL" if c.fatal else "warn")
         lines.append(f"  {mark} {c.name:<{width}}  {c.detail}" + (f"\n         {'':<{width}}  fix: {c.fix}" if not c.ok and c.fix else ""))
+        lines += [f"         {line}" for line in c.table.splitlines()]
     return "\n".join(lines)
 
 
