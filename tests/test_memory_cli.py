@@ -106,3 +106,13 @@ def test_a_dry_run_prints_the_memory_plan(tmp_path, capsys, monkeypatch):
     assert rc == 0
     out = capsys.readouterr().out
     assert "#          memory plan: one GPU of 80 GiB" in out and re.search(r"^#   ok   memory +peak ", out, re.M)
+
+
+def test_vllms_share_beside_the_actor_is_refused_until_it_sleeps_through_the_update(capsys):
+    args = ["--config", str(REPO / "configs/7b.yaml"), "--model-config", Q7, "engine.backend=vllm"]
+    assert memory.main(args) == 1
+    assert "engine.vllm.gpu_memory_utilization, engine.vllm.tensor_parallel_size" in capsys.readouterr().out
+    assert memory.main([*args, "engine.vllm.sleep_level=1", "engine.vllm.gpu_memory_utilization=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "vLLM weights asleep (host)" in out and "freed while the actor trains" in out
+    assert re.search(r"note: vLLM's KV cache: [\d.]+ GiB a GPU", out)
