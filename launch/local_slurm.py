@@ -1,14 +1,19 @@
-"""A real one-node Slurm cluster on this machine, for `make test-slurm`.
+"""A real Slurm cluster on this machine: one node, or several on one host, for `make test-slurm`
+and the cluster rehearsals (launch.rehearse).
 
-    with LocalSlurm(tmp_dir) as slurm:        # installs slurm-wlm + munge if missing (root, apt)
+    with LocalSlurm(tmp_dir, nodes=2) as slurm:   # installs slurm-wlm + munge if missing (root, apt)
         subprocess.run(["sbatch", ...], env=slurm.env)
 
-It starts `munged`, `slurmctld` and `slurmd` in the foreground as child processes (so their pids
-are ours to stop), from a generated `slurm.conf` whose state, spool, pid and log files all lie
-under `root`, on free loopback ports, with one node (this host, all its cores) in one partition. A requeued
-job waits cred_expire seconds before it is eligible again (Slurm's default 120; 10 here).
-On exit it cancels every job, stops the daemons by pid and removes `root`. Nothing is written
-outside `root` except what apt installs.
+It starts `munged`, `slurmctld` and one `slurmd` per node in the foreground as child processes (so
+their pids are ours to stop), from a generated `slurm.conf` whose state, spool, pid and log files
+all lie under `root`, on free loopback ports, with every node in one partition. One node is this
+host by its own name; several are `<host>-n1`, `<host>-n2`, ... (`slurmd -N`), each a slurmd of its
+own at 127.0.0.1 on a port of its own: jobs span them as they would span machines (srun starts one
+task per node, `SLURMD_NODENAME` and `SLURM_NODEID` tell them apart), though they share the host's
+cores, memory and /dev/shm. Their names do not resolve: a job reaches a node by its NodeAddr
+(launch.sbatch asks `scontrol show node`). A requeued job waits cred_expire seconds before it is
+eligible again (Slurm's default 120; 10 here). On exit it cancels every job, stops the daemons by
+pid and removes `root`. Nothing is written outside `root` except what apt installs.
 """
 
 from __future__ import annotations
@@ -53,7 +58,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def slurm_conf(root: Path, host: str, cpus: int, ctld_port: int, slurmd_port: int) -> str:
+def slurm_conf(root: Path, host: str, cpus: int, ctld_port: int, nodes: dict[str, int]) -> str:
+    """The cluster's slurm.conf: `nodes` maps each node name to its slurmd's port."""
+    node_lines = "\n".join(f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={cpus} "
+                           "State=UNKNOWN" for name, port in nodes.items())
     return f"""\
 ClusterName=tailspec-local
 SlurmctldHost={host}(127.0.0.1)
@@ -63,13 +71,12 @@ AuthType=auth/munge
 AuthInfo=socket={root}/munge.socket,cred_expire=10
 CredType=cred/munge
 SlurmctldPort={ctld_port}
-SlurmdPort={slurmd_port}
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd.log
+SlurmdLogFile={root}/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -82,16 +89,21 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MinJobAge=3600
 KillWait=5
-NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
-PartitionName=local Nodes={host} Default=YES MaxTime=INFINITE State=UP
+{node_lines}
+PartitionName=local Nodes={",".join(nodes)} Default=YES MaxTime=INFINITE State=UP
 """
 
 
 class LocalSlurm:
-    def __init__(self, root: str | Path, *, cpus: int | None = None, start_timeout_s: float = 60) -> None:
+    """`cpus`: the CPUs each node declares (default: the host's); `nodes`: slurmd daemons on this host."""
+
+    def __init__(self, root: str | Path, *, cpus: int | None = None, nodes: int = 1, start_timeout_s: float = 60) -> None:
+        if nodes < 1:
+            raise ValueError(f"a local cluster needs at least one node, got nodes={nodes}")
         self.root = Path(root).resolve()
         self.host = socket.gethostname().split(".")[0]
         self.cpus = cpus or os.cpu_count() or 1
+        self.nodes = [self.host] if nodes == 1 else [f"{self.host}-n{i}" for i in range(1, nodes + 1)]
         self.start_timeout_s = start_timeout_s
         self.procs: dict[str, subprocess.Popen] = {}
         self.conf = self.root / "slurm.conf"
@@ -129,18 +141,21 @@ class LocalSlurm:
         self._spawn("munged", ["munged", "--foreground", "--force", f"--socket={r}/munge.socket", f"--key-file={key}",
                                f"--pid-file={r}/munged.pid", f"--log-file={r}/log/munged.log", f"--seed-file={r}/munged.seed"])
         self._wait(lambda: (r / "munge.socket").exists(), "munged's socket")
-        self.conf.write_text(slurm_conf(r, self.host, self.cpus, free_port(), free_port()))
+        self.conf.write_text(slurm_conf(r, self.host, self.cpus, free_port(), {n: free_port() for n in self.nodes}))
         self._spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
         self._wait(lambda: self._run(["scontrol", "ping"]).returncode == 0, "slurmctld to answer `scontrol ping`")
-        self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf)])
-        self._wait(self._node_idle, f"node {self.host} to be idle")
+        for node in self.nodes:
+            (r / "spool" / node).mkdir(parents=True, exist_ok=True)
+            self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-N", node, "-f", str(self.conf)])
+        self._wait(self._nodes_idle, f"node(s) {', '.join(self.nodes)} to be idle")
 
     def _run(self, cmd: list[str]) -> subprocess.CompletedProcess:
         return subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=30)
 
-    def _node_idle(self) -> bool:
-        out = self._run(["sinfo", "-h", "-n", self.host, "-o", "%T"]).stdout.strip()
-        return out.startswith("idle")
+    def _nodes_idle(self) -> bool:
+        out = self._run(["sinfo", "-h", "-N", "-o", "%N %T"]).stdout.split()
+        states = dict(zip(out[::2], out[1::2]))
+        return all(states.get(n, "").startswith("idle") for n in self.nodes)
 
     def _wait(self, ready, what: str) -> None:
         deadline = time.monotonic() + self.start_timeout_s
@@ -176,13 +191,13 @@ class LocalSlurm:
         raise TimeoutError(f"job {job_id} did not end within {timeout_s:.0f} s (cancelled): {self.job(job_id)}")
 
     def close(self) -> None:
-        """Cancels the jobs, stops the daemons by pid (slurmd first) and removes the folder."""
+        """Cancels the jobs, stops the daemons by pid (the slurmds first) and removes the folder."""
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
             self._run(["scancel", "--full", "--user=root"])
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and self._run(["squeue", "-h"]).stdout.strip():
                 time.sleep(0.5)
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in (*(f"slurmd-{n}" for n in self.nodes), "slurmctld", "munged"):
             proc = self.procs.pop(name, None)
             if proc is None or proc.poll() is not None:
                 continue
