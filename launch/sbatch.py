@@ -6,7 +6,7 @@ The job, as rendered:
     preflight: srun ... python -m launch.preflight --in-job          CUDA / NCCL on every node
     srun --kill-on-bad-exit=1 python -m torch.distributed.run        one torchrun agent per node,
         --nnodes=N --nproc-per-node=P                                P ranks each,
-        --rdzv-backend=c10d --rdzv-endpoint=HEAD:PORT                meeting on the first node
+        --rdzv-backend=c10d --rdzv-endpoint=HEAD_ADDR:PORT           meeting on the first node
         -m launch.train --config C run.dir=RUN_DIR trainer.resume=auto [overrides]
 
 Placement (`pipeline.placement`): colocated, every rank rolls out and trains; separated, ranks
@@ -24,7 +24,8 @@ it. When the run's step ends, the script writes `<spot.pool_dir>/STOP` and waits
 a requeued job removes STOP first, so its pool resumes from its checkpoints.
 
 The ranks' process group is the control plane (pipeline.dist, common.idle.states): its store is the
-rendezvous's, at HEAD:PORT. RUN_DIR is `run.out_dir/<run.name>-<job id>`, stable across requeues,
+rendezvous's, at HEAD_ADDR:PORT, the first node's address as Slurm reaches it (`scontrol show node`'s
+NodeAddr: its host name on most clusters, where a node's name may not resolve). RUN_DIR is `run.out_dir/<run.name>-<job id>`, stable across requeues,
 so a requeued job resumes the latest checkpoint there (`trainer.resume=auto`). Requeue policy:
 `--requeue` lets Slurm requeue a preempted job or one whose node failed; `--signal=B:USR1@S`
 wakes the script S seconds before the time limit and it requeues itself; after
@@ -102,6 +103,7 @@ def pool_start_lines(cfg: TrainConfig) -> list[str]:
             f"POOL_BUFFER={buffer}",
             f'POOL_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n +{first + 1} | paste -sd, -)',
             'POOL_HEAD="${POOL_NODES%%,*}"',
+            'POOL_ADDR=$(node_addr "$POOL_HEAD")',
             'rm -f "$POOL_DIR/STOP"  # a requeued job: the pool resumes from its checkpoints',
             'mkdir -p "$RUN_DIR"']
 
@@ -122,7 +124,7 @@ def pool_step_lines(cfg: TrainConfig) -> list[str]:
         f'srun --overlap --nodes={nodes} --ntasks-per-node=1 --nodelist="$POOL_NODES" \\',
         '    --output="$RUN_DIR/spot-pool-%N.log" \\',
         '    env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "$PY" -m torch.distributed.run --nproc-per-node=1 \\',
-        f'    --nnodes=1:{nodes} --rdzv-backend=c10d --rdzv-endpoint="$POOL_HEAD:$(( PORT + 1 ))" \\',
+        f'    --nnodes=1:{nodes} --rdzv-backend=c10d --rdzv-endpoint="$POOL_ADDR:$(( PORT + 1 ))" \\',
         '    --rdzv-id="$SLURM_JOB_ID-pool" \\',
         "    --max-restarts=100 --monitor-interval=5 \\",
         f'    -m launch.spot_pool {" ".join(q(a) for a in pool_args)} --buffer "$POOL_BUFFER" --out "$POOL_DIR" &',
@@ -159,12 +161,16 @@ def render_sbatch(cfg: TrainConfig, config_path: str, overrides: list[str], repo
              f'  echo "job $SLURM_JOB_ID was restarted $RESTARTS times (cluster.max_restarts={c.max_restarts}): giving up"'
              "; exit 1",
              "fi",
+             "node_addr() {  # the address Slurm reaches a node at (NodeAddr; its host name unless set)",
+             '  scontrol show node "$1" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\'',
+             "}",
              'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+             'HEAD_ADDR=$(node_addr "$HEAD_NODE")',
              f"PORT=$(( {c.rdzv_port} + SLURM_JOB_ID % 1000 ))  # two jobs sharing a node do not collide",
              *placement_lines(cfg),
              *(pool_start_lines(cfg) if pool_agents(cfg) else []),
              'echo "job $SLURM_JOB_ID restart $RESTARTS on $SLURM_JOB_NODELIST: run folder $RUN_DIR; '
-             'rendezvous and control-plane store at $HEAD_NODE:$PORT"',
+             'rendezvous and control-plane store at $HEAD_NODE ($HEAD_ADDR:$PORT)"',
              ]
     if c.requeue:
         lines += [
@@ -183,7 +189,7 @@ def render_sbatch(cfg: TrainConfig, config_path: str, overrides: list[str], repo
         f"{srun} \"$PY\" -m launch.preflight --in-job {train_args}",
         ARGS_SEPARATOR,
         f"{srun} \"$PY\" -m torch.distributed.run --nnodes=\"$SLURM_JOB_NUM_NODES\" --nproc-per-node={c.ranks_per_node} \\",
-        '    --rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:$PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0 \\',
+        '    --rdzv-backend=c10d --rdzv-endpoint="$HEAD_ADDR:$PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0 \\',
         '    --log-dir="$RUN_DIR/torchrun" --tee=3 --local-ranks-filter=0 \\',
         f'    -m launch.train {train_args} run.dir="$RUN_DIR" trainer.resume=auto'
         + (' spot.buffer_name="$POOL_BUFFER"' if pool_agents(cfg) else "") + " &",

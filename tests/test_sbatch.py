@@ -27,7 +27,7 @@ SBATCH_OPTIONS = {"job-name": True, "nodes": True, "ntasks-per-node": True, "gpu
                   "mem": True, "time": True, "partition": True, "account": True, "qos": True, "constraint": True,
                   "exclusive": False, "output": True, "open-mode": True, "requeue": False, "no-requeue": False,
                   "signal": True}
-ENV = {"SLURM_JOB_ID": "1234", "SLURM_JOB_NUM_NODES": "4", "HEAD_NODE": "node001", "PORT": "29734",
+ENV = {"SLURM_JOB_ID": "1234", "SLURM_JOB_NUM_NODES": "4", "HEAD_NODE": "node001", "HEAD_ADDR": "10.0.0.1", "PORT": "29734",
        "RUN_DIR": "runs/x-1234", "PY": "python"}
 
 
@@ -78,7 +78,7 @@ def test_dry_run_prints_a_valid_sbatch_script_whose_commands_parse_to_the_config
 
     torchrun = get_args_parser().parse_args(cmd[srun_end + 2:])
     assert (torchrun.nnodes, torchrun.nproc_per_node, torchrun.rdzv_backend) == ("4", "8", "c10d")
-    assert torchrun.rdzv_endpoint == "node001:29734" and torchrun.rdzv_id == "1234" and torchrun.max_restarts == 0
+    assert torchrun.rdzv_endpoint == "10.0.0.1:29734" and torchrun.rdzv_id == "1234" and torchrun.max_restarts == 0
     assert torchrun.module and torchrun.training_script == "launch.train"
 
     overrides, rest = override_args(torchrun.training_script_args)
@@ -226,7 +226,7 @@ def test_a_separated_job_with_an_elastic_pool_starts_one_pool_agent_per_rollout_
     # node 1 has rollout ranks 12-15 as well: the pool's agents are on nodes 1-3, one member each
     assert 'POOL_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n +2 | paste -sd, -)' in script
     pool = script.split("STEP=$!\n", 1)[1].split("POOL=$!")[0]
-    env = {**ENV, "POOL_NODES": "node002,node003,node004", "POOL_HEAD": "node002", "POOL_BUFFER": "tailspec-1234",
+    env = {**ENV, "POOL_NODES": "node002,node003,node004", "POOL_HEAD": "node002", "POOL_ADDR": "10.0.0.2", "POOL_BUFFER": "tailspec-1234",
            "POOL_DIR": "runs/pool"}
     body = re.sub(r"\$\(\( PORT \+ 1 \)\)", str(int(ENV["PORT"]) + 1), pool.replace("\\\n", " "))
     cmd = shlex.split(re.sub(r"\$\{?(\w+)\}?", lambda m: env[m.group(1)], body).strip().rstrip(" &"))
@@ -237,7 +237,7 @@ def test_a_separated_job_with_an_elastic_pool_starts_one_pool_agent_per_rollout_
 
     torchrun = get_args_parser().parse_args(cmd[env_at + 4 + 1:])
     assert (torchrun.nnodes, torchrun.nproc_per_node, torchrun.rdzv_backend) == ("1:3", "1", "c10d")
-    assert torchrun.rdzv_endpoint == "node002:29735" and torchrun.rdzv_id == "1234-pool"
+    assert torchrun.rdzv_endpoint == "10.0.0.2:29735" and torchrun.rdzv_id == "1234-pool"
     assert torchrun.training_script == "launch.spot_pool"
     from launch.spot_pool import parse
 
