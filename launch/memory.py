@@ -23,7 +23,7 @@ from pathlib import Path
 from engine.model_config import ModelConfig
 from launch.config import load_config, override_args
 from launch.memory_model import PHASES, GiB
-from launch.memory_plan import CpuFacts, Device, MemoryPlan, RoleMemory, plan
+from launch.memory_plan import CPU_MARGIN, CpuFacts, Device, MemoryPlan, RoleMemory, plan
 from launch.run_config import TrainConfig
 
 MODEL_CONFIGS = Path(__file__).resolve().parent / "model_configs"
@@ -68,7 +68,7 @@ def plan_for(cfg: TrainConfig, model: ModelConfig, *, ranks: int | None = None,
     if on_gpu(cfg):
         return plan(cfg, model, world=world, device=Device("gpu", int(cfg.cluster.gpu_memory_gb * GiB)))
     machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return plan(cfg, model, world=world, device=Device("cpu", machine), cpu=cpu_facts(runtime_mb))
+    return plan(cfg, model, world=world, device=Device("cpu", machine, margin=CPU_MARGIN), cpu=cpu_facts(runtime_mb))
 
 
 def _role_table(r: RoleMemory, usable: int) -> list[str]:
@@ -89,7 +89,7 @@ def render(p: MemoryPlan, title: str) -> str:
         usable = d.usable
     else:
         head = (f"{title}: CPU ranks, the device is the process; {p.shared_by} rank(s) share "
-                f"{d.bytes / GiB:.1f} GiB ({d.usable / GiB:.1f} usable)")
+                f"{d.bytes / GiB:.1f} GiB ({d.usable / GiB:.1f} usable, {d.margin:.0%} held back for glibc's heap)")
         usable = d.usable // max(1, p.shared_by)
     lines = [head]
     for r in p.roles:

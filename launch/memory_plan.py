@@ -14,8 +14,8 @@ transients (a colocated rank never rolls out and trains at once). On a GPU the p
 device's memory less `MARGIN` (what torch's allocator does not count: the CUDA context, NCCL's
 buffers, cuBLAS workspaces, fragmentation). On a CPU the "device" is the process: its resident
 memory is the interpreter's runtime (measured: `CpuFacts.runtime_bytes`) plus the same parts in
-host memory, float32, with the CPU kernels' packed copies; every rank of the machine shares its
-memory. Host memory per node (the spot DataBuffer in /dev/shm, offloaded optimizer states pinned,
+host memory, float32, with the CPU kernels' packed copies and the checkpoint read while the engine
+loads; every rank of the machine shares its memory, less `CPU_MARGIN` for glibc's heap. Host memory per node (the spot DataBuffer in /dev/shm, offloaded optimizer states pinned,
 vLLM's sleeping weights) is listed beside, checked against cluster.mem when it names a size.
 
 A plan that does not fit names the role, its largest parts and the knobs that shrink them.
@@ -37,6 +37,11 @@ from launch.memory_model import (ALL, PHASES, TRAINING, GiB, ModelStates, Part, 
 from launch.run_config import TrainConfig
 
 MARGIN = 0.10  # of a GPU's memory, held back for what torch's allocator does not count
+# Of a CPU machine's memory: glibc's malloc keeps freed activations of up to 32 MiB in its heap, which
+# later allocations only partly reuse; a rank's resident peak exceeded the plan by up to 30% in
+# bench.memory's runs (docs/BENCHMARKS.md, "Memory"), and was within 6% of it with the heap's holes
+# given back (a fixed mmap threshold).
+CPU_MARGIN = 0.25
 
 
 @dataclass(frozen=True)
