@@ -144,10 +144,12 @@ def plan(cfg: TrainConfig, model: ModelConfig, *, world: int, device: Device, cp
         roles = [RoleMemory("actor", actor_ranks, runtime + actor), RoleMemory("rollout", rollout_ranks, runtime + rollout)]
         host += _per_node(states.host_per_node, 1) + _per_node(rollout_host, min(per_node, rollout_ranks))
     if cfg.spot.enabled and cfg.spot.mode == "pool":
-        kind = cfg.engine.spec.drafter_spec.learned or "eagle"
-        member = pool_member_parts(model, cfg.spot, kind)
-        roles.append(RoleMemory("rollout + pool member (the node's first GPU)", max(1, math.ceil(rollout_ranks / per_node)),
-                                runtime + rollout + member))
+        member = pool_member_parts(model, cfg.spot, cfg.engine.spec.drafter_spec.learned or "eagle")
+        members = max(1, math.ceil(rollout_ranks / per_node))  # one a rollout node
+        if device.kind == "gpu":  # on the GPU of its node's first rollout rank (docs/SPOT_POOL.md)
+            roles.append(RoleMemory("rollout + pool member (the node's first GPU)", members, rollout + member))
+        else:  # a process of its own beside the ranks
+            roles.append(RoleMemory("pool member", members, runtime + member))
     capacity = _host_capacity(cfg.cluster.mem) if device.kind == "gpu" else None
     return MemoryPlan(device=device, roles=roles, host=host, host_capacity=capacity, notes=notes,
                       shared_by=world if device.kind == "cpu" else 1)

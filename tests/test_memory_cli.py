@@ -116,3 +116,12 @@ def test_vllms_share_beside_the_actor_is_refused_until_it_sleeps_through_the_upd
     out = capsys.readouterr().out
     assert "vLLM weights asleep (host)" in out and "freed while the actor trains" in out
     assert re.search(r"note: vLLM's KV cache: [\d.]+ GiB a GPU", out)
+
+
+def test_a_spot_pool_member_is_planned_on_the_gpu_of_its_nodes_first_rollout_rank(capsys):
+    assert memory.main(["--config", str(REPO / "configs/7b.yaml"), "--model-config", Q7, "pipeline.placement=separated",
+                        "pipeline.actor_ranks=16", "spot.mode=pool", "spot.pool_dir=runs/pool"]) == 0
+    out = capsys.readouterr().out
+    member = out.split("rollout + pool member (the node's first GPU) rank (2 in the job):", 1)[1]
+    assert re.search(r"pool: target weights \(float32\) +all +28\.37", member)  # spot.pool loads the target in float32
+    assert "engine weights" in member  # beside the rollout rank's own engine
