@@ -92,16 +92,19 @@ def assert_same_run(a: Path, b: Path, steps: int, final_weights: bool = True) ->
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("split", ["false", "true"])  # true: each rollout rank makes half of every group
+# split true: each rollout rank makes half of every group; temperature 0.8: the old log-probs of the
+# first mini-batch are the update's own forward's, the second's one actor pass (pipeline.old_logprobs)
+@pytest.mark.parametrize("split, temperature", [("false", "1.0"), ("true", "1.0"), ("false", "0.8")])
 def test_one_actor_and_two_rollout_ranks_equal_the_one_rank_colocated_run_bit_for_bit(char_model_dir, tmp_path,
-                                                                                      monkeypatch, split):
+                                                                                      monkeypatch, split, temperature):
     from launch.config import load_config
     from launch.run import run
     from launch.run_config import TrainConfig
     from pipeline.dist import Ranks
 
     monkeypatch.setenv("TAILSPEC_CPU_TUNE", "0")
-    extra = [f"model.path={char_model_dir}", "trainer.steps=2", *SPEC["off"], f"rollout.split_groups={split}"]
+    extra = [f"model.path={char_model_dir}", "trainer.steps=2", *SPEC["off"], f"rollout.split_groups={split}",
+             f"rollout.temperature={temperature}"]
     run(load_config(TrainConfig, REPO / "configs" / "tiny.yaml", [*base(tmp_path / "colocated"), *extra]), Ranks())
     torchrun(3, tmp_path / "separated", *extra, *separated(1))
     assert_same_run(tmp_path / "colocated", tmp_path / "separated", steps=2)
