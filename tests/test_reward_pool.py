@@ -256,14 +256,14 @@ def test_a_run_with_a_flaky_plugin_finishes_with_the_counts_and_stops_past_the_s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("placement", ["separated", "colocated"])
-def test_under_torchrun_the_counts_reach_the_metrics_from_every_rank_that_scores(placement, tmp_path):
+def test_under_torchrun_the_counts_reach_the_metrics_from_every_rank_that_scores(placement, char_model_dir, tmp_path):
     from tests.test_separated import separated, step_rows, torchrun
 
     log = tmp_path / "calls.tsv"
     source = tmp_path / "flaky_reward.py"
     source.write_text(FLAKY.format(log=str(log)))
     layout = separated(1) if placement == "separated" else []  # 1 actor and 1 rollout rank, or 2 colocated ranks
-    torchrun(2, tmp_path / "run", *layout, "trainer.steps=2", "engine.spec.enabled=false", f"task.reward={source}:score",
+    torchrun(2, tmp_path / "run", *layout, f"model.path={char_model_dir}", "trainer.steps=2", "engine.spec.enabled=false", f"task.reward={source}:score",
              "task.reward_timeout_s=0.5", "task.max_reward_error_share=0.9")
     calls = [line.split("\t", 1)[0] for line in log.read_text().splitlines()]
     assert len(calls) == 2 * 4 * 4 + 2 * 4  # every rollout once, and two evaluations of 4 problems
