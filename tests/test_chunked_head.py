@@ -156,6 +156,32 @@ def test_a_models_chunked_head_gives_the_whole_logits_log_probs_entropies_and_gr
     assert head_grad.abs().sum() > 0
 
 
+def test_only_the_scored_tokens_go_through_the_head_and_the_others_read_zero(hf_folders, monkeypatch):
+    import pipeline.actors.head as head
+
+    batch = make_batch(rows=5, width=14)
+    model = load_policy(hf_folders["llama"], ActorConfig(head_chunk_tokens=4))
+    rows_in = []
+
+    def counted(hidden, *args, **kw):
+        rows_in.append(hidden.shape[0])
+        return chunked_token_logprobs(hidden, *args, **kw)
+
+    monkeypatch.setattr(head, "chunked_token_logprobs", counted)
+    forward = forward_in(model, ActorConfig())
+    every = forward(batch.input_ids, batch.attention_mask, entropy=True)
+    some = forward(batch.input_ids, batch.attention_mask, entropy=True, scored=batch.response_mask)
+    real, response = batch.attention_mask.bool(), batch.response_mask.bool()
+    # column 0 has no distribution; each scored token costs one row of the head, no pad or prompt token does
+    assert rows_in == [int(real[:, 1:].sum()), int(response[:, 1:].sum())]
+    for out in (some.logprobs, some.entropy):
+        assert (out[~response] == 0).all()
+    # the same values (chunks cut elsewhere can change a product's last bit)
+    torch.testing.assert_close(some.logprobs[response], every.logprobs[response])
+    torch.testing.assert_close(some.entropy[response], every.entropy[response])
+    assert (every.logprobs[:, 1:][real[:, 1:]] != 0).all() and (every.logprobs[~real] == 0).all()
+
+
 def test_a_model_whose_logits_are_post_processed_or_whose_head_has_a_bias_is_refused():
     model = make_hf_model("llama")
     model.config.final_logit_softcapping = 30.0

@@ -29,6 +29,7 @@ from pipeline.records import TrainBatch
 
 # loss_fn(logprobs [b, T] with grad, entropy [b, T] with grad or None, micro) -> (loss, metrics); the
 # loss is already weighted by micro.loss_weights, so the micro-batches' losses sum to the mini-batch's.
+# Log-probs and entropies are those of micro.response_mask's tokens, 0 at the others (prompt and pads).
 LossFn = Callable[[torch.Tensor, "torch.Tensor | None", TrainBatch], "tuple[torch.Tensor, dict[str, float]]"]
 
 # Update metrics that add up over micro-batches and over ranks (a share of the mini-batch's loss, a

@@ -65,21 +65,24 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def policy_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, entropy: bool = False,
-                   hidden: bool = False, hidden_layers: tuple[int, ...] | None = None) -> LogProbs:
+                   hidden: bool = False, hidden_layers: tuple[int, ...] | None = None,
+                   scored: torch.Tensor | None = None) -> LogProbs:
     """One forward of `model` (an HF causal LM, or a DDP / DeepSpeed wrapper of one) on [b, T] rows.
 
     The model gets no padding mask: rows are right-padded and attention is causal, so no real token
     sees a pad, and the causal kernels (actor.attention's: tailspec's or SDPA's) skip the masked half
     of each score matrix where an explicit mask makes SDPA compute all of it.
-    The model's head returns the log-probs and entropies (`picking`), 0 at pads, and computes none
-    for pads; hidden states at pads mean nothing. A model not loaded by `load_policy` gets that head
-    here, with actor.head_chunk_tokens' default.
+    The model's head returns the log-probs and entropies (`picking`) of the tokens `scored` [b, T]
+    marks (None: every real token) and 0 elsewhere, and computes nothing for the others: the update
+    scores only response tokens, the tokens its loss reads. Hidden states at pads mean nothing. A
+    model not loaded by `load_policy` gets that head here, with actor.head_chunk_tokens' default.
     """
     if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
         raise ValueError("policy_forward needs right-padded rows (every row's real tokens first, then pads); "
                          "a row has a real token after a pad: build rows with pipeline.train_batch")
     want_states = hidden or bool(hidden_layers)
-    with picking(model, input_ids, attention_mask, entropy, ActorConfig.head_chunk_tokens):
+    scored = attention_mask if scored is None else scored * attention_mask
+    with picking(model, input_ids, scored, entropy, ActorConfig.head_chunk_tokens):
         out = model(input_ids=input_ids, attention_mask=None, output_hidden_states=want_states, use_cache=False)
     picked = out.logits  # [b, T, 1 or 2]: log-prob (and entropy) per token, not logits (pipeline/actors/head.py)
     states = out.hidden_states if want_states else None
@@ -172,6 +175,8 @@ def accumulate(forward: Callable[..., LogProbs], batch: TrainBatch, loss_fn: Los
     Under torch.distributed every rank of `group` (None: the default process group) runs the same number of micro-batches (the largest count
     of any rank), since ZeRO-2 / 3 reduce gradients in every backward: a rank with fewer splits
     its largest micro-batches, or runs zero-weight copies of a row when it has too few rows.
+    loss_fn gets log-probs and entropies at the micro-batch's response tokens, 0 elsewhere: the
+    head computes no others (policy_forward's `scored`).
     Returns train/loss (the sum of the micro-batches' losses: this rank's share of the mini-batch
     loss) and loss_fn's metrics: the additive ones (ADDITIVE_METRICS) summed over micro-batches, the
     others averaged over micro-batches weighted by their response tokens.
@@ -189,7 +194,7 @@ def accumulate(forward: Callable[..., LogProbs], batch: TrainBatch, loss_fn: Los
     loss_sum, sums = 0.0, {}
     for k, micro in enumerate(micros):
         with context(k == n - 1):
-            out = forward(micro.input_ids, micro.attention_mask, entropy=entropy)
+            out = forward(micro.input_ids, micro.attention_mask, entropy=entropy, scored=micro.response_mask)
             loss, metrics = loss_fn(out.logprobs, out.entropy, micro)
             backward(loss)
         loss_sum += float(loss.detach())

@@ -38,7 +38,7 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 @dataclass
 class _Pick:
     targets: torch.Tensor  # [b, T] the ids: position t's log-prob is that of targets[:, t + 1]
-    real: torch.Tensor  # [b, T] bool: the real tokens (rows right-padded); pads get 0 and cost nothing
+    scored: torch.Tensor  # [b, T] bool: the tokens whose log-probs are wanted; the others get 0 and cost nothing
     entropy: bool
 
 
@@ -51,7 +51,8 @@ class LogprobHead(torch.nn.Linear):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [b, T, H] -> logits [b, T, V]; under `picking`, [b, T, 1 or 2] (log-prob, entropy)
-        instead, token-aligned: [:, t] is log p(ids[t] | ids[:t]) and its entropy; column 0 and pads are 0."""
+        instead, token-aligned: [:, t] is log p(ids[t] | ids[:t]) and its entropy at the scored tokens, 0
+        elsewhere (column 0 always)."""
         pick, self.pick = self.pick, None
         if pick is None:
             if not self.float32:
@@ -61,7 +62,7 @@ class LogprobHead(torch.nn.Linear):
         b, T, H = hidden.shape
         if pick.targets.shape != (b, T):
             raise ValueError(f"LogprobHead: hidden states {tuple(hidden.shape)} for ids {tuple(pick.targets.shape)}")
-        scored = pick.real[:, 1:]  # [b, T-1]: position t predicts token t + 1, scored where that token is real
+        scored = pick.scored[:, 1:]  # [b, T-1]: position t predicts token t + 1, computed where that token is scored
         logprobs, entropy = chunked_token_logprobs(hidden[:, :-1][scored], self.weight, pick.targets[:, 1:][scored],
                                                    chunk_tokens=self.chunk_tokens, entropy=pick.entropy,
                                                    float32=self.float32)  # [n] each, n real targets
@@ -95,10 +96,9 @@ def install_head(model, chunk_tokens: int, float32: bool = False) -> LogprobHead
 
 
 @contextlib.contextmanager
-def picking(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, entropy: bool,
-            chunk_tokens: int) -> Iterator[None]:
+def picking(model, input_ids: torch.Tensor, scored: torch.Tensor, entropy: bool, chunk_tokens: int) -> Iterator[None]:
     """While open, the next call of `model`'s head returns the [b, T, 1 or 2] log-probs (and
-    entropies) of `input_ids` [b, T] (right-padded; attention_mask [b, T]) instead of logits.
+    entropies) of `input_ids` [b, T] at the tokens `scored` [b, T] marks, 0 elsewhere, instead of logits.
 
     `model` may be wrapped (DDP, DeepSpeed). A head that is not yet a LogprobHead (a model not
     loaded by pipeline.actors.forward.load_policy) is made one, computing `chunk_tokens` at a time.
@@ -106,7 +106,7 @@ def picking(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, entrop
     head = unwrapped(model).get_output_embeddings()
     if not isinstance(head, LogprobHead):
         head = install_head(unwrapped(model), chunk_tokens)
-    head.pick = _Pick(targets=input_ids, real=attention_mask.bool(), entropy=entropy)
+    head.pick = _Pick(targets=input_ids, scored=scored.bool(), entropy=entropy)
     try:
         yield
     finally:

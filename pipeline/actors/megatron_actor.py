@@ -155,9 +155,10 @@ def recorded_states(model: GPTModel, wanted: set[int]) -> Iterator[dict[int, tor
 
 
 def megatron_forward(model: GPTModel, vocab: int, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                     entropy: bool = False, hidden: bool = False,
-                     hidden_layers: tuple[int, ...] | None = None) -> LogProbs:
-    """forward.py's policy_forward for a GPTModel: [b, T] right-padded rows -> token-aligned LogProbs."""
+                     entropy: bool = False, hidden: bool = False, hidden_layers: tuple[int, ...] | None = None,
+                     scored: torch.Tensor | None = None) -> LogProbs:
+    """forward.py's policy_forward for a GPTModel: [b, T] right-padded rows -> token-aligned LogProbs,
+    0 outside `scored` (None: the real tokens)."""
     b, T = input_ids.shape
     n = len(model.decoder.layers)
     wanted = set(hidden_layers or ()) | ({n} if hidden else set())
@@ -165,7 +166,7 @@ def megatron_forward(model: GPTModel, vocab: int, input_ids: torch.Tensor, atten
     with recorded_states(model, wanted) as states:
         logits = model(input_ids=input_ids, position_ids=positions, attention_mask=None, runtime_gather_output=True)
     logits = logits[..., :vocab]  # [b, T, V]: the padded vocabulary rows are no tokens
-    real = attention_mask.bool()
+    real = attention_mask.bool() if scored is None else (scored * attention_mask).bool()
     return LogProbs(
         logprobs=token_logprobs(logits, input_ids).masked_fill(~real, 0.0),
         entropy=token_entropy(logits).masked_fill(~real, 0.0) if entropy else None,

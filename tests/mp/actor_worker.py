@@ -65,16 +65,17 @@ def pg_loss(logprobs, entropy, micro: TrainBatch):
     return loss, {"train/ratio_mean": float(ratio.detach()[resp].mean()) if resp.any() else 0.0}
 
 
-def whole_logits_forward(model, input_ids, attention_mask, *, entropy=False, hidden=False, hidden_layers=None):
+def whole_logits_forward(model, input_ids, attention_mask, *, entropy=False, hidden=False, hidden_layers=None,
+                         scored=None):
     """pipeline.actors.forward.policy_forward computed the way it was before the chunked head: the
-    model's whole [b, T, V] logits (its head called plainly), then log-softmax over them. The
-    reference the chunked head is compared with."""
+    model's whole [b, T, V] logits (its head called plainly), then log-softmax over them, kept at the
+    `scored` tokens (None: the real ones). The reference the chunked head is compared with."""
     from pipeline.actors.base import LogProbs
     from pipeline.actors.forward import token_entropy, token_logprobs
 
     assert not hidden and not hidden_layers
     logits = model(input_ids=input_ids, attention_mask=None, use_cache=False).logits  # [b, T, V]
-    real = attention_mask.bool()
+    real = (attention_mask if scored is None else scored * attention_mask).bool()
     return LogProbs(logprobs=token_logprobs(logits, input_ids).masked_fill(~real, 0.0),
                     entropy=token_entropy(logits).masked_fill(~real, 0.0) if entropy else None)
 
