@@ -40,7 +40,7 @@ def parse(argv: list[str] | None) -> tuple[PoolConfig, float]:
     p = argparse.ArgumentParser(prog="python -m launch.spot_pool", description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True, help="target model folder")
     p.add_argument("--drafter", required=True, help="warm-start drafter folder (EagleModel.save layout)")
-    p.add_argument("--buffer", required=True, help="this node's DataBuffer segment name (spot.buffer.segment_name)")
+    p.add_argument("--buffer", required=True, help="the job's DataBuffer name (the run's spot.buffer_name); this node's segment is <name>-<node>")
     p.add_argument("--out", required=True, help="checkpoints/, published/ and STOP go here (shared by all members)")
     for f in fields(PoolConfig):  # every key with a default is a flag: PoolConfig is the one declaration
         if f.default is MISSING:

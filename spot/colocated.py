@@ -26,7 +26,7 @@ from engine.checkpoint import parse_dtype, read_config
 from engine.spec.eagle import EagleModel
 from spot.actor_features import ActorFeatures, HeadTarget
 from spot.buffer import DataBuffer
-from spot.segment import reclaim_stale, segment_name
+from spot.segment import node_segment, reclaim_stale, segment_name
 from spot.config import SpotConfig
 from common.idle import ControlPlane, IdleWork
 from engine.backend import RolloutBackend
@@ -102,11 +102,11 @@ def build_spot_work(cfg: SpotConfig, engine: RolloutBackend, *, run_name: str, r
 
 def node_buffer(cfg: SpotConfig, net: EagleModel, default_name: str, owner: bool, barrier,
                 gate_ranks: int = 0) -> DataBuffer:
-    """The node's DataBuffer (spot.buffer_name, else `default_name`): the owner reclaims a crashed
+    """The node's DataBuffer (this node's segment of spot.buffer_name, else `default_name`): the owner reclaims a crashed
     run's segments and creates it, the other ranks of the node attach after `barrier()` (a
     collective of every rank that builds it; None alone). `gate_ranks`: the node's ranks that
     gate a spot pool's members (spot.gate; 0: ungated)."""
-    name = cfg.buffer_name or default_name
+    name = node_segment(cfg.buffer_name) if cfg.buffer_name else default_name
     if owner:
         reclaim_stale()
         buffer = DataBuffer.create(name, capacity_bytes=cfg.buffer_mb * 2**20, feature_size=net.config.feature_size,

@@ -16,7 +16,9 @@ class SpotConfig:
     # load its newest publication from pool_dir every step (spot.follower).
     mode: Literal["colocated", "pool"] = "colocated"
     pool_dir: str | None = None  # the pool's --out folder (mode: pool)
-    buffer_name: str | None = None  # the node's segment in /dev/shm; None: tailspec-<run folder>-<host>
+    # The job's buffer name: each node's segment in /dev/shm is <buffer_name>-<node> (spot.segment);
+    # None: tailspec-<run folder>-<node>.
+    buffer_name: str | None = None
     # The node's DataBuffer (spot.buffer): a ring of rollouts' features in /dev/shm.
     buffer_mb: int = 256
     buffer_entries: int = 4096  # header slots (entries held at most)

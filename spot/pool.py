@@ -61,6 +61,7 @@ from common.atomic import atomic_folder, atomic_write
 from engine.checkpoint import load_checkpoint
 from engine.spec.eagle import EagleModel
 from spot.buffer import DataBuffer
+from spot.segment import node_name, node_segment
 from spot.drafter_training import DrafterOptim, Reduce
 from spot.gate import NodeGate
 from spot.records import HiddenStateRows
@@ -77,7 +78,7 @@ VERSION = re.compile(r"v(\d+)")
 class PoolConfig:
     target: str  # the target model folder (its frozen embedding and LM head are the drafter's)
     drafter: str  # the warm-start drafter folder (EagleModel.save layout): the first member's start
-    buffer: str  # the node's DataBuffer segment name (spot.buffer.segment_name)
+    buffer: str  # the job's DataBuffer name (spot.buffer_name): this node's segment is spot.segment.node_segment(buffer)
     out: str  # checkpoints/, published/ and STOP live here: a folder every member sees (a shared file system)
     micro_steps: int | None = None  # stop after this many (over the pool's life); None: until <out>/STOP
     checkpoint_every: int = 50
@@ -314,10 +315,10 @@ def attach_buffer(cfg: PoolConfig) -> DataBuffer:
     deadline = time.monotonic() + cfg.buffer_wait_s
     while True:
         try:
-            return DataBuffer.attach(cfg.buffer)
+            return DataBuffer.attach(node_segment(cfg.buffer))
         except FileNotFoundError as e:
             if time.monotonic() >= deadline:
-                raise FileNotFoundError(f"spot pool: {e} (--buffer {cfg.buffer}, waited {cfg.buffer_wait_s:g}s: start "
+                raise FileNotFoundError(f"spot pool: {e} (--buffer {cfg.buffer} on node {node_name()}, waited {cfg.buffer_wait_s:g}s: start "
                                         "the rollout job that creates it on this node first, pass the name it prints, "
                                         "or wait longer with --buffer-wait-s)") from None
         time.sleep(cfg.poll_s)

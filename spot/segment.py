@@ -1,5 +1,11 @@
 """A DataBuffer segment's lifetime: its name, its header's owner, and reclaiming a dead run's.
 
+Names are per node: `segment_name(run)` for a run's own buffer, `node_segment(name)` for a job's
+buffer that several processes name alike (`spot.buffer_name`, a spot pool's `--buffer`). A node is
+`node_name()`: Slurm's name for it in a job's tasks (SLURMD_NODENAME), else the host name, so that
+the nodes of one job never share a segment, also where several slurmd run on one host (the
+cluster rehearsals: launch.rehearse).
+
 A segment is a plain file /dev/shm/<name> whose header names the owner process by pid and start
 time (clock ticks since boot, so a reused pid is not mistaken for the owner). A segment whose
 owner is gone (a crashed run) is reclaimed: at the next `create` of its name, or by
@@ -9,6 +15,7 @@ owner is gone (a crashed run) is reclaimed: at the next `create` of its name, or
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import socket
 from pathlib import Path
@@ -24,9 +31,23 @@ _HEADER = np.dtype([
 ])
 
 
+def node_name() -> str:
+    """This process's node: Slurm's name for it inside a job step (SLURMD_NODENAME), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
 def segment_name(run: str, node: str | None = None) -> str:
-    """-> "tailspec-<run>-<node or hostname>", other characters than [A-Za-z0-9_.-] replaced by '_'."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"tailspec-{run}-{node or socket.gethostname()}")
+    """-> "tailspec-<run>-<node or node_name()>", other characters than [A-Za-z0-9_.-] replaced by '_'."""
+    return _safe(f"tailspec-{run}-{node or node_name()}")
+
+
+def node_segment(name: str, node: str | None = None) -> str:
+    """This node's segment of a job's buffer `name` (spot.buffer_name, a pool's --buffer): "<name>-<node>"."""
+    return _safe(f"{name}-{node or node_name()}")
 
 
 def reclaim_stale(prefix: str = "tailspec-") -> list[str]:

@@ -33,7 +33,6 @@ This module knows the loop only through common.idle: pipeline imports none of it
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import torch
@@ -46,7 +45,7 @@ from spot.buffer import DataBuffer
 from spot.colocated import SpotRun, drafter_copy, node_buffer, spot_trainer
 from spot.config import SpotConfig
 from spot.coordinator import FilledTime, PendingAverage, ServedDrafterState, SpotSettings, post_average
-from spot.segment import segment_name
+from spot.segment import node_name, segment_name
 from spot.sink import DataBufferSink, put_as_window_opens
 from spot.trainer import SpotTrainer
 
@@ -166,11 +165,11 @@ def eagle_net(engine: RolloutBackend) -> EagleModel:
 
 
 def node_slot(group) -> tuple[int, int]:
-    """(this rank's index among the group's ranks on its node, how many the node has), by host name
-    (collective over `group`)."""
+    """(this rank's index among the group's ranks on its node, how many the node has), by node name
+    (spot.segment.node_name; collective over `group`)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     hosts = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    dist.all_gather_object(hosts, node_name(), group=group)
     mine = [g for g in range(world) if hosts[g] == hosts[rank]]
     return mine.index(rank), len(mine)
 
@@ -179,7 +178,7 @@ def build_separated_spot(cfg: SpotConfig, engine: RolloutBackend, *, run_name: s
                          max_new_tokens: int, resume: Path | None = None) -> SpotRun:
     """This rollout rank's spot training (collective over `group`: the rollout ranks' own process
     group, which also carries the averages). The node's buffer is created by the node's first
-    rollout rank (found by host name over the group) and attached by the others. `resume`: a
+    rollout rank (found by node name over the group) and attached by the others. `resume`: a
     checkpoint folder whose `spot/` the trainer continues from (the work's own state is loaded by
     the caller)."""
     net = eagle_net(engine)

@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from spot.segment import SHM, segment_name
+from spot.segment import SHM, node_segment
 from tests.test_separated import REPO, assert_same_run, base, separated, step_rows, torchrun
 from tests.test_separated_spot import spot
 from tests.test_spot_pool import (PROGRESS, START, STOP, Inputs, descendants, free_port, kill_node, matches,
@@ -34,7 +34,7 @@ def start_run(procs: int, run_dir, hold, *overrides: str) -> subprocess.Popen:
 @pytest.mark.timeout(900)
 def test_a_separated_run_follows_an_elastic_pool_that_loses_a_member_and_learns_what_it_learns_without_one(
         char_model_dir, char_drafter_dir, tmp_path):
-    name = segment_name(f"pooltest-{uuid.uuid4().hex[:8]}")
+    name = f"pooltest-{uuid.uuid4().hex[:8]}"  # the job's buffer; each node's segment is node_segment(name)
     pool, hold = tmp_path / "pool", tmp_path / "hold"
     hold.mkdir()
     extra = [f"model.path={char_model_dir}", "trainer.steps=4", *separated(1), *spot(char_drafter_dir)]
@@ -73,7 +73,7 @@ def test_a_separated_run_follows_an_elastic_pool_that_loses_a_member_and_learns_
             else:
                 for child in descendants(p.pid):
                     os.kill(child, 9)
-    assert not (SHM / name).exists()  # the run removed its node's segment
+    assert not (SHM / node_segment(name)).exists()  # the run removed its node's segment
     starts = [(int(m[3]), int(m[2])) for m in matches(START, logs[:2]) if m[0] == "0"]  # (micro-step, members)
     assert 2 in [w for _, w in starts] and starts[-1][1] == 1, starts
     # the survivor resumed at or past every micro-step the two had completed: only the one in flight was lost

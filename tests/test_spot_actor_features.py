@@ -24,6 +24,7 @@ from pipeline.actors import ActorConfig, build_actor
 from pipeline.train_batch import pack_rollouts
 from spot.actor_features import ActorFeatures, HeadTarget
 from spot.buffer import DataBuffer
+from spot.segment import node_segment
 from spot.sink import DataBufferSink
 
 
@@ -31,7 +32,7 @@ from spot.sink import DataBufferSink
 def names():
     made = [f"tailspec-test-{uuid.uuid4().hex[:8]}" for _ in range(2)]
     yield made
-    for name in made:
+    for name in made + [node_segment(n) for n in made]:  # a buffer_name's segment is node_segment(name)
         for p in (f"/dev/shm/{name}", f"/dev/shm/{name}.lock"):
             if os.path.exists(p):
                 os.unlink(p)

@@ -24,7 +24,7 @@ from pipeline.dist import Ranks
 from common.idle import RankState
 from spot.buffer import BufferEntry, DataBuffer
 from spot.gate import NodeGate
-from spot.segment import segment_name
+from spot.segment import node_segment
 from spot.features import TokenSequence, capture_features
 from spot.pool import LATEST, PUBLISHED, STOP, PoolConfig, latest_published, published_weights, run_pool
 from spot.trainer import SpotTrainer, latest_checkpoint
@@ -45,19 +45,21 @@ class Inputs:
         return PoolConfig(**(base | kw))
 
 
-def filled_buffer(target, gate_ranks: int = 0) -> DataBuffer:
-    """A new DataBuffer of 12 rows of the target's features (step 1), gated by `gate_ranks` ranks."""
+def filled_buffer(target, gate_ranks: int = 0) -> tuple[str, DataBuffer]:
+    """(a job's buffer name, this node's new segment of it: 12 rows of the target's features (step 1),
+    gated by `gate_ranks` ranks); a pool given the name attaches the segment (spot.segment.node_segment)."""
+    job_buffer = f"pooltest-{uuid.uuid4().hex[:8]}"
     g = torch.Generator().manual_seed(0)
     V = target.config.vocab_size
     seqs = [TokenSequence(f"p{i}", 0, [1] + torch.randint(3, V, (20 + 3 * i,), generator=g).tolist(), 5)
             for i in range(12)]
     rows = capture_features(target, seqs)
-    buf = DataBuffer.create(segment_name(f"pooltest-{uuid.uuid4().hex[:8]}"), capacity_bytes=4 << 20,
+    buf = DataBuffer.create(node_segment(job_buffer), capacity_bytes=4 << 20,
                             feature_size=rows[0].features.shape[1], gate_ranks=gate_ranks)
     for i, row in enumerate(rows):
         buf.put(BufferEntry(key=f"p{i}/0", step=1, policy_version=1, finished=True, prompt_len=row.prompt_len,
                             tokens=row.tokens, features=row.features))
-    return buf
+    return job_buffer, buf
 
 
 def make_inputs(char_model_dir, tmp_path, gate_ranks: int = 0):
@@ -65,9 +67,9 @@ def make_inputs(char_model_dir, tmp_path, gate_ranks: int = 0):
     target = load_checkpoint(char_model_dir)
     torch.manual_seed(0)
     EagleModel(EagleConfig.for_target(target.config), target).save(tmp_path / "drafter")
-    buf = filled_buffer(target, gate_ranks)
+    job_buffer, buf = filled_buffer(target, gate_ranks)
     try:
-        yield Inputs(char_model_dir, tmp_path / "drafter", buf.name, tmp_path / "out", buf.feature_size), buf
+        yield Inputs(char_model_dir, tmp_path / "drafter", job_buffer, tmp_path / "out", buf.feature_size), buf
     finally:
         buf.unlink()
 
@@ -123,8 +125,8 @@ def test_a_preempt_flag_stops_within_one_micro_step_and_checkpoints_without_publ
 
 
 def test_an_empty_buffer_is_waited_on_until_the_stop_file(inputs, tmp_path, capsys):
-    empty = segment_name(f"pooltest-empty-{uuid.uuid4().hex[:8]}")
-    with DataBuffer.create(empty, capacity_bytes=1 << 16, feature_size=inputs.feature_size):
+    empty = f"pooltest-empty-{uuid.uuid4().hex[:8]}"  # the job's name; the pool attaches this node's segment
+    with DataBuffer.create(node_segment(empty), capacity_bytes=1 << 16, feature_size=inputs.feature_size):
         out = inputs.out
 
         def stop_on_second_look() -> bool:
@@ -136,7 +138,7 @@ def test_an_empty_buffer_is_waited_on_until_the_stop_file(inputs, tmp_path, caps
 
         res = run_pool(inputs.config(buffer=empty, poll_s=0.01), Ranks(), stop_on_second_look)
     assert (res.outcome, res.ran, res.published) == ("finished", 0, 1)  # the warm drafter, as v1
-    assert f"waiting for rows in buffer {empty}" in capsys.readouterr().err
+    assert f"waiting for rows in buffer {node_segment(empty)}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("which", ["target", "drafter", "buffer"])
@@ -161,8 +163,8 @@ def test_the_cli_names_a_missing_buffer_and_exits_1_without_a_traceback(inputs):
 
 
 def test_a_buffer_of_other_features_is_refused(inputs):
-    other = segment_name(f"pooltest-other-{uuid.uuid4().hex[:8]}")
-    with DataBuffer.create(other, capacity_bytes=1 << 16, feature_size=inputs.feature_size + 1):
+    other = f"pooltest-other-{uuid.uuid4().hex[:8]}"
+    with DataBuffer.create(node_segment(other), capacity_bytes=1 << 16, feature_size=inputs.feature_size + 1):
         with pytest.raises(ValueError, match=f"features of size {inputs.feature_size + 1}"):
             run_pool(inputs.config(buffer=other), Ranks(), never)
 
@@ -219,10 +221,11 @@ def test_members_whose_node_generates_add_zero_weight_the_average_is_exactly_the
 
     inputs, busy = gated  # member 2's buffer: gated by a rank that is generating
     NodeGate(busy).set(0, 1, RankState.GENERATING)
-    with filled_buffer(load_checkpoint(char_model_dir)) as idle:  # members 0 and 1: ungated, rows
+    idle_name, idle = filled_buffer(load_checkpoint(char_model_dir))
+    with idle:  # members 0 and 1: ungated, rows
         kw = dict(target=str(inputs.target), drafter=str(inputs.drafter), rows_per_step=4, window=64, log_every=1,
                   warmup_steps=0)
-        mp.start_processes(worker, args=(3, free_port(), str(tmp_path), kw, idle.name, busy.name), nprocs=3, join=True,
+        mp.start_processes(worker, args=(3, free_port(), str(tmp_path), kw, idle_name, inputs.buffer), nprocs=3, join=True,
                            start_method="spawn")
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
     assert [g["trained"] for g in got] == [1, 1, 0]

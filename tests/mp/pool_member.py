@@ -25,6 +25,7 @@ def worker(rank: int, world: int, port: int, out: str, cfg_kw: dict, idle: str, 
     try:
         from spot.buffer import DataBuffer
         from spot.pool import Members, PoolConfig, make_trainer, open_inputs, sample_rows, train_members
+        from spot.segment import node_segment
         from pipeline.dist import Ranks
 
         cfg = PoolConfig(**cfg_kw, buffer=idle if rank < 2 else busy, out=f"{out}/pool", micro_steps=1)
@@ -53,7 +54,7 @@ def worker(rank: int, world: int, port: int, out: str, cfg_kw: dict, idle: str, 
         if rank != 0:
             return
         solo = PoolConfig(**cfg_kw, buffer=idle, out=f"{out}/solo", micro_steps=1)
-        buf = DataBuffer.attach(idle)
+        buf = DataBuffer.attach(node_segment(idle))
         rows = [sample_rows(buf, solo, m, 0) for m in (0, 1)]  # what members 0 and 1 sampled
         buf.close()
         one = Ranks()
