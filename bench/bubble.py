@@ -40,7 +40,7 @@ from engine.spec.factory import build_drafter
 from engine.types import Request
 from launch.config import load_config
 from launch.run_config import TrainConfig
-from launch.run import problems_for, prompt_loader
+from launch.problems import problems_for, prompt_loader
 from pipeline.actors import build_actor
 from pipeline.dist import Ranks
 from pipeline.rollouts import encode_problem

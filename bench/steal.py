@@ -38,7 +38,7 @@ from bench.common import cpu_model, finish
 from common.text import load_tokenizer, stop_tokens
 from engine.backends.factory import build_rollout_engine
 from launch.config import load_config
-from launch.run import problems_for, prompt_loader
+from launch.problems import problems_for, prompt_loader
 from launch.run_config import TrainConfig
 from pipeline.dist import init_ranks, shutdown
 from pipeline.lengths import LengthPredictor

@@ -103,7 +103,7 @@ def trl_settings(cfg, micro_rows: int) -> dict:
 def job_rows(cfg, tokenizer, steps: int) -> list[dict]:
     """The rows TailSpec's run of `cfg` trains on in its first `steps` steps, in order: the prompt as
     TRL takes it (chat messages, or text), the gold answer, the prompt's token ids as TailSpec renders it."""
-    from launch.run import problems_for, prompt_loader
+    from launch.problems import problems_for, prompt_loader
     from pipeline.rollouts import encode_problem
 
     problems = problems_for(cfg, tokenizer)

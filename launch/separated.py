@@ -32,9 +32,11 @@ from common.idle import PushFlag
 from common.text import load_tokenizer, stop_tokens
 from engine.backends.factory import build_rollout_engine
 from launch.config import to_dict
-from launch.run import RankLog, Run, history_of, problems_for, prompt_loader, resume_state
+from launch.problems import problems_for, prompt_loader
 from launch.run_config import TrainConfig
+from launch.run_parts import RankLog, Run, resume_state
 from pipeline.dist import Ranks, job_store
+from pipeline.history import run_history
 from pipeline.learner import Learner, uses_engine_logprobs
 from pipeline.metrics import MetricsLogger
 from pipeline.placement import Placement, build_placement
@@ -92,7 +94,7 @@ def build_separated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
         rewards = build_rewards(cfg.task, task, log)  # before any rollout: a reward that does not load stops the build
         resources.callback(rewards.close)
         log(rewards.summary())
-        history = history_of(cfg, placement.rollouts)  # over the rollout ranks: every one keeps the same store
+        history = run_history(cfg.engine.spec, placement.rollouts)  # over the rollout ranks: every one keeps the same store
         engine = build_rollout_engine(cfg.model.path, cfg.engine, seed=cfg.run.seed,
                                       history=history.store if history is not None else None)
         resources.callback(engine.close)

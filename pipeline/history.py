@@ -14,6 +14,8 @@ It knows the store and the ranks; nothing of how the engine drafts.
 
 from __future__ import annotations
 
+from engine.spec.config import SpecConfig
+from engine.spec.factory import history_store
 from engine.spec.history import history_counts, history_metrics
 from engine.spec.history_index import HistoryStore
 from engine.types import Rollout, StepRecord
@@ -54,3 +56,10 @@ class RunHistory:
 
     def load_state_dict(self, state: dict) -> None:
         self.store.load_state_dict(state)
+
+
+def run_history(spec: SpecConfig, ranks: Ranks) -> RunHistory | None:
+    """The run's history store over `ranks`, when engine.spec.drafter has a history part (else None)."""
+    if not spec.enabled or spec.drafter_spec.history is None:
+        return None
+    return RunHistory(history_store(spec), ranks, spec.drafter_spec.history)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from engine.backend import RolloutBackend
 from engine.sampling import SamplingParams
-from engine.types import RolloutBatch
+from engine.types import Request, RolloutBatch
 from pipeline.dist import Ranks
 from pipeline.lengths import LengthPredictor, correlation, long_first
 from pipeline.rollouts import ScoredRollouts, requests_for, score
@@ -46,6 +46,28 @@ from pipeline.shares import row_shares, shard_shares, split_samples, update_toke
 from pipeline.stealing import StealingSource, UnitQueue, default_inflight, plan_units
 from pipeline.tasks import Problem
 from pipeline.tasks.reward_scoring import Rewards
+
+
+@dataclass(frozen=True)
+class GroupSplit:
+    """Which samples of a step's groups a rank generates: with rollout.split_groups over w > 1 ranks,
+    its part of every group (rank r: samples r*n/w .. (r+1)*n/w - 1, Seer's divided rollout);
+    otherwise all n samples of the groups it takes. Colocated ranks, a separated run's rollout
+    ranks and bubble pre-generation all read it from here."""
+
+    split: bool
+    samples: range
+
+    @classmethod
+    def of(cls, rollout_cfg, world: int, rank: int) -> GroupSplit:
+        split = rollout_cfg.split_groups and world > 1
+        return cls(split, split_samples(rollout_cfg.n, world, rank) if split else range(rollout_cfg.n))
+
+    def next_requests(self, loader, tokenizer, chat: bool) -> list[Request]:
+        """This rank's requests of the loader's next step, without advancing it: its part of every
+        group, or whole groups of its shard."""
+        problems = loader.global_step() if self.split else loader.peek()
+        return requests_for(tokenizer, problems, len(self.samples), chat, first_sample=self.samples.start)
 
 
 @dataclass
@@ -68,9 +90,8 @@ class RolloutSchedule:
         self.equal_rewards_free = equal_rewards_free
         self.stealing, self.n = rollout_cfg.work_stealing and ranks.world > 1, rollout_cfg.n
         self.inflight = rollout_cfg.steal_inflight
-        self.split = rollout_cfg.split_groups and ranks.world > 1
-        # the samples of each group this rank generates: all, or its part of a split group
-        self.samples = split_samples(self.n, ranks.world, ranks.rank) if self.split else range(self.n)
+        part = GroupSplit.of(rollout_cfg, ranks.world, ranks.rank)
+        self.split, self.samples = part.split, part.samples
         self.train_shares, self.mini_batches = train_shares, mini_batches
         self.exchanges = self.stealing or self.split or train_shares == "tokens"
         self.lengths = LengthPredictor() if rollout_cfg.long_first else None

@@ -184,7 +184,7 @@ def test_a_reward_that_does_not_load_stops_the_build_before_the_engine(char_mode
     from launch.run import run
     from pipeline.dist import Ranks
 
-    monkeypatch.setattr("launch.run.build_rollout_engine", lambda *a, **k: pytest.fail("the engine was built"))
+    monkeypatch.setattr("launch.colocated.build_rollout_engine", lambda *a, **k: pytest.fail("the engine was built"))
     with pytest.raises(ValueError, match=r"task.reward=nowhere/reward.py:score: no file"):
         run(run_config(char_model_dir, tmp_path, "task.reward=nowhere/reward.py:score"), Ranks())
 

@@ -257,7 +257,7 @@ def verl_run(chat_model_dir, tmp_path) -> list[str]:
 
 def test_the_warm_start_of_a_run_config_reads_the_runs_training_prompts_as_the_run_renders_them(chat_model_dir, tmp_path):
     from launch.config import load_config
-    from launch.run import problems_for
+    from launch.problems import problems_for
     from launch.run_config import TrainConfig
     from launch.warmstart import run_prompts
 
