@@ -29,8 +29,8 @@ bf16 products (`TargetRuntime(model, bf16_products=True)`, `engine.products: bf1
 decoder layer's products in bf16 arithmetic (engine.kernels.skinny, `dot`): the kernels round
 each input row and each weight to bf16 and sum pairs of products in float32, with AVX512_BF16
 twice the arithmetic of float32 products and half the bytes: decode and verify passes both run
-faster (docs/BENCHMARKS.md: both rollouts ~1.2x on the mult miniature, so the step is faster and
-speculation's ratio is not). The model's
+faster, so the step is faster and speculation's ratio is not (docs/BENCHMARKS.md, "bf16 in the
+engine"). The model's
 weights are not touched, the final norm and the LM head stay float32, and every pass, decode or
 verify, goes through the same row-independent kernels: speculation still changes no token. The
 served function is the model's with bf16 products (its log-probs differ from float32's as a bf16
@@ -78,7 +78,7 @@ class WeightsFingerprint:
 
     def _parts(self) -> list[torch.Tensor]:
         # take() indexes any tensor as if flattened in row-major order: the packed parameters are
-        # strided views, which reshape(-1) would copy whole (~10 ms a generate() call on the tiny model).
+        # strided views, which reshape(-1) would copy whole at every check.
         return [torch.take(p.detach(), i) for (_, p), i in zip(self.params, self.where)]
 
     def changed(self) -> str | None:

@@ -156,7 +156,7 @@ def mask_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 def _mask_top_p(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keeps the smallest set of best tokens whose mass reaches top_p (always the best one).
 
-    A full sort of a 50k vocabulary costs ~15 ms on CPU; the nucleus is usually a few dozen
+    A full sort of a large vocabulary is costly on a CPU and the nucleus is usually a few dozen
     tokens, so look among the top 64, then 1024, and sort everything only if still short.
     """
     V = scaled.shape[-1]

@@ -22,7 +22,7 @@ doubles their length and repairs a careless first pass.
 
 Every field of `PretrainConfig` is a flag (`hidden_size` -> `--hidden-size`). On a machine whose
 cores are busy, set OMP_WAIT_POLICY=PASSIVE in the environment: spinning OpenMP threads that
-share a core with another process make steps up to 10x slower. This module knows nothing about
+share a core with another process make steps many times slower. This module knows nothing about
 RL; accuracy is measured with the plain greedy decoder of `pipeline.tasks.eval`.
 """
 

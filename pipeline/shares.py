@@ -21,8 +21,8 @@ order whichever way the rollout was placed, and the run stays bit for bit the sa
   the ranks (`token_shares`). Every mini-batch ends in a gradient all-reduce that waits for its
   slowest rank, so it is each mini-batch that must be balanced, and a prompt group (4 samples of
   up to ~800 tokens on the mult task) is too coarse a unit for that: dealt whole, the ranks'
-  parts of a mini-batch were 0.85 of balanced on `make train`'s records (a one-off script over its
-  rollouts.jsonl), dealt by rows 0.998 (the run's `train/update_balance`). A
+  parts of a mini-batch stay short of balanced, dealt by rows they are nearly even (the run's
+  `train/update_balance`; docs/BENCHMARKS.md, "The update"). A
   group's samples may then train on different ranks; advantages are per group, so each rank
   holds the whole groups of its rows (pipeline.schedule) and trains only its rows.
 - `update_balance`: how evenly the ranks' update tokens fall in each mini-batch (the learner's

@@ -30,9 +30,9 @@ def default_inflight(groups: int, n: int, world: int) -> int:
     """Rows a rank keeps active while units remain, by default: 7/8 of its share of the step's rows
     (at least one unit). Nearly the whole share starts at once, so a rank's batch is about as full
     as a static shard's, and the last eighth stays in the queue for whichever rank frees rows
-    first. Measured on a 2-core EPYC (docs/BENCHMARKS.md, bench.steal): holding back half the share
-    made stealing 4-8% slower than static; at 7/8 stealing took 1.00-1.04x static's time and
-    stealing over the prompts' earlier lengths 0.83-0.92x."""
+    first. Holding back more costs on a CPU, where a decode step of half the rows costs little less
+    than one of all of them: the held-back units run in a second, thinner wave (docs/BENCHMARKS.md,
+    "Tail scheduling", measures the shares)."""
     return max(n, groups * n * 7 // (8 * world))
 
 

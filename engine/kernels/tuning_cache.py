@@ -1,6 +1,6 @@
 """When the kernels are tuned, and where the result is kept: `settle(lib, ...)` -> `Tuning`.
 
-The first process that loads a build on a host measures (engine/kernels/tune.py, <= 30 s, with
+The first process that loads a build on a host measures (engine/kernels/tune.py, with its
 progress on stderr) and writes the choice beside the build as tuning-<key>.json; later ones
 read it. The key hashes the CPU model, the compiler and its flags, the kernel sources (the
 build's own digest), the tuner's sources and the thread count, so a change to any of them tunes

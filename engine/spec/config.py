@@ -26,8 +26,8 @@ class SpecConfig:
     # draft level streams; proposals may change, emitted tokens never do: docs/BENCHMARKS.md).
     drafter_weights: Literal["float32", "bfloat16"] = "float32"
     # The CPU kernels' products of an EAGLE drafter: float32, or bf16 arithmetic (AVX512_BF16's dot
-    # products, 1.6-1.8x float32's at a draft's 1-32 rows; proposals may change, emitted tokens never
-    # do); auto: bf16 where the kernels were built with AVX512_BF16 (engine.spec.factory).
+    # products; proposals may change, emitted tokens never do: docs/BENCHMARKS.md); auto: bf16 where
+    # the kernels were built with AVX512_BF16 (engine.spec.factory).
     drafter_products: Literal["float32", "bf16", "auto"] = "float32"
     depth: int = 6  # draft levels below the root
     topk: int = 1  # children per expanded node; 1 = chain

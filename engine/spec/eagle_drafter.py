@@ -8,8 +8,8 @@ drafter first *catches up* (all pending pairs go through the network at once), t
 tree level by level from its own predicted features, on tentative cache slots that the next
 catch-up overwrites. After a chain draft, the leading verified pairs whose tokens the chain drafted
 keep the chain's entries (its own predicted features in place of the target's: `_keep_drafted`),
-so a catch-up mostly runs one pair a row; drafting took 19-30% less time on the mult task at the
-same accept length. Steps without a draft only append to the pending buffer (sized for whole
+so a catch-up mostly runs one pair a row rather than one per accepted token, at the same accept
+length. Steps without a draft only append to the pending buffer (sized for whole
 responses within a byte budget; past it, pending pairs are caught up without drafting), so
 speculation can be off for many steps (a large batch) and on again with the drafter's cache
 complete, and rows that finish while it is off cost the drafter nothing.

@@ -14,8 +14,8 @@ repack rounds them again). Only the kernels' path is rounded: the drafter's nume
 proposals, never the tokens emitted, which verification decides.
 
 `bf16_products` (engine.spec.drafter_products): the kernels' products in bf16 arithmetic (x and
-the weights rounded to bf16, AVX512_BF16's dot products: 1.6-1.8x float32's at a draft's 1-32 rows),
-with the same caveat: the proposals may change, the tokens do not. Attention stays float32.
+the weights rounded to bf16, AVX512_BF16's dot products; docs/BENCHMARKS.md, "bf16 in the engine",
+measures the gain), with the same caveat: the proposals may change, the tokens do not. Attention stays float32.
 """
 
 from __future__ import annotations

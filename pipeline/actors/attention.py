@@ -2,17 +2,16 @@
 
 On CPU in float32 the update's attention runs on the project's causal kernels
 (engine/kernels/causal_attention.cpp, a forward that keeps each query's log-sum-exp and a backward
-that recomputes the softmax from it), registered with transformers as "tailspec_cpu". Forward and
-backward they run 1.4-1.8x torch's SDPA flash kernel at the tiny model's head dim of 32 and
-1.2-1.5x at SmolLM2's 64 (`python -m bench.attention`, docs/BENCHMARKS.md); attention is about a
-fifth of the tiny model's update.
+that recomputes the softmax from it), registered with transformers as "tailspec_cpu": forward and
+backward they outrun torch's SDPA flash kernel at the small head dims of the models trained on a CPU
+here (`python -m bench.attention` measures both; docs/BENCHMARKS.md, "The update").
 
 Under bf16-mixed precision (pipeline/actors/precision.py: the matrix products in bf16) the
 attention's products run in bf16 arithmetic too, where the kernels have AVX512_BF16
 (engine/kernels/causal_attention_bf16.cpp, registered as "tailspec_cpu_bf16": q, k, v, dout and the
 probabilities rounded to bf16 where they enter a product, as GPU flash attention in bf16 does; the
-softmax and every sum in float32): 1.7-2.1x the float32 kernels' forward and backward
-(`python -m bench.attention`, docs/BENCHMARKS.md). Like the model's other products, it follows
+softmax and every sum in float32), faster than the float32 kernels where the dot products are
+native (`python -m bench.attention` measures both). Like the model's other products, it follows
 autocast: a forward outside bf16 autocast attends in float32. Without AVX512_BF16 the float32
 kernels serve.
 

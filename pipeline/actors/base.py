@@ -64,9 +64,9 @@ class ActorConfig:
     head_chunk_tokens: int = 512
     gradient_checkpointing: bool = False
     dtype: Literal["float32", "bfloat16"] = "float32"  # parameters and activations
-    # The model's attention in the update: "tailspec" the project's causal CPU kernels (float32 on CPU;
-    # 1.4-1.8x torch's SDPA forward and backward at head dim 32, pipeline/actors/attention.py), "sdpa"
-    # torch's; "auto" picks tailspec on CPU in float32 where the kernels build, else sdpa.
+    # The model's attention in the update: "tailspec" the project's causal CPU kernels (float32 on CPU,
+    # faster than torch's SDPA there: pipeline/actors/attention.py), "sdpa" torch's; "auto" picks
+    # tailspec on CPU in float32 where the kernels build, else sdpa.
     attention: Literal["auto", "tailspec", "sdpa"] = "auto"
     # The update's products: "float32", or "bf16-mixed" (float32 weights and optimizer, matrix products
     # in bfloat16 under autocast, attention's in bf16 arithmetic where the kernels have AVX512_BF16,

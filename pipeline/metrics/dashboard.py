@@ -238,7 +238,7 @@ def render_dashboard(run_dir: str | Path, comparison: Comparison | None = None) 
     fig = dashboard_figure(load_history(run_dir), run_dir.name, comparison)
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
-    # A 256-colour palette keeps a long run's antialiased lines well under 200 KB (about a third of RGB).
+    # A 256-colour palette keeps a long run's antialiased lines a fraction of the RGB file's size.
     image = Image.fromarray(np.asarray(canvas.buffer_rgba())[..., :3]).quantize(256)
     path = run_dir / DASHBOARD_FILE
     atomic_write(path, lambda tmp: image.save(tmp, format="PNG", optimize=True))
