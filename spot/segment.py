@@ -9,11 +9,13 @@ cluster rehearsals: launch.rehearse).
 A segment is a plain file /dev/shm/<name> whose header names the owner process by pid and start
 time (clock ticks since boot, so a reused pid is not mistaken for the owner). A segment whose
 owner is gone (a crashed run) is reclaimed: at the next `create` of its name, or by
-`reclaim_stale` for every tailspec segment on the node.
+`reclaim_stale` for every tailspec segment on the node (`python -m spot.segment --reclaim`, which
+a Slurm job runs on each node after its run: launch.sbatch).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
@@ -102,3 +104,22 @@ def _reclaim_if_dead(path: Path) -> None:
                          f"name on this node?): stop it, or give this run another name (segment_name(run))")
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m spot.segment", description="this node's DataBuffer segments")
+    p.add_argument("--reclaim", action="store_true", help="remove the segments whose owner process is dead")
+    p.add_argument("--prefix", default="tailspec-", help="segment names to consider (default: tailspec-)")
+    args = p.parse_args(argv)
+    if args.reclaim:
+        gone = reclaim_stale(args.prefix)
+        print(f"{node_name()}: removed {len(gone)} DataBuffer segment(s) of dead owners" + (f": {', '.join(gone)}" if gone else ""),
+              flush=True)
+        return 0
+    live = sorted(p.name for p in SHM.glob(f"{args.prefix}*") if _read_header(p) is not None)
+    print(f"{node_name()}: {len(live)} DataBuffer segment(s)" + (f": {', '.join(live)}" if live else ""), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -77,7 +77,10 @@ def file_sets(file: str | Path | None, eval_file: str | Path | None, *, eval_sha
             if not shared or not train:
                 raise ValueError(f"task.eval_share={eval_share:g} of {file}'s {len(problems)} problems leaves "
                                  f"{len(shared)} held out and {len(train)} for training; choose a share that "
-                                 "leaves both some, or give task.eval_file")
+                                 "leaves both some, or give task.eval_file"
+                                 + (" (a train file written by pipeline.data.prepare has had its test share taken "
+                                    "out by the same id hash: give its test file as task.eval_file)"
+                                    if not shared else ""))
             held = _evaluated(shared, f"{file}'s held-out share {eval_share:g}", eval_problems)
     overlap = 0
     if eval_file:
