@@ -25,6 +25,7 @@ from pathlib import Path
 
 from launch.config import load_config, missing_keys, override_args
 from launch.run_config import TrainConfig
+from spot.segment import node_name
 
 GB = 1024**3
 
@@ -187,8 +188,8 @@ def _rdzv_port(port: int) -> Check:
     """On the first node: the rendezvous port is free. A port another process listens on makes
     torchrun's agents connect to that process and wait forever, so it is refused here."""
     free = port_free(port)
-    return Check("rendezvous port", free, f"{port} free on {os.uname().nodename}" if free else
-                 f"{port} is taken on {os.uname().nodename} (the first node), where the c10d rendezvous listens",
+    return Check("rendezvous port", free, f"{port} free on {node_name()}" if free else
+                 f"{port} is taken on {node_name()} (the first node), where the c10d rendezvous listens",
                  "another job or process listens there: set cluster.rdzv_port to another port (the job adds "
                  "SLURM_JOB_ID % 1000 to it)")
 
@@ -199,7 +200,7 @@ def job_checks(cfg: TrainConfig, rdzv_port: int | None = None) -> list[Check]:
     import torch
     import torch.distributed as dist
 
-    c, host = cfg.cluster, os.uname().nodename
+    c, host = cfg.cluster, node_name()
     checks = _node_checks(cfg, missing_keys(cfg))
     if rdzv_port is not None and os.environ.get("SLURM_NODEID", "0") == "0":
         checks.append(_rdzv_port(rdzv_port))
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     repo = Path.cwd()
     checks = job_checks(cfg, args.rdzv_port) if args.in_job else submit_checks(cfg, repo)
-    print(report(checks, f"preflight ({'in the job, ' + os.uname().nodename if args.in_job else 'before submission'}):"),
+    print(report(checks, f"preflight ({'in the job, ' + node_name() if args.in_job else 'before submission'}):"),
           flush=True)
     return 1 if any(c.failed for c in checks) else 0
 
