@@ -43,6 +43,10 @@ from dataclasses import dataclass
 from engine.model_config import ModelConfig
 
 GiB = 2**30
+# pipeline.actors.deepspeed_actor.zero3_settings' stage3_max_live_parameters (a test keeps them equal):
+# ZeRO-3 keeps up to this many gathered parameters alive between their uses (stage3_max_reuse_distance
+# is as large), so a model under it stays gathered from its forward through its backward.
+ZERO3_MAX_LIVE_PARAMETERS = 10**9
 DEEPSPEED_BUFFER_FACTOR = 1.5  # DeepSpeed's estimators' additional_buffer_factor for offloaded (host) states
 
 PHASES = ("build", "rollout", "update")  # building the engine, rolling out, training the actor

@@ -32,7 +32,7 @@ from typing import Literal
 from engine.model_config import ModelConfig
 from launch.memory_engine import (DTYPE_BYTES, buffer_part, engine_parts, pool_member_parts, spot_trainer_parts,
                                   vllm_parts)
-from launch.memory_model import (ALL, PHASES, TRAINING, GiB, ModelStates, Part, activation_parts,
+from launch.memory_model import (ALL, PHASES, TRAINING, ZERO3_MAX_LIVE_PARAMETERS, GiB, ModelStates, Part, activation_parts,
                                  param_counts, torch_model_states, zero_model_states)
 from launch.run_config import TrainConfig
 
@@ -193,6 +193,14 @@ def _actor_transients(cfg: TrainConfig, model: ModelConfig) -> list[Part]:
     if mixed:
         parts.append(Part("autocast's bf16 weight copies", 2 * p.matrices, ("update",), f"{p.matrices:.3g} params x 2 B",
                           "actor.precision=float32"))
+    if a.backend == "deepspeed" and a.zero_stage == 3:
+        # Beyond DeepSpeed's model-state estimate: ZeRO-3 keeps gathered parameters alive between their
+        # uses up to stage3_max_live_parameters (and reuse distance), so a model under it stays whole
+        # from the forward to the backward.
+        live = min(ZERO3_MAX_LIVE_PARAMETERS, p.total)
+        parts.append(Part("ZeRO-3 live gathered parameters", d * live, ("update",),
+                          f"min(stage3_max_live_parameters {ZERO3_MAX_LIVE_PARAMETERS:.0e}, {p.total:.3g} params) x {d} B",
+                          "stage3_max_live_parameters (pipeline.actors.deepspeed_actor.zero3_settings)"))
     if cfg.algorithm.kl_coef > 0:
         parts.append(Part("reference policy weights", d * p.total, TRAINING, f"{p.total:.3g} params x {d} B, whole",
                           "algorithm.kl_coef=0"))

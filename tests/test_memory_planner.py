@@ -197,3 +197,10 @@ def test_the_updates_planned_activations_are_the_peak_of_its_live_tensors(tmp_pa
     planned = activation_parts(_shape(model), rows * length, dtype_bytes=4, checkpointing=checkpointing,
                                head_chunk_tokens=128)
     assert sum(p.bytes for p in planned) == pytest.approx(tracked.peak, rel=0.10)
+
+
+def test_the_planners_zero3_live_parameters_are_the_actors_setting():
+    from launch.memory_model import ZERO3_MAX_LIVE_PARAMETERS
+    from pipeline.actors.deepspeed_actor import zero3_settings
+
+    assert zero3_settings(576)["stage3_max_live_parameters"] == ZERO3_MAX_LIVE_PARAMETERS
