@@ -74,3 +74,24 @@ def test_the_modules_a_recipe_runs_exist(example):
     assert {"launch.memory"} <= modules
     for module in modules:
         assert (REPO / (module.replace(".", "/") + ".py")).is_file(), f"{example.name}: no module {module}"
+
+
+def test_the_cpu_recipe_reads_the_files_its_readme_prepares_into_a_run(smollm2_dir, tmp_path):
+    """examples/smollm2-gsm8k-cpu as its README runs it, up to the run's first step: stand-in rows in
+    GSM8K's layout, `prepare --format gsm8k`, then the recipe's config with the files in place builds
+    its training problems, held-out set and prompt order (stratified, by GSM8K's worked solutions)."""
+    from common.text import load_tokenizer
+    from launch.problems import prompt_loader, problems_for
+
+    raw, data = tmp_path / "gsm8k-raw.jsonl", tmp_path / "gsm8k"
+    for cmd in (["pipeline.data.stand_in", "--layout", "gsm8k", str(raw), "--rows", "200"],
+                ["pipeline.data.prepare", "--format", "gsm8k", str(raw), str(data)]):
+        subprocess.run([sys.executable, "-m", *cmd], cwd=REPO, check=True, capture_output=True)
+    cfg = load_config(TrainConfig, REPO / "examples/smollm2-gsm8k-cpu/config.yaml",
+                      [f"model.path={smollm2_dir}", f"task.file={data / 'train.jsonl'}",
+                       f"task.eval_file={data / 'test.jsonl'}"])
+    problems = problems_for(cfg, load_tokenizer(cfg.model.path))
+    assert len(problems.train) + len(problems.held_out) == 200 and problems.held_out
+    assert str(data / "test.jsonl") in problems.held_out_source
+    loader = prompt_loader(cfg, problems.train)
+    assert len(loader.next_step()) == cfg.trainer.prompts_per_step
