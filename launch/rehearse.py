@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import re
 import subprocess
 import sys
 import time
@@ -147,22 +147,22 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
 
 
+PEAK_LINE = re.compile(r"step \d+: peak RSS ([\d.]+) GB on rank (\d+)")
+
+
 def peak_memory(run_dir: Path) -> dict[int, float]:
-    """Each rank's peak resident memory in GB over the run (the ranks' memory/peak_rss_gb/rank<r>)."""
+    """Each rank's peak resident memory in GB over the run, from the lines every rank writes to its
+    log after each step ("step N: peak RSS X GB on rank R"; both placements write them)."""
     peaks: dict[int, float] = {}
-    for row in metrics(run_dir):
-        for key, value in row.items():
-            if key.startswith("memory/peak_rss_gb/rank"):
-                r = int(key.rsplit("rank", 1)[1])
-                peaks[r] = max(peaks.get(r, 0.0), float(value))
+    for log in sorted(Path(run_dir).glob("rank*.log")):
+        for gb, rank in PEAK_LINE.findall(log.read_text(errors="replace")):
+            peaks[int(rank)] = max(peaks.get(int(rank), 0.0), float(gb))
     return peaks
 
 
 def memory_table(name: str, root: Path, run_dir: Path) -> str:
     """The planner's peak for each rank's role in the rehearsal, beside the rank's measured peak."""
     from launch.memory import model_config, plan_for
-    from launch.memory_model import GiB
-
     cfg = load_config(TrainConfig, CONFIGS[name], job_overrides(root))
     p = plan_for(cfg, model_config(cfg, None))
     roles = {r.role: r for r in p.roles}
@@ -170,7 +170,7 @@ def memory_table(name: str, root: Path, run_dir: Path) -> str:
     lines = ["rank  role       planned GB  measured GB  planned / measured"]
     for rank, measured in sorted(peak_memory(run_dir).items()):
         role = "colocated" if cfg.pipeline.placement == "colocated" else ("actor" if rank < actors else "rollout")
-        planned = roles[role].peak / GiB * GiB / 1e9 if role in roles else float("nan")
+        planned = roles[role].peak / 1e9 if role in roles else float("nan")
         lines.append(f"{rank:>4}  {role:<9}  {planned:10.2f}  {measured:11.2f}  {planned / measured:18.2f}")
     return "\n".join(lines)
 
