@@ -35,7 +35,9 @@ LEARNED = ("train/", "reward/mean", "reward/correct", "reward/boxed", "rollout/r
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> Path:
+def inputs(tmp_path_factory, smollm2_dir) -> Path:
+    """The rehearsal's data and drafter; the overlays' model, checkpoints/smollm2-135m-instruct, provisioned."""
+    assert smollm2_dir.resolve() == (Path(__file__).resolve().parents[2] / "checkpoints/smollm2-135m-instruct").resolve()
     root = tmp_path_factory.mktemp("rehearse")
     prepare_inputs(root)
     return root
