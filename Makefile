@@ -34,7 +34,7 @@ help:
 	@echo "make bench-spot     RL steps with spot training vs a frozen drafter on 2 ranks (free? does it follow the policy?)"
 	@echo "make bench-bubble   bubble drafts at step t+1 (pre-generated with policy t) vs autoregressive and EAGLE, over learning rates"
 	@echo "make bench-longtail one long-tailed rollout: autoregressive, each tuner arm, TLT's threshold, the tuner"
-	@echo "make bench-trl      TRL's GRPOTrainer and TailSpec on the SmolLM2 GRPO job, 3 steps each, one process each (~25 min)"
+	@echo "make bench-trl      TRL's GRPOTrainer and TailSpec on the SmolLM2 GRPO job, 3 steps each, one process each (~16 min)"
 	@echo "make sim            project the cluster scenarios (sim/scenarios) into docs/SIMULATOR.md's figures"
 	@echo "make clean          remove the virtual environments"
 
