@@ -1,7 +1,8 @@
 """`python -m bench.memory [--configs tiny,smollm2] [--json]`: the memory planner against measured peaks.
 
 For each config (tiny, SmolLM2), placement (colocated, separated: one actor rank, one rollout rank)
-and micro-batch size (actor.micro_batch_tokens), runs one RL step on 2 CPU ranks under torchrun,
+and micro-batch size (actor.micro_batch_tokens), runs two RL steps on 2 CPU ranks under torchrun
+(the second step's update is the first with AdamW's moments allocated: the steady state the plan counts),
 reads each rank's peak resident memory (getrusage's ru_maxrss, written by the rank itself), and
 prints it beside launch.memory's plan for that rank's role: planned / measured. The runtime
 baseline the plan counts (a rank's interpreter after its imports) is measured first, in a fresh
@@ -29,8 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM2 = REPO / "checkpoints/smollm2-135m-instruct"
 TINY, TINY_DRAFTER = REPO / "checkpoints/tiny-reason", REPO / "checkpoints/tiny-reason-drafter"  # --device cuda
-BUDGETS = {"tiny": [1024, 4096, 16384], "smollm2": [512, 1024, 2048]}
-RUN = ["trainer.steps=1", "trainer.eval_every=0", "trainer.save_every=0", "task.eval_problems=1",
+BUDGETS = {"tiny": [1024, 4096, 16384], "smollm2": [512, 1024, 1536]}
+RUN = ["trainer.steps=2", "trainer.eval_every=0", "trainer.save_every=0", "task.eval_problems=1",
        "trainer.skip_zero_advantage=false", "metrics.wandb=false", "metrics.console=false", "metrics.dashboard=false"]
 SEPARATED = ["pipeline.placement=separated", "pipeline.actor_ranks=1", "trainer.train_shares=shard", "bubble.enabled=false"]
 # glibc's malloc as it comes, and with a fixed mmap threshold: every freed block over 64 KiB goes back to
