@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from bench.common import cpu_model, finish, save_plot
-from common.text import load_tokenizer
+from common.text import load_tokenizer, pad_token, stop_tokens
 from engine.engine import RolloutEngine
 from engine.spec.factory import build_drafter
 from engine.types import Request
@@ -42,8 +42,11 @@ from launch.config import load_config
 from launch.run_config import TrainConfig
 from launch.problems import problems_for, prompt_loader
 from pipeline.actors import build_actor
+from pipeline.algorithms import build_algorithm
 from pipeline.dist import Ranks
-from pipeline.rollouts import encode_problem
+from pipeline.learner import Learner, uses_engine_logprobs
+from pipeline.rollouts import StepSampling, encode_problem
+from pipeline.tasks.reward_scoring import build_rewards
 from pipeline.trainer import Trainer
 
 
@@ -68,7 +71,11 @@ def one_lr(cfg: TrainConfig, lr: float, out: Path, batch1: int = 0) -> dict:
     engine = RolloutEngine.from_pretrained(cfg.model.path, bubble_cfg)
     actor = build_actor(cfg.actor, cfg.model.path)
     engine.load_weights(actor.named_weights(), version=0)
-    trainer = Trainer(cfg, Ranks(), engine, actor, tok, task, loader, [], out)
+    sampling = StepSampling.of(cfg.rollout, cfg.run.seed, stop_tokens(engine.model_config, tok))
+    learner = Learner(cfg.trainer, build_algorithm(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.actor, Ranks(), actor,
+                      pad_token(tok), uses_engine_logprobs(cfg.trainer, sampling.is_policy, engine.caps.exact_logprobs))
+    trainer = Trainer(cfg.trainer, cfg.rollout, cfg.task, Ranks(), engine, learner, tok, build_rewards(cfg.task, task),
+                      loader, [], sampling, out)
 
     upcoming = loader.peek(2)  # step t+1's shard (step t is the next one the loader hands out)
 

@@ -63,3 +63,8 @@ def stop_tokens(model_config, tokenizer) -> tuple[int, ...]:
     if ids:
         return ids
     return (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+
+
+def pad_token(tokenizer) -> int:
+    """The id a batch's padding is written with: the tokenizer's pad token, else 0 (masked out either way)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.backends.vllm_config import SERVED, VllmConfig, vllm_serves
+from engine.backends.vllm_config import VllmConfig
 from engine.spec.config import SpecConfig
 
 
@@ -39,14 +39,14 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
-    def _float32_native(self) -> bool:
-        """The native engine's float32 mode with float32 weights: where bf16 products can run."""
-        return self.dtype == "float32" and self.backend == "native" and self.weights == "float32"
+    def _float32(self) -> bool:
+        """The float32 mode with float32 weights: where bf16 products can run."""
+        return self.dtype == "float32" and self.weights == "float32"
 
     def bf16_products(self) -> bool:
-        """`products` decided for this machine (auto: bf16 where the native CPU engine's float32 mode
-        runs on kernels with AVX512_BF16, float32 elsewhere)."""
-        if self.products == "auto" and not (self._float32_native() and self.device == "cpu"):
+        """`products` decided for this machine by the native engine (auto: bf16 where its CPU float32
+        mode runs on kernels with AVX512_BF16, float32 elsewhere)."""
+        if self.products == "auto" and not (self._float32() and self.device == "cpu"):
             return False
         from engine.kernels.skinny import bf16_dot
 
@@ -65,15 +65,13 @@ class EngineConfig:
             raise ValueError(f"engine.weights must be float32 or bfloat16, got {self.weights!r}")
         if self.products not in ("float32", "bf16", "auto"):
             raise ValueError(f"engine.products must be float32, bf16 or auto, got {self.products!r}")
-        if self.products == "bf16" and not self._float32_native():
-            raise ValueError(f"engine.products=bf16 is the native CPU engine's float32 mode computing its products in "
-                             f"bf16; it needs engine.dtype=float32, engine.backend=native and engine.weights=float32 "
-                             f"(got {self.dtype}, {self.backend}, {self.weights}); or engine.products=auto")
-        if self.weights == "bfloat16" and (self.dtype != "float32" or self.backend != "native"):
-            raise ValueError(f"engine.weights=bfloat16 is the native CPU engine's float32 mode with bf16 weights; it needs "
-                             f"engine.dtype=float32 and engine.backend=native (got {self.dtype}, {self.backend})")
+        # Whether the backend has these numerics at all is its capability (bf16_kernels: launch.capabilities).
+        if self.products == "bf16" and not self._float32():
+            raise ValueError(f"engine.products=bf16 is the CPU kernels' float32 mode computing its products in bf16; it "
+                             f"needs engine.dtype=float32 and engine.weights=float32 (got {self.dtype}, {self.weights}); "
+                             "or engine.products=auto")
+        if self.weights == "bfloat16" and self.dtype != "float32":
+            raise ValueError(f"engine.weights=bfloat16 is the CPU kernels' float32 mode with bf16 weights; it needs "
+                             f"engine.dtype=float32 (got {self.dtype})")
         self.spec.validate()
         self.vllm.validate()
-        if self.backend == "vllm" and self.spec.enabled and not vllm_serves(self.spec.drafter_spec):
-            raise ValueError(f"engine.backend=vllm serves engine.spec.drafter {SERVED}, got {self.spec.drafter!r} "
-                             "(compositions and pre-generated drafts are the native engine's)")

@@ -23,6 +23,7 @@ KV cache; *active* rows are slots 0..b-1; a *rollout* is one finished sample.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -44,6 +45,9 @@ from engine.types import Request, RolloutBatch
 
 
 class RolloutEngine(RolloutBackend):
+    CAPS = BackendCapabilities(exact_logprobs=True, returns_features=True, same_tokens=True, preemptible=True,
+                               takes_drafts=True, sleeps=False, pulls_requests=True, bf16_kernels=True)
+
     def __init__(self, model: Transformer, cfg: EngineConfig | None = None, drafter: Drafter | None = None,
                  policy: SpecPolicy | None = None, sink: FeatureSink | None = None) -> None:
         self.cfg = cfg or EngineConfig()
@@ -55,9 +59,7 @@ class RolloutEngine(RolloutBackend):
         self.runtime = TargetRuntime(self.model, bf16_weights=self.cfg.weights == "bfloat16", bf16_products=bf16_products)
         # Log-probs are the float32 policy's exactly unless the runtime rounds the weights (bf16 copies)
         # or computes its products in bf16.
-        self.caps = BackendCapabilities(exact_logprobs=self.cfg.weights == "float32" and not bf16_products,
-                                        returns_features=True, same_tokens=True, preemptible=True, takes_drafts=True,
-                                        sleeps=False, pulls_requests=True)
+        self.caps = dataclasses.replace(self.CAPS, exact_logprobs=self.cfg.weights == "float32" and not bf16_products)
         spec = self.cfg.spec
         iid = spec.verify == "rejection"
         self.shape = DraftShape(depth=spec.depth, topk=spec.topk, verify_tokens=spec.verify_tokens, iid_children=iid,

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from launch.capabilities import check_capabilities
 from launch.colocated import build_colocated
 from launch.config import save_config
 from launch.run_config import TrainConfig
@@ -46,6 +47,7 @@ def run(cfg: TrainConfig, r: Ranks) -> dict:
 
 def build_run(cfg: TrainConfig, r: Ranks) -> Run:
     """Every part of the run from its config on this rank (collective: every rank calls it)."""
+    check_capabilities(cfg)  # before anything is built: what the rollout backend cannot run is a config error
     resolve_resume(cfg, r)
     run_dir = run_dir_for(cfg, r)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,6 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.idle import IdleWork
 from engine.backend import RolloutBackend
 from launch.run_config import TrainConfig
 from pipeline.actors import Actor
@@ -50,7 +49,6 @@ class Run:
     loader: PromptLoader
     engine: RolloutBackend | None  # None on a separated run's actor ranks
     actor: Actor | None  # None on a separated run's rollout ranks
-    idle_work: IdleWork | None  # a ScheduledIdle of bubble pre-generation and / or spot training
     trainer: StepDriver  # colocated: the Trainer; separated: this rank's side (launch.separated)
     logger: MetricsLogger
     start_step: int  # RL steps done before this process (a resumed run's checkpoint)

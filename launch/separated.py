@@ -29,17 +29,19 @@ from pathlib import Path
 import torch.distributed as dist
 
 from common.idle import PushFlag
-from common.text import load_tokenizer, stop_tokens
+from common.text import load_tokenizer, pad_token, stop_tokens
 from engine.backends.factory import build_rollout_engine
 from launch.config import to_dict
 from launch.problems import problems_for, prompt_loader
 from launch.run_config import TrainConfig
 from launch.run_parts import RankLog, Run, resume_state
+from pipeline.algorithms import build_algorithm
 from pipeline.dist import Ranks, job_store
 from pipeline.history import run_history
 from pipeline.learner import Learner, uses_engine_logprobs
 from pipeline.metrics import MetricsLogger
 from pipeline.placement import Placement, build_placement
+from pipeline.reference import ReferencePolicy
 from pipeline.rollouts import StepSampling
 from pipeline.shares import shard_shares
 from pipeline.tasks.reward_scoring import build_rewards
@@ -72,20 +74,17 @@ def build_separated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
         actor = build_actor(cfg.actor, cfg.model.path, group=placement.actors.group)
         if (schedule := cfg.actor.schedule_summary(cfg.trainer.steps)) is not None:
             log(schedule)
-        reference = None
-        if cfg.algorithm.kl_coef > 0:
-            from pipeline.reference import ReferencePolicy
-
-            reference = ReferencePolicy(cfg.actor, cfg.model.path)
+        reference = ReferencePolicy(cfg.actor, cfg.model.path) if cfg.algorithm.kl_coef > 0 else None
         if resume is not None:
             actor.load(resume / "actor")
             loader.load_state_dict(state.loader)
         caps = _engine_caps(placement, None)
         samples_policy = StepSampling.of(cfg.rollout, cfg.run.seed, ()).is_policy  # stop tokens change no distribution
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        learner = Learner(cfg, placement.actors, actor, pad_id,
-                          uses_engine_logprobs(cfg.trainer, samples_policy, caps.exact_logprobs), reference=reference)
-        driver = SeparatedActor(cfg, placement, learner, actor, loader, run_dir, state.step, push_flag=push_flag)
+        learner = Learner(cfg.trainer, build_algorithm(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.actor, placement.actors,
+                          actor, pad_token(tokenizer), uses_engine_logprobs(cfg.trainer, samples_policy, caps.exact_logprobs),
+                          reference=reference)
+        driver = SeparatedActor(cfg.trainer, cfg.rollout.n, placement, learner, loader, run_dir, state.step,
+                                push_flag=push_flag)
         driver.push(state.step)
     else:
         from pipeline.separated_rollout import SeparatedRollout
@@ -105,8 +104,7 @@ def build_separated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
             if history is not None and "history" in state.components:
                 history.load_state_dict(state.components["history"])
         _engine_caps(placement, engine)
-        stops = stop_tokens(engine.model_config, tokenizer)
-        sampling = StepSampling.of(cfg.rollout, cfg.run.seed, stops)
+        sampling = StepSampling.of(cfg.rollout, cfg.run.seed, stop_tokens(engine.model_config, tokenizer))
         idle_work = None
         if cfg.spot.enabled and cfg.spot.mode == "pool":
             from spot.separated_pool import build_separated_pool
@@ -127,14 +125,14 @@ def build_separated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
                 spot.work.load_state_dict(state.components["idle_work"])
             idle_work = spot.work
             log(f"spot training on the rollout ranks' idle time: node buffer {spot.buffer.name} ({cfg.spot.buffer_mb} MiB)")
-        driver = SeparatedRollout(cfg, placement, engine, tokenizer, rewards, loader, held_out, sampling, stops, run_dir,
-                                  state.step, idle_work=idle_work, push_flag=push_flag, history=history)
+        driver = SeparatedRollout(cfg.trainer, cfg.rollout, cfg.task, placement, engine, tokenizer, rewards, loader, held_out,
+                                  sampling, run_dir, state.step, idle_work=idle_work, push_flag=push_flag, history=history)
         driver.receive_policy(state.step)
     logger = MetricsLogger.from_config(run_dir, cfg.metrics, rank=r.rank, run_name=run_dir.name,
                                        resolved_config=to_dict(cfg), resume_after_step=state.step if resume is not None else -1)
     return Run(cfg=cfg, ranks=r, run_dir=run_dir, log=log, task=task, held_out=held_out,
-               held_out_source=problems.held_out_source, loader=loader, engine=engine, actor=actor, idle_work=None,
-               trainer=driver, logger=logger, start_step=state.step, resources=resources)
+               held_out_source=problems.held_out_source, loader=loader, engine=engine, actor=actor, trainer=driver,
+               logger=logger, start_step=state.step, resources=resources)
 
 
 def _engine_caps(placement: Placement, engine):

@@ -25,6 +25,7 @@ training for the rest. `work` returns without a collective; the window's figures
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -36,6 +37,7 @@ from common.idle import ControlPlane, IdleWindow, IdleWork, RankState
 from engine.backend import RolloutBackend
 from engine.sampling import SamplingParams
 from engine.types import FinishReason, Request, Rollout
+from pipeline.hooks import StepHook
 
 
 @dataclass(kw_only=True)
@@ -83,6 +85,30 @@ class BubbleStore:
                 out.setdefault(pid, {})[sample] = tokens
         self.step, self.drafts, self.tokens = None, {}, 0
         return out
+
+
+class BubbleDrafts(StepHook):
+    """Bubble drafts at the step's moments (pipeline.hooks): each generation round's requests take
+    the store's drafts of the step, and the round's rollouts measure how far they held. The
+    metrics are this rank's, averaged over the ranks (the decode steps saved: summed)."""
+
+    reduce = {"bubble/coverage": "mean", "bubble/token_coverage": "mean", "bubble/prefix_match": "mean",
+              "bubble/accept_len": "mean", "bubble/decode_steps_saved": "sum"}
+
+    def __init__(self, store: BubbleStore) -> None:
+        self.store = store
+        self.drafts: dict[str, dict[int, list[int]]] = {}  # the last round's
+        self.round_metrics: dict[str, float] = {}
+
+    def requests(self, step: int, requests: list[Request]) -> list[Request]:
+        self.drafts = self.store.take(step)
+        return [dataclasses.replace(r, drafts=self.drafts.get(r.prompt_id)) for r in requests]
+
+    def rolled_out(self, step: int, scored) -> None:
+        self.round_metrics = coverage_metrics(self.drafts, scored.batch.rollouts) | draft_metrics(scored.batch.steps)
+
+    def metrics(self, scored) -> dict[str, float]:
+        return self.round_metrics
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

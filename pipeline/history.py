@@ -14,15 +14,23 @@ It knows the store and the ranks; nothing of how the engine drafts.
 
 from __future__ import annotations
 
+import dataclasses
+
 from engine.spec.config import SpecConfig
 from engine.spec.factory import history_store
 from engine.spec.history import history_counts, history_metrics
 from engine.spec.history_index import HistoryStore
-from engine.types import Rollout, StepRecord
+from engine.types import Request, Rollout
 from pipeline.dist import Ranks, gather_floats, gather_objects
+from pipeline.hooks import StepHook
 
 
-class RunHistory:
+class RunHistory(StepHook):
+    """The store at the step's moments (pipeline.hooks): predicted lengths into each round's
+    requests, every rank's responses in once the step's rollouts are done, the step's metrics."""
+
+    name = "history"  # its key in a run checkpoint
+
     def __init__(self, store: HistoryStore, ranks: Ranks, source: int | None) -> None:
         self.store, self.r = store, ranks
         self.source = source  # the history part's index in the drafter composition (StepRecord.source)
@@ -37,6 +45,13 @@ class RunHistory:
         for pid, responses in by_prompt.items():
             self.store.add(pid, responses)
 
+    def requests(self, step: int, requests: list[Request]) -> list[Request]:
+        predicted = self.predicted([r.prompt_id for r in requests])
+        return [dataclasses.replace(r, predicted_len=predicted.get(r.prompt_id)) for r in requests]
+
+    def collect(self, step: int, scored) -> None:
+        self.remember(scored.batch.rollouts)
+
     def predicted(self, prompt_ids: list[str]) -> dict[str, int]:
         """The predicted response length of each prompt seen before (rounded mean of its kept responses)."""
         out = {}
@@ -46,9 +61,10 @@ class RunHistory:
                 out[pid] = round(length)
         return out
 
-    def metrics(self, steps: list[StepRecord]) -> dict[str, float]:
-        """Collective: spec/history_coverage and spec/history_accept_len over every rank's step records."""
-        per_rank = gather_floats(self.r, history_counts(steps, self.source))
+    def metrics(self, scored) -> dict[str, float]:
+        """Collective: spec/history_coverage and spec/history_accept_len over every rank's step records
+        of the step (`scored`: a pipeline.rollouts.ScoredRollouts)."""
+        per_rank = gather_floats(self.r, history_counts(scored.batch.steps, self.source))
         return history_metrics([sum(col) for col in zip(*per_rank)])
 
     def state_dict(self) -> dict:

@@ -33,18 +33,19 @@ from dataclasses import dataclass
 
 import torch
 
-from common.optim import scheduled_lr
-from pipeline.actors.base import ADDITIVE_METRICS
-from pipeline.algorithms import Algorithm, build_algorithm, mismatch_kl
+from pipeline.actors.base import ADDITIVE_METRICS, Actor, ActorConfig
+from pipeline.algorithms import Algorithm, mismatch_kl
+from pipeline.config import TrainerSection
 from pipeline.dist import Ranks, all_sum, gather_objects
 from pipeline.old_logprobs import UpdateLogprobs, old_logprobs_source
 from pipeline.records import TrainBatch
+from pipeline.reference import ReferencePolicy
 from pipeline.rollouts import ScoredRollouts
 from pipeline.shares import update_balance
 from pipeline.train_batch import gradient_rows, pack_rollouts
 
 
-def uses_engine_logprobs(trainer_cfg, samples_policy: bool, exact_logprobs: bool) -> bool:
+def uses_engine_logprobs(trainer_cfg: TrainerSection, samples_policy: bool, exact_logprobs: bool) -> bool:
     """Whether the PPO ratio's old log-probs are the engine's own (trainer.old_logprobs: engine, or
     auto where they are exactly the old policy's: synchronous, sampling from the policy itself,
     a backend with exact log-probs)."""
@@ -57,21 +58,25 @@ def uses_engine_logprobs(trainer_cfg, samples_policy: bool, exact_logprobs: bool
 
 
 class Learner:
-    def __init__(self, cfg, ranks: Ranks, actor, pad_id: int, engine_old_logprobs: bool, reference=None,
+    def __init__(self, trainer_cfg: TrainerSection, algo: Algorithm, actor_cfg: ActorConfig, ranks: Ranks, actor: Actor,
+                 pad_id: int, engine_old_logprobs: bool, reference: ReferencePolicy | None = None,
                  actor_features=None) -> None:
-        self.cfg, self.r, self.actor, self.pad_id = cfg, ranks, actor, pad_id
+        """`algo`: the run's (pipeline.algorithms.build_algorithm); `actor_cfg`: the actor's section, for
+        its learning rate schedule; `actor_features`: a spot.actor_features.ActorFeatures when spot
+        training fills its DataBuffer from the actor's old log-prob forward."""
+        self.tc, self.algo, self.actor_cfg = trainer_cfg, algo, actor_cfg
+        self.r, self.actor, self.pad_id = ranks, actor, pad_id
         self.engine_old_logprobs = engine_old_logprobs
-        self.old_source = old_logprobs_source(cfg.trainer, engine_old_logprobs, actor_features is not None)
-        self.reference = reference  # a ReferencePolicy when algorithm.kl_coef > 0
-        self.actor_features = actor_features  # a spot.actor_features.ActorFeatures: the buffer from the actor's forward
-        if cfg.algorithm.kl_coef > 0 and reference is None:
+        self.old_source = old_logprobs_source(trainer_cfg, engine_old_logprobs, actor_features is not None)
+        self.reference = reference  # when algorithm.kl_coef > 0
+        self.actor_features = actor_features
+        if algo.kl_coef > 0 and reference is None:
             raise ValueError("algorithm.kl_coef > 0 needs a reference policy (pipeline.reference.ReferencePolicy)")
         if actor_features is not None and engine_old_logprobs:
             raise ValueError("spot training from the actor's forward needs trainer.old_logprobs=actor or auto (the "
                              "engine's log-probs would skip the forward that fills the DataBuffer)")
-        self.algo = build_algorithm(cfg.algorithm, cfg.rollout.max_new_tokens)
         # Rows of advantage 0 are left out of the forward and backward when they add no gradient.
-        self.skip_inert = cfg.trainer.skip_zero_advantage and self.algo.zero_advantage_is_inert
+        self.skip_inert = trainer_cfg.skip_zero_advantage and algo.zero_advantage_is_inert
 
     @property
     def skips_equal_reward_groups(self) -> bool:
@@ -82,7 +87,7 @@ class Learner:
     def train(self, scored: ScoredRollouts, step: int) -> tuple[dict[str, float], float, float]:
         """One update on this rank's rollouts of `step`; -> (metrics, seconds of log-probs, seconds of update)."""
         batch, metrics = self.train_batch(scored)
-        cuts = mini_batch_cut(batch.size, scored.mini_batch_rows, self.cfg.trainer.mini_batches)
+        cuts = mini_batch_cut(batch.size, scored.mini_batch_rows, self.tc.mini_batches)
         t = time.perf_counter()
         if self.old_source == "engine":
             batch.old_logprobs = batch.engine_logprobs.clone()
@@ -93,8 +98,8 @@ class Learner:
         if self.reference is not None:
             batch.ref_logprobs = self.reference.logprobs(batch.input_ids, batch.attention_mask) * batch.response_mask
         logprob_s = time.perf_counter() - t
-        if self.cfg.trainer.async_steps:
-            ratio = (batch.old_logprobs - batch.engine_logprobs).clamp(max=20).exp().clamp(max=self.cfg.trainer.is_cap)
+        if self.tc.async_steps:
+            ratio = (batch.old_logprobs - batch.engine_logprobs).clamp(max=20).exp().clamp(max=self.tc.is_cap)
             batch.advantages = batch.advantages * torch.where(batch.response_mask.bool(), ratio, 0)
         t = time.perf_counter()
         metrics["train/lr"] = self.lr_at(step)
@@ -103,11 +108,8 @@ class Learner:
         return metrics, logprob_s, time.perf_counter() - t
 
     def lr_at(self, step: int) -> float:
-        """The actor's learning rate in 0-based RL step `step` (actor.lr_schedule over
-        actor.lr_schedule_steps, else trainer.steps)."""
-        a = self.cfg.actor
-        return scheduled_lr(a.lr, a.lr_schedule, step, a.lr_schedule_steps or self.cfg.trainer.steps,
-                            a.lr_warmup_steps, a.lr_min_ratio)
+        """The actor's learning rate in 0-based RL step `step` of this run (ActorConfig.lr_at)."""
+        return self.actor_cfg.lr_at(step, self.tc.steps)
 
     def train_batch(self, scored: ScoredRollouts) -> tuple[TrainBatch, dict[str, float]]:
         """The rows this rank trains (`scored.trained`, in training order), with advantages computed
@@ -157,7 +159,7 @@ class Learner:
         return gradient_rows(mb) if self.skip_inert else torch.arange(mb.size)
 
     def _update(self, batch: TrainBatch, mini_batches: list[torch.Tensor]) -> dict[str, float]:
-        tc = self.cfg.trainer
+        tc = self.tc
         sums: dict[str, float] = {}
         count = 0
         first: dict[str, float] = {}

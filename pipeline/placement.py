@@ -62,7 +62,7 @@ class Placement:
 
 
 def build_placement(pipeline_cfg, job: Ranks, timeout_s: float = 1800.0) -> Placement:
-    """The placement `pipeline_cfg` (launch.run_config.PipelineSection) asks for, on this rank
+    """The placement `pipeline_cfg` (pipeline.config.PipelineSection) asks for, on this rank
     (collective in separated mode)."""
     actors, _ = pipeline_cfg.roles(job.world)
     if pipeline_cfg.placement == "colocated":

@@ -16,6 +16,7 @@ import torch
 from engine.backend import RolloutBackend
 from engine.sampling import SamplingParams
 from engine.types import Request, RolloutBatch
+from pipeline.config import RolloutSection, TaskSection
 from pipeline.data.chat import encode_problem
 from pipeline.tasks import Problem
 from pipeline.tasks.reward_scoring import RewardRow, Rewards
@@ -62,7 +63,7 @@ class StepSampling:
     stop_token_ids: tuple[int, ...]
 
     @classmethod
-    def of(cls, rollout_cfg, seed: int, stop_token_ids: tuple[int, ...]) -> StepSampling:
+    def of(cls, rollout_cfg: RolloutSection, seed: int, stop_token_ids: tuple[int, ...]) -> StepSampling:
         r = rollout_cfg
         return cls(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=seed,
                    stop_token_ids=tuple(stop_token_ids))
@@ -116,17 +117,17 @@ def reward_rows(tokenizer, problems: list[Problem], batch: RolloutBatch, n: int)
     return rows
 
 
-def held_out_accuracy(engine: RolloutBackend, tokenizer, problems: list[Problem], cfg, stop_token_ids: tuple[int, ...],
-                      rewards: Rewards) -> float:
+def held_out_accuracy(engine: RolloutBackend, tokenizer, problems: list[Problem], task_cfg: TaskSection,
+                      sampling: StepSampling, rewards: Rewards) -> float:
     """Greedy accuracy on the held-out problems with the served policy: the mean held-out reward
-    (correctness, without a format bonus; a plug-in's score). cfg: the run's TrainConfig
-    (task.eval_max_new_tokens or rollout.max_new_tokens, task.chat). Held-out rollouts are not
-    training data for anyone: the engine's feature sink is off while they run."""
-    params = SamplingParams(max_new_tokens=cfg.task.eval_max_new_tokens or cfg.rollout.max_new_tokens, temperature=0.0,
-                            stop_token_ids=stop_token_ids)
+    (correctness, without a format bonus; a plug-in's score), with the rollouts' stop tokens and
+    task.eval_max_new_tokens (else the rollouts' limit). Held-out rollouts are not training data
+    for anyone: the engine's feature sink is off while they run."""
+    params = SamplingParams(max_new_tokens=task_cfg.eval_max_new_tokens or sampling.max_new_tokens, temperature=0.0,
+                            stop_token_ids=sampling.stop_token_ids)
     sink, engine.sink = engine.sink, None
     try:
-        batch = engine.generate(requests_for(tokenizer, problems, 1, cfg.task.chat), params)
+        batch = engine.generate(requests_for(tokenizer, problems, 1, task_cfg.chat), params)
     finally:
         engine.sink = sink
     scores = rewards.score_held_out(reward_rows(tokenizer, problems, batch, 1))

@@ -31,6 +31,7 @@ their rollout's start until the step's last unit was taken).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -98,17 +99,18 @@ class RolloutSchedule:
         self.plan: _Plan | None = None
 
     def generate(self, step: int, engine: RolloutBackend, tokenizer, loader, params: SamplingParams, chat: bool,
-                 rewards: Rewards, drafts=None, predicted_len: dict[str, int] | None = None) -> ScoredRollouts:
+                 rewards: Rewards, prepare: Callable[[list[Request]], list[Request]] = list) -> ScoredRollouts:
         """This rank's rollouts of the step (its shard, or the units it took), scored once each by
-        `rewards`; advances the loader. `predicted_len`: response lengths by prompt id for the
-        length-aware draft budget (engine.spec)."""
+        `rewards`; advances the loader. `prepare`: this call's requests -> the requests the engine
+        takes (the step hooks attach drafts and predicted lengths: pipeline.hooks), never another
+        token."""
         problems = loader.global_step()
         mine = loader.next_step()
         predicted = [self.lengths.predict(p.id) for p in problems] if self.lengths is not None else None
         self.plan = plan = _Plan(problems, predicted)
         if self.stealing:
             plans = plan_units(predicted or [1.0] * len(problems), self.n, self.r.world)
-            requests = requests_for(tokenizer, problems, self.n, chat, drafts, predicted_len)
+            requests = prepare(requests_for(tokenizer, problems, self.n, chat))
             queue = UnitQueue(self.store, f"{self.scope}/steal/{step}", plans, self.r.rank)
             plan.source = StealingSource(queue, requests, self._inflight(len(problems)))
             batch = engine.generate([], params, source=plan.source)
@@ -117,11 +119,11 @@ class RolloutSchedule:
                           _grouped(batch, taken, range(self.n)), self.n, rewards, step)
         elif self.split:
             part = len(self.samples)
-            requests = requests_for(tokenizer, problems, part, chat, drafts, predicted_len, first_sample=self.samples.start)
+            requests = prepare(requests_for(tokenizer, problems, part, chat, first_sample=self.samples.start))
             local = score(tokenizer, problems, [r.prompt for r in requests],
                           self._generate(engine, requests, params, problems, predicted, self.samples), part, rewards, step)
         else:
-            requests = requests_for(tokenizer, mine, self.n, chat, drafts, predicted_len)
+            requests = prepare(requests_for(tokenizer, mine, self.n, chat))
             mine_predicted = [self.lengths.predict(p.id) for p in mine] if self.lengths is not None else None
             local = score(tokenizer, mine, [r.prompt for r in requests],
                           self._generate(engine, requests, params, mine, mine_predicted, range(self.n)), self.n, rewards,

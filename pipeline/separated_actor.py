@@ -31,6 +31,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from common.idle import PushFlag
+from pipeline.config import TrainerSection
 from pipeline.data import PromptLoader
 from pipeline.dist import gather_floats, transfer
 from pipeline.learner import Learner
@@ -47,12 +48,14 @@ Received = tuple[ScoredRollouts, dict[int, RolloutReport], float]  # rollouts, r
 
 
 class SeparatedActor:
-    def __init__(self, cfg, placement: Placement, learner: Learner, actor, loader: PromptLoader, run_dir: Path,
-                 start_step: int, push_flag: PushFlag | None = None) -> None:
+    def __init__(self, trainer_cfg: TrainerSection, n: int, placement: Placement, learner: Learner, loader: PromptLoader,
+                 run_dir: Path, start_step: int, push_flag: PushFlag | None = None) -> None:
+        """`n`: samples per prompt (rollout.n); `learner`: the update, whose actor is trained and pushed."""
         assert placement.role == "actor" and placement.actors is not None
-        self.cfg, self.p, self.r, self.learner, self.actor = cfg, placement, placement.actors, learner, actor
+        self.tc, self.n, self.p, self.r = trainer_cfg, n, placement, placement.actors
+        self.learner, self.actor = learner, learner.actor
         self.loader, self.run_dir, self.step_index = loader, Path(run_dir), start_step
-        self.share = shard_shares(cfg.trainer.prompts_per_step, self.r.world)[self.r.rank]
+        self.share = shard_shares(trainer_cfg.prompts_per_step, self.r.world)[self.r.rank]
         self.pending: Received | None = None  # async mode: the next step's rollouts, received before this push
         self.push_flag = push_flag if self.r.main else None  # announces each push (rollout ranks' idle work)
 
@@ -70,7 +73,7 @@ class SeparatedActor:
         t = time.perf_counter()
         with transfer(f"receiving step {step + 1}'s rollouts from the rollout ranks"):
             shipments = receive_shipments(self.p.rollout_ranks)
-        scored = unpack(shipments, self.share, step, self.cfg.rollout.n)
+        scored = unpack(shipments, self.share, step, self.n)
         mine = self.loader.next_step()  # this rank's shard of the step: the loader stays where the run is
         if [p.id for p in mine] != [p.id for p in scored.problems]:
             raise ValueError(f"step {step + 1}: the rollout ranks sent prompts {[p.id for p in scored.problems]}, this "
@@ -88,7 +91,7 @@ class SeparatedActor:
         received, self.pending = self.pending or self._receive(step), None
         scored, reports, receive_s = received
         metrics, logprob_s, update_s = self.learner.train(scored, step)
-        if self.cfg.trainer.async_steps:
+        if self.tc.async_steps:
             self.pending = self._receive(step + 1)  # made with this step's policy while it trained
         sync = self.push(step + 1)
         waits = self._update_waits() if self.r.main else {}

@@ -41,13 +41,15 @@ import torch.distributed as dist
 from common.idle import IdleWindows, IdleWork, PushFlag
 from engine.backend import RolloutBackend
 from engine.types import StepRecord
+from pipeline.config import RolloutSection, TaskSection, TrainerSection
 from pipeline.data import PromptLoader
 from pipeline.dist import job_store, transfer
 from pipeline.history import RunHistory
 from pipeline.placement import Placement
 from pipeline.rollouts import StepSampling, held_out_accuracy, roll_out
 from pipeline.run_state import checkpoint_dir
-from pipeline.shares import generation_shares, shard_shares, split_samples
+from pipeline.schedule import GroupSplit
+from pipeline.shares import generation_shares, shard_shares
 from pipeline.shipment import pack_shipments, send_shipments
 from pipeline.step_metrics import RolloutReport
 from pipeline.tasks import Problem
@@ -59,25 +61,26 @@ _RUNS = itertools.count()  # runs made in this process: part of their idle windo
 
 
 class SeparatedRollout:
-    def __init__(self, cfg, placement: Placement, engine: RolloutBackend, tokenizer, rewards: Rewards, loader: PromptLoader,
-                 eval_problems: list[Problem], sampling: StepSampling, stops: tuple[int, ...], run_dir: Path,
-                 start_step: int, idle_work: IdleWork | None = None, push_flag: PushFlag | None = None,
-                 history: RunHistory | None = None) -> None:
+    def __init__(self, trainer_cfg: TrainerSection, rollout_cfg: RolloutSection, task_cfg: TaskSection, placement: Placement,
+                 engine: RolloutBackend, tokenizer, rewards: Rewards, loader: PromptLoader, eval_problems: list[Problem],
+                 sampling: StepSampling, run_dir: Path, start_step: int, idle_work: IdleWork | None = None,
+                 push_flag: PushFlag | None = None, history: RunHistory | None = None) -> None:
         assert placement.role == "rollout" and placement.rollouts is not None and loader.world_size == 1
         assert (idle_work is None) == (push_flag is None), "idle work needs the push announcements that end its windows"
         self.idle_work, self.push_flag = idle_work, push_flag
         self.history = history  # the history drafter's store, over the rollout group (None: no history part)
         self.idle_metrics: dict[str, float] = {}  # the idle work's, of the step's idle windows
-        self.cfg, self.p, self.r, self.engine, self.tok = cfg, placement, placement.rollouts, engine, tokenizer
+        self.tc, self.task_cfg, self.p, self.r = trainer_cfg, task_cfg, placement, placement.rollouts
+        self.engine, self.tok = engine, tokenizer
         self.rewards = rewards  # the run's (pipeline.tasks.reward_scoring.build_rewards), released by whoever built them
-        self.loader, self.eval_problems, self.sampling, self.stops = loader, eval_problems, sampling, stops
+        self.loader, self.eval_problems, self.sampling = loader, eval_problems, sampling
         self.run_dir = Path(run_dir)
         self.start_step = self.step_index = start_step
-        P, n, R = cfg.trainer.prompts_per_step, cfg.rollout.n, self.r.world
-        split = cfg.rollout.split_groups and R > 1
+        P, R = trainer_cfg.prompts_per_step, self.r.world
+        part = GroupSplit.of(rollout_cfg, R, self.r.rank)
         # the groups this rank generates, and which of each group's samples
-        self.groups = list(range(P)) if split else generation_shares(P, R)[self.r.rank]
-        self.samples = split_samples(n, R, self.r.rank) if split else range(n)
+        self.groups = list(range(P)) if part.split else generation_shares(P, R)[self.r.rank]
+        self.samples = part.samples
         self.actor_shares = shard_shares(P, len(placement.actor_ranks))
         group = self.r.group
         self.windows = IdleWindows(job_store(placement.job), self.r.rank, self.r.world,
@@ -92,7 +95,7 @@ class SeparatedRollout:
 
     def expected_version(self, step: int) -> int:
         """The policy version step `step`'s rollouts are made with."""
-        if self.cfg.trainer.async_steps:
+        if self.tc.async_steps:
             return max(step - 1, self.start_step)
         return step
 
@@ -113,7 +116,7 @@ class SeparatedRollout:
         mine = [problems[g] for g in self.groups]
         predicted = self.history.predicted([p.id for p in mine]) if self.history is not None else None
         t = time.perf_counter()
-        scored = roll_out(self.engine, self.tok, mine, self.sampling(step), len(self.samples), self.cfg.task.chat,
+        scored = roll_out(self.engine, self.tok, mine, self.sampling(step), len(self.samples), self.task_cfg.chat,
                           self.rewards, predicted=predicted, first_sample=self.samples.start)
         rollout_s = time.perf_counter() - t
         if self.idle_work is not None:
@@ -123,7 +126,7 @@ class SeparatedRollout:
         self.idle_metrics.update(metrics)
         if self.history is not None:  # every rollout rank is done: gathering the responses makes none wait
             self.history.remember(scored.batch.rollouts)
-            self.history_metrics[step] = self.history.metrics(scored.batch.steps)
+            self.history_metrics[step] = self.history.metrics(scored)
         report = RolloutReport.of(scored, rollout_s, idle_s, self.rewards.take_stats())
         with transfer(f"sending step {step + 1}'s rollouts to the actor ranks"):
             send_shipments(pack_shipments(scored, self.groups, self.actor_shares, step, self.p.job.rank, report),
@@ -134,11 +137,11 @@ class SeparatedRollout:
         step = self.step_index
         if step not in self.decode_steps:  # synchronous, or the first step of an asynchronous run
             self._generate_and_send(step)
-        if self.cfg.trainer.async_steps:
+        if self.tc.async_steps:
             self._generate_and_send(step + 1)  # with the policy before this step's update, while the actors train
         t = time.perf_counter()
         if self.idle_work is not None:  # through the actor's update, until actor rank 0 announces the push
-            self.idle_work.through_update(self.push_flag.window(step + self.cfg.trainer.async_steps, step + 1))
+            self.idle_work.through_update(self.push_flag.window(step + self.tc.async_steps, step + 1))
         worked_s = time.perf_counter() - t  # idle time too: the push had not begun (with what the work had in flight then)
         m = self.receive_policy(step + 1)
         if self.idle_work is not None:
@@ -152,7 +155,7 @@ class SeparatedRollout:
     def evaluate(self) -> None:
         """The first rollout rank sends actor rank 0 the held-out greedy accuracy of the served policy."""
         if self.first:
-            acc = held_out_accuracy(self.engine, self.tok, self.eval_problems, self.cfg, self.stops, self.rewards)
+            acc = held_out_accuracy(self.engine, self.tok, self.eval_problems, self.task_cfg, self.sampling, self.rewards)
             self._send(acc, "sending the held-out accuracy")
 
     def save(self) -> None:

@@ -5,15 +5,21 @@ placement runs the same stages on separate ranks: pipeline.separated_actor, pipe
 
     prompts (pipeline.data: this rank's shard of the step)
     -> rollouts (pipeline.schedule: the engine on this rank's shard or on units taken from a shared
-       queue, pipeline.rollouts: noise keyed by run seed, RL step, prompt, sample)
+       queue, pipeline.rollouts: noise keyed by run seed, RL step, prompt, sample); each rollout
+       scored once, as it is made (pipeline.tasks.reward_scoring); DAPO's dynamic sampling rolls
+       out more rounds first
     -> idle window (common.idle: wait for the slowest rank, or pre-generate / train the drafter)
     -> the rows this rank trains (pipeline.schedule.share: its shard, exchanged if made elsewhere)
-    -> history (pipeline.history: every rank's responses into the history drafter's store)
-       (each rollout scored once, as it is made: pipeline.tasks.reward_scoring)
-    -> advantages -> old (and reference) log-probs -> PPO epochs (pipeline.learner);
-       DAPO's dynamic sampling refills the batch first
+    -> advantages -> old (and reference) log-probs -> PPO epochs (pipeline.learner)
     -> weight sync (engine.load_weights(actor.named_weights(), version=step))
     -> metrics -> eval every N steps -> checkpoint every N steps.
+
+The run's optional parts (bubble drafts, spot training, history drafts, the speculation policy's
+state, a drafter that follows the policy's LM head) are step hooks (pipeline.hooks), built by
+launch.colocated for what the config turns on: the Trainer calls every hook at each moment of
+the step (its start, each generation round's requests and rollouts, the idle window's close, the
+weight sync, the step's end), reduces their metrics over the ranks as each declares, and saves
+their state, without asking which parts the run has.
 
 The engine is a rollout backend (engine.backend.RolloutBackend: native or vLLM) and the loop
 reads what it can do from its capabilities: where its log-probs are not exactly the served
@@ -33,6 +39,7 @@ from __future__ import annotations
 import itertools
 import resource
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -41,13 +48,14 @@ import torch
 import torch.distributed as dist
 
 from common.idle import IdleWindows, IdleWork
-from common.text import stop_tokens
 from engine.backend import RolloutBackend
-from engine.types import RolloutBatch, StepRecord
+from engine.types import Request, RolloutBatch, StepRecord
 from pipeline.algorithms import fill_groups, informative_groups
+from pipeline.config import RolloutSection, TaskSection, TrainerSection
 from pipeline.data import PromptLoader
 from pipeline.dist import Ranks, all_sum, gather_floats, gather_objects, job_store
-from pipeline.learner import Learner, uses_engine_logprobs
+from pipeline.hooks import StepHook, hook_metrics
+from pipeline.learner import Learner
 from pipeline.rollouts import ScoredRollouts, StepSampling, held_out_accuracy
 from pipeline.run_state import RunState, checkpoint_dir, save_run
 from pipeline.schedule import RolloutSchedule
@@ -88,36 +96,28 @@ class StepDriver(Protocol):
 
 
 class Trainer:
-    def __init__(self, cfg, ranks: Ranks, engine: RolloutBackend, actor, tokenizer, rewards: Rewards, loader: PromptLoader,
-                 eval_problems: list[Problem], run_dir, idle_work: IdleWork | None = None, start_step: int = 0,
-                 reference=None, bubbles=None, actor_features=None, sampling: StepSampling | None = None,
-                 windows: IdleWindows | None = None, history=None) -> None:
-        """`rewards`: the run's (pipeline.tasks.reward_scoring.build_rewards), released by whoever built them."""
-        self.cfg, self.r, self.engine, self.actor, self.tok, self.rewards = cfg, ranks, engine, actor, tokenizer, rewards
-        self.loader, self.eval_problems, self.run_dir, self.idle_work = loader, eval_problems, run_dir, idle_work
+    def __init__(self, trainer_cfg: TrainerSection, rollout_cfg: RolloutSection, task_cfg: TaskSection, ranks: Ranks,
+                 engine: RolloutBackend, learner: Learner, tokenizer, rewards: Rewards, loader: PromptLoader,
+                 eval_problems: list[Problem], sampling: StepSampling, run_dir, *, start_step: int = 0,
+                 idle_work: IdleWork | None = None, hooks: Sequence[StepHook] = (),
+                 windows: IdleWindows | None = None) -> None:
+        """`learner`: the update (its actor is the one trained and synced); `rewards`: the run's
+        (pipeline.tasks.reward_scoring.build_rewards), released by whoever built them; `idle_work`: what
+        the idle window runs (None: a barrier); `hooks`: the run's optional parts (pipeline.hooks), the
+        idle work's among them."""
+        self.tc, self.task_cfg, self.r, self.engine, self.tok = trainer_cfg, task_cfg, ranks, engine, tokenizer
+        self.learner, self.actor, self.algo = learner, learner.actor, learner.algo
+        self.rewards, self.loader, self.eval_problems, self.run_dir = rewards, loader, eval_problems, run_dir
+        self.sampling, self.idle_work, self.hooks = sampling, idle_work, list(hooks)
         # Store keys of this run's idle windows and work queues: the same on every rank (they make their
         # runs in the same order), distinct from an earlier run of this job (common.idle.window).
         scope = f"tailspec/{Path(run_dir).name}/{next(_RUNS)}"
         self.windows = windows or IdleWindows(job_store(ranks), ranks.rank, ranks.world, scope, barrier=self._barrier)
-        if cfg.rollout.work_stealing and not engine.caps.pulls_requests:
-            raise ValueError("rollout.work_stealing feeds the engine from a queue as its rows free up, which this rollout "
-                             "backend cannot take (caps.pulls_requests): set rollout.work_stealing=false")
-        self.bubbles = bubbles  # a pipeline.bubble.BubbleStore: drafts pre-generated for the coming steps
-        self.bubble_metrics: dict[str, float] = {}
-        self.history = history  # a pipeline.history.RunHistory: the history drafter's store, kept across steps
-        self.actor_features = actor_features  # a spot.actor_features.ActorFeatures: the buffer from the actor's forward
         self.step_index = start_step
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.stops = stop_tokens(engine.model_config, tokenizer)
-        self.sampling = sampling or StepSampling.of(cfg.rollout, cfg.run.seed, self.stops)
         self.pending: ScoredRollouts | None = None  # async mode: the next step's rollouts, made before this update
-        self.learner = Learner(cfg, ranks, actor, self.pad_id,
-                               uses_engine_logprobs(cfg.trainer, self.sampling.is_policy, engine.caps.exact_logprobs),
-                               reference=reference, actor_features=actor_features)
-        self.algo = self.learner.algo
-        self.schedule = RolloutSchedule(cfg.rollout, cfg.trainer.train_shares, ranks, job_store(ranks), scope,
-                                        mini_batches=cfg.trainer.mini_batches,
-                                        equal_rewards_free=self.learner.skips_equal_reward_groups)
+        self.schedule = RolloutSchedule(rollout_cfg, trainer_cfg.train_shares, ranks, job_store(ranks), scope,
+                                        mini_batches=trainer_cfg.mini_batches,
+                                        equal_rewards_free=learner.skips_equal_reward_groups)
 
     def _barrier(self) -> None:
         if self.r.world > 1:
@@ -125,45 +125,45 @@ class Trainer:
 
     # -- one RL step -----------------------------------------------------------------------
     def _roll_out(self, step: int) -> ScoredRollouts:
-        drafts = self.bubbles.take(step) if self.bubbles is not None else None
-        problems = self.loader.global_step()
-        predicted = self.history.predicted([p.id for p in problems]) if self.history is not None else None
-        scored = self.schedule.generate(step, self.engine, self.tok, self.loader, self.sampling(step),
-                                        self.cfg.task.chat, self.rewards, drafts, predicted_len=predicted)
-        if drafts is not None:
-            from pipeline.bubble import coverage_metrics, draft_metrics
+        """One generation round of `step` on this rank, its requests prepared by the hooks."""
 
-            self.bubble_metrics = coverage_metrics(drafts, scored.batch.rollouts) | draft_metrics(scored.batch.steps)
-        if self.idle_work is not None:
-            self.idle_work.rollouts_done(step, scored.batch)
+        def prepare(requests: list[Request]) -> list[Request]:
+            for hook in self.hooks:
+                requests = hook.requests(step, requests)
+            return requests
+
+        scored = self.schedule.generate(step, self.engine, self.tok, self.loader, self.sampling(step), self.task_cfg.chat,
+                                        self.rewards, prepare)
+        for hook in self.hooks:
+            hook.rolled_out(step, scored)
         return scored
 
     def step(self) -> StepResult:
         t_step = time.perf_counter()
         step = self.step_index
         t = time.perf_counter()
-        if self.idle_work is not None:
-            self.idle_work.begin(step)
-        if self.cfg.trainer.async_steps and self.pending is not None:
+        for hook in self.hooks:
+            hook.begin(step)
+        if self.tc.async_steps and self.pending is not None:
             scored = self.pending  # made with the policy before the last update
         else:
             scored = self._fill(step)
         rollout_s = time.perf_counter() - t
         idle_s, idle_metrics = self.windows.run(step, self.idle_work)
-        if self.history is not None:  # every rank is done: gathering the responses makes no rank wait
-            self.history.remember(scored.batch.rollouts)
+        for hook in self.hooks:  # every rank is done: a gather makes no rank wait
+            hook.collect(step, scored)
         t = time.perf_counter()
         scored, schedule_metrics = self.schedule.share(scored)  # the rows this rank trains on (an exchange, if any)
         exchange_s = time.perf_counter() - t
-        if self.cfg.trainer.async_steps:
+        if self.tc.async_steps:
             self.pending = self._fill(step + 1)  # with this policy, before this step's update
         self.engine.sleep()
         metrics, logprob_s, update_s = self.learner.train(scored, step)
         t = time.perf_counter()
         self.engine.wake_up()
         self.sync(version=step + 1)
-        if self.idle_work is not None:  # work of the idle window that went on during the update (spot's average; timed in timing/sync)
-            idle_metrics.update(self.idle_work.settle())
+        for hook in self.hooks:  # what went on during the update (spot's average: timed in timing/sync)
+            hook.end(step)
         sync_s = time.perf_counter() - t
         self.step_index = step + 1
         metrics.update(self._step_metrics(scored, rollout_s, idle_s, logprob_s, update_s, sync_s, time.perf_counter() - t_step))
@@ -173,23 +173,18 @@ class Trainer:
         # The version the step's rollouts were made with, and the one the engine serves after the sync.
         metrics["rollout/policy_version"] = float(scored.batch.policy_version)
         metrics["engine/version"] = float(self.engine.version)
-        metrics.update(self._mean_over_ranks(self.bubble_metrics))
         metrics.update(scored.fill_metrics)
-        if self.history is not None:
-            metrics.update(self.history.metrics(scored.batch.steps))
-        if self.engine.policy is not None:
-            metrics.update(self.engine.policy.metrics())
+        metrics.update(hook_metrics(self.hooks, scored, lambda mine: gather_floats(self.r, mine)))
         # every rank's trained rows (as many as its share: token shares differ by rank)
         mine = scored.lengths[scored.trained].tolist()
         lengths = [int(x) for part in gather_objects(self.r, mine) for x in part]
         return StepResult(metrics=metrics, lengths=lengths, rollouts=scored, decode_steps=scored.batch.steps)
 
     def sync(self, version: int) -> None:
-        """The actor's weights into the engine, served as `version`; the spot drafter's HeadTarget (if
-        any) copies the embedding and LM head as they go by."""
+        """The actor's weights into the engine, served as `version`, through the hooks' `weights`."""
         named = self.actor.named_weights()
-        if self.actor_features is not None and self.actor_features.head is not None:
-            named = self.actor_features.head.follow(named)
+        for hook in self.hooks:
+            named = hook.weights(named)
         self.engine.load_weights(named, version=version)
 
     def _fill(self, step: int) -> ScoredRollouts:
@@ -214,19 +209,6 @@ class Trainer:
         kept, metrics = fill_groups(groups, want)
         return _join_groups(kept, rounds, n, metrics | {"train/dynamic_sampling_rounds": float(len(rounds))})
 
-    def _mean_over_ranks(self, m: dict[str, float]) -> dict[str, float]:
-        """Means over ranks of per-rank metrics (every rank has the same keys, or none)."""
-        if self.bubbles is None:
-            return {}
-        keys = ["bubble/coverage", "bubble/token_coverage", "bubble/prefix_match", "bubble/accept_len", "bubble/decode_steps_saved"]
-        rows = gather_floats(self.r, [m.get(k, float("nan")) for k in keys])
-        out = {}
-        for i, k in enumerate(keys):
-            vals = [row[i] for row in rows if row[i] == row[i]]
-            if vals:
-                out[k] = sum(vals) if k == "bubble/decode_steps_saved" else sum(vals) / len(vals)  # saved: over all ranks
-        return out
-
     def _step_metrics(self, scored: ScoredRollouts, rollout_s, idle_s, logprob_s, update_s, sync_s, step_s) -> dict[str, float]:
         # the reward calls made during this step (an asynchronous run's include the next step's rollouts)
         mine = RolloutReport.of(scored, rollout_s, idle_s, self.rewards.take_stats())
@@ -247,27 +229,22 @@ class Trainer:
         for it here, so that the wait is not counted as the next step's idle time."""
         accuracy = None
         if self.r.main:
-            accuracy = held_out_accuracy(self.engine, self.tok, self.eval_problems, self.cfg, self.stops, self.rewards)
+            accuracy = held_out_accuracy(self.engine, self.tok, self.eval_problems, self.task_cfg, self.sampling,
+                                         self.rewards)
         self._barrier()
         return accuracy
 
     def save(self) -> None:
-        components = {}
-        if self.engine.policy is not None:  # a learning policy (the tuner) resumes where it was
-            components["spec_policy"] = self.engine.policy.state_dict()
-        if self.schedule.lengths is not None:  # long-first's predictions resume from the lengths seen
-            components["length_predictor"] = self.schedule.state_dict()
-        if self.history is not None:  # equal on every rank (RunHistory.remember): rank 0's is saved
-            components["history"] = self.history.state_dict()
-        extras = {}
-        if self.idle_work is not None:  # spot training: its trainer's folder and state
-            components["idle_work"] = self.idle_work.state_dict()
-            extras = self.idle_work.checkpoint_files()
+        """A run checkpoint (collective): the actor, the loader's position, each hook's state (history,
+        idle work: equal on every rank or rank 0's) and files, the long-first length predictions, and
+        the drafter (the engine's, else one a hook trains: a drafter served out of process)."""
+        components = {hook.name: hook.state_dict() for hook in self.hooks if hook.name}
+        if lengths := self.schedule.state_dict():  # long-first's predictions resume from the lengths seen
+            components["length_predictor"] = lengths
+        extras = {name: write for hook in self.hooks for name, write in hook.checkpoint_files().items()}
         state = RunState(step=self.step_index, loader=self.loader.state_dict(), engine_version=self.engine.version,
                          components=components)
-        drafter = next(iter(self.engine.drafter_nets()), None)
-        if drafter is None and self.idle_work is not None:  # a drafter served out of process (vLLM): the spot trainer's copy
-            drafter = self.idle_work.drafter()
+        drafter = next(iter([*self.engine.drafter_nets(), *(net for hook in self.hooks for net in hook.drafters())]), None)
         save_run(checkpoint_dir(self.run_dir, self.step_index), state, self.actor, drafter, main=self.r.main, extras=extras)
 
 

@@ -376,6 +376,7 @@ def zero_advantage_update(model_dir, batch, skip: bool):
     """One Learner update (2 mini-batches) of `batch` on a fresh actor -> (actor, metrics)."""
     from launch.config import load_config
     from launch.run_config import TrainConfig
+    from pipeline.algorithms import build_algorithm
     from pipeline.dist import Ranks
     from pipeline.learner import Learner, mini_batch_cut
 
@@ -384,7 +385,8 @@ def zero_advantage_update(model_dir, batch, skip: bool):
     a = actor(model_dir, lr=1e-4, micro_batch_tokens=20)
     batch.old_logprobs = a.logprobs(batch.input_ids, batch.attention_mask).logprobs * batch.response_mask
     batch.engine_logprobs = batch.old_logprobs.clone()
-    learner = Learner(cfg, Ranks(), a, pad_id=0, engine_old_logprobs=True)
+    learner = Learner(cfg.trainer, build_algorithm(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.actor, Ranks(), a,
+                      pad_id=0, engine_old_logprobs=True)
     return a, learner._update(batch, mini_batch_cut(batch.size, None, 2))
 
 

@@ -81,7 +81,7 @@ def test_bf16_products_config_names_the_conflicting_keys_and_auto_follows_the_ke
 
 
 def test_bf16_products_log_probs_are_not_the_float32_policys_so_auto_recomputes_them(target):
-    from launch.run_config import TrainerSection
+    from pipeline.config import TrainerSection
 
     eng = RolloutEngine(copy.deepcopy(target), EngineConfig(max_batch=2, max_len=32, products="bf16"))
     assert not eng.caps.exact_logprobs

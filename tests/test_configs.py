@@ -54,7 +54,7 @@ def test_config_file_loads_into_the_train_config_with_its_values(path):
      "rollout.split_groups cannot be combined with algorithm.dynamic_sampling"),
     (["rollout.work_stealing=true"], "rollout.work_stealing and rollout.split_groups are two ways"),
     (["rollout.work_stealing=true", "rollout.split_groups=false", "engine.backend=vllm", "engine.spec.enabled=false"],
-     "only engine.backend=native"),
+     "needs the capability pulls_requests that engine.backend=vllm lacks"),
     (["rollout.steal_inflight=-1"], "rollout.steal_inflight must be >= 0"),
 ])
 def test_a_rollout_schedule_the_loop_cannot_run_is_refused_naming_the_key(overrides, message):

@@ -11,7 +11,9 @@ import torch
 
 from engine.types import FinishReason, Rollout, RolloutBatch
 from launch.config import load_config
-from launch.run_config import TrainConfig, TrainerSection
+from launch.run_config import TrainConfig
+from pipeline.algorithms import build_algorithm
+from pipeline.config import TrainerSection
 from pipeline.actors import ActorConfig, build_actor
 from pipeline.dist import Ranks
 from pipeline.learner import Learner
@@ -53,7 +55,8 @@ def test_update_with_async_steps_or_actor_features_is_an_error_naming_the_key():
         load_config(TrainConfig, None, ["model.path=unused", "trainer.old_logprobs=update", "trainer.async_steps=1"])
     cfg = load_config(TrainConfig, None, ["model.path=unused", "trainer.old_logprobs=update"])
     with pytest.raises(ValueError, match="trainer.old_logprobs=update cannot fill the DataBuffer"):
-        Learner(cfg, Ranks(), actor=None, pad_id=0, engine_old_logprobs=False, actor_features=object())
+        Learner(cfg.trainer, build_algorithm(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.actor, Ranks(), actor=None,
+                pad_id=0, engine_old_logprobs=False, actor_features=object())
 
 
 def test_update_logprobs_finds_every_row_in_regrouped_trimmed_micro_batches_and_passes_over_fillers():
@@ -126,7 +129,9 @@ def learner(model_dir, source: str, mini_batches: int, epochs: int, *overrides: 
     actor_cfg = ActorConfig(lr=1e-3, grad_clip=0.5, micro_batch_tokens=48)
     actor = CountingActor(build_actor(actor_cfg, model_dir))
     reference = ReferencePolicy(actor_cfg, model_dir) if cfg.algorithm.kl_coef > 0 else None
-    return Learner(cfg, Ranks(), actor, pad_id=0, engine_old_logprobs=False, reference=reference), actor
+    algo = build_algorithm(cfg.algorithm, cfg.rollout.max_new_tokens)
+    return Learner(cfg.trainer, algo, cfg.actor, Ranks(), actor, pad_id=0, engine_old_logprobs=False,
+                   reference=reference), actor
 
 
 @pytest.mark.parametrize("mini_batches, epochs", [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow),

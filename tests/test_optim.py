@@ -80,16 +80,20 @@ def test_set_lr_governs_the_next_updates_and_lr_zero_moves_no_weight(model_dir):
 def test_the_learner_takes_each_steps_learning_rate_from_the_schedule_over_the_runs_steps():
     from launch.config import load_config
     from launch.run_config import TrainConfig
+    from pipeline.algorithms import build_algorithm
     from pipeline.dist import Ranks
     from pipeline.learner import Learner
 
+    def learner(cfg):
+        algo = build_algorithm(cfg.algorithm, cfg.rollout.max_new_tokens)
+        return Learner(cfg.trainer, algo, cfg.actor, Ranks(), actor=None, pad_id=0, engine_old_logprobs=True)
+
     cfg = load_config(TrainConfig, None, ["model.path=unused", "trainer.steps=10", "actor.lr=2e-4",
                                           "actor.lr_schedule=cosine", "actor.lr_min_ratio=0.25"])
-    learner = Learner(cfg, Ranks(), actor=None, pad_id=0, engine_old_logprobs=True)
-    assert [learner.lr_at(s) for s in range(10)] == [scheduled_lr(2e-4, "cosine", s, 10, 0, 0.25) for s in range(10)]
-    assert learner.lr_at(0) == 2e-4 and learner.lr_at(9) == pytest.approx(5e-5)
+    rates = [learner(cfg).lr_at(s) for s in range(10)]
+    assert rates == [scheduled_lr(2e-4, "cosine", s, 10, 0, 0.25) for s in range(10)]
+    assert rates[0] == 2e-4 and rates[9] == pytest.approx(5e-5)
     # a fixed horizon: a 10-step run follows the first 10 steps of a 30-step curve
     cfg30 = load_config(TrainConfig, None, ["model.path=unused", "trainer.steps=10", "actor.lr=2e-4",
                                             "actor.lr_schedule=cosine", "actor.lr_schedule_steps=30"])
-    learner = Learner(cfg30, Ranks(), actor=None, pad_id=0, engine_old_logprobs=True)
-    assert [learner.lr_at(s) for s in range(10)] == [scheduled_lr(2e-4, "cosine", s, 30, 0, 0.1) for s in range(10)]
+    assert [learner(cfg30).lr_at(s) for s in range(10)] == [scheduled_lr(2e-4, "cosine", s, 30, 0, 0.1) for s in range(10)]

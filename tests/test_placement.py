@@ -11,7 +11,8 @@ import torch.multiprocessing as mp
 
 from common.buckets import buckets_of
 from launch.config import load_config
-from launch.run_config import PipelineSection, TrainConfig
+from launch.run_config import TrainConfig
+from pipeline.config import PipelineSection
 from pipeline.rollouts import ScoredRollouts
 from pipeline.shares import generation_shares, shard_shares
 from pipeline.shipment import RolloutShipment, pack_shipments, unpack
@@ -173,9 +174,8 @@ def test_a_rollout_rank_rolls_out_only_with_the_steps_expected_policy_version(mo
     placement = Placement(kind="separated", job=Ranks(), actor_ranks=(1,), rollout_ranks=(0,), actors=None, rollouts=Ranks())
     engine = SimpleNamespace(version=2)  # a resumed run at step 3 serves version 3: this one is stale
     task = TASKS["mult"]
-    side = SeparatedRollout(cfg, placement, engine, None, build_rewards(cfg.task, task),
-                            PromptLoader(task.make_problems("train", 8, 0), 4, 0),
-                            [], None, (), tmp_path, start_step=3)
+    side = SeparatedRollout(cfg.trainer, cfg.rollout, cfg.task, placement, engine, None, build_rewards(cfg.task, task),
+                            PromptLoader(task.make_problems("train", 8, 0), 4, 0), [], None, tmp_path, start_step=3)
     assert [side.expected_version(s) for s in (3, 4, 5)] == expected
     with pytest.raises(ValueError, match="policy version 3, the engine serves version 2; refusing a stale policy"):
         side._generate_and_send(3)

@@ -66,6 +66,33 @@ def test_split_samples_give_each_rank_an_equal_run_of_every_groups_samples():
         split_samples(3, 2, 0)
 
 
+def test_group_split_splits_every_group_over_several_ranks_and_leaves_whole_groups_to_one():
+    from pipeline.config import RolloutSection
+    from pipeline.data import PromptLoader
+    from pipeline.schedule import GroupSplit
+    from pipeline.tasks import Problem
+
+    split = RolloutSection(n=4, split_groups=True)
+    parts = [GroupSplit.of(split, 2, r) for r in range(2)]
+    assert all(p.split for p in parts) and [p.samples for p in parts] == [range(0, 2), range(2, 4)]
+    assert GroupSplit.of(split, 1, 0) == GroupSplit(False, range(4))  # one rank: whole groups
+    assert GroupSplit.of(RolloutSection(n=4), 2, 1) == GroupSplit(False, range(4))
+
+    class Tok:
+        def __call__(self, text):
+            return {"input_ids": [len(text)]}
+
+    problems = [Problem(id=f"p{i}", prompt="x" * (i + 1), answer="", response="") for i in range(4)]
+    loaders = [PromptLoader(problems, 2, 0, world_size=2, rank=r) for r in range(2)]
+    asked = [[(q.prompt_id, q.first_sample, q.n) for q in p.next_requests(loader, Tok(), chat=False)]
+             for p, loader in zip(parts, loaders)]
+    step = [q.id for q in loaders[0].global_step()]
+    assert asked == [[(pid, 0, 2) for pid in step], [(pid, 2, 2) for pid in step]]  # every group of the step, a part each
+    whole = [GroupSplit.of(RolloutSection(n=4), 2, r).next_requests(loaders[r], Tok(), chat=False) for r in range(2)]
+    assert [[(q.prompt_id, q.n) for q in w] for w in whole] == [[(q.id, 4) for q in loaders[r].peek()] for r in range(2)]
+    assert all(loader._taken == 0 for loader in loaders)  # asking does not advance the loader
+
+
 def _wait(tokens, cells):
     """Tokens the ranks' updates take when every mini-batch waits for its largest rank: cells[rank][k]."""
     return sum(max(sum(tokens[g] for g in rank[k]) for rank in cells) for k in range(len(cells[0])))

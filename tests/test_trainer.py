@@ -3,6 +3,7 @@ policy, ranks run under torchrun, and bad input is named."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -14,10 +15,9 @@ import torch
 
 from launch.config import load_config
 from launch.run_config import TrainConfig
-from launch.run import run
+from launch.run import build_run, run
 from pipeline.dist import Ranks
 from pipeline.tasks import TASKS, Task, arith
-from pipeline.tasks.reward_scoring import build_rewards
 from tests.conftest import digit_share
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,6 +26,16 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture
 def digits_task(monkeypatch):
     monkeypatch.setitem(TASKS, "digits", Task(name="digits", make_problems=arith.make_problems, reward=digit_share))
+
+
+@contextlib.contextmanager
+def built_run(cfg: TrainConfig):
+    """The run of `cfg` built on one rank (launch.run.build_run), released afterwards."""
+    built = build_run(cfg, Ranks())
+    try:
+        yield built
+    finally:
+        built.close()
 
 
 def config(char_model_dir, out, *overrides) -> TrainConfig:
@@ -102,28 +112,17 @@ def test_resume_from_a_step_2_checkpoint_equals_the_uninterrupted_run_at_step_4(
 
 
 def test_after_a_sync_the_engine_serves_the_actors_weights(char_model_dir, digits_task, tmp_path):
-    from engine.engine import RolloutEngine
-    from pipeline.actors import build_actor
-    from pipeline.data import PromptLoader
-    from common.text import load_tokenizer
-    from pipeline.trainer import Trainer
-
-    cfg = config(char_model_dir, tmp_path, "engine.spec.enabled=false")
-    tok = load_tokenizer(char_model_dir)
-    task = TASKS["digits"]
-    engine = RolloutEngine.from_pretrained(char_model_dir, cfg.engine)
-    actor = build_actor(cfg.actor, char_model_dir)
-    loader = PromptLoader(task.make_problems("train", 16, 0), 4, 0)
-    trainer = Trainer(cfg, Ranks(), engine, actor, tok, build_rewards(cfg.task, task), loader, [], tmp_path)
-    result = trainer.step()
-    assert engine.version == 1 and all(r.policy_version == 0 for r in result.rollouts.batch)
-    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10]])
-    with torch.no_grad():
-        want = actor.model(input_ids=ids).logits
-        got = engine.runtime(ids, torch.arange(ids.shape[1])[None]).logits
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    again = trainer.step()
-    assert all(r.policy_version == 1 for r in again.rollouts.batch) and engine.version == 2
+    with built_run(config(char_model_dir, tmp_path, "engine.spec.enabled=false")) as built:
+        trainer, engine, actor = built.trainer, built.engine, built.actor
+        result = trainer.step()
+        assert engine.version == 1 and all(r.policy_version == 0 for r in result.rollouts.batch)
+        ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10]])
+        with torch.no_grad():
+            want = actor.model(input_ids=ids).logits
+            got = engine.runtime(ids, torch.arange(ids.shape[1])[None]).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        again = trainer.step()
+        assert all(r.policy_version == 1 for r in again.rollouts.batch) and engine.version == 2
 
 
 def test_with_bf16_weights_the_engine_serves_the_rounded_actor_and_the_actor_recomputes_old_logprobs(
@@ -132,26 +131,17 @@ def test_with_bf16_weights_the_engine_serves_the_rounded_actor_and_the_actor_rec
 
     if not available()[0]:
         pytest.skip(f"engine.weights=bfloat16 needs the CPU kernels: {available()[1]}")
-    from engine.engine import RolloutEngine
-    from pipeline.actors import build_actor
-    from pipeline.data import PromptLoader
-    from common.text import load_tokenizer
-    from pipeline.trainer import Trainer
-
     with pytest.raises(ValueError, match="engine.weights=bfloat16"):
         config(char_model_dir, tmp_path, "engine.weights=bfloat16", "trainer.old_logprobs=engine")
-    cfg = config(char_model_dir, tmp_path, "engine.spec.enabled=false", "engine.weights=bfloat16")
-    engine = RolloutEngine.from_pretrained(char_model_dir, cfg.engine)
-    actor = build_actor(cfg.actor, char_model_dir)
-    trainer = Trainer(cfg, Ranks(), engine, actor, load_tokenizer(char_model_dir), build_rewards(cfg.task, TASKS["digits"]),
-                      PromptLoader(TASKS["digits"].make_problems("train", 16, 0), 4, 0), [], tmp_path)
-    assert not trainer.learner.engine_old_logprobs
-    result = trainer.step()
-    assert result.metrics["train/mismatch_kl"] > 1e-9  # the bf16-rounded policy samples, the fp32 actor trains
-    served = dict(engine.model.named_parameters())
-    for name, w in actor.named_weights():
-        if name in served and w.dim() >= 2:
-            assert torch.equal(served[name].detach(), w.detach().cpu().bfloat16().float()), name
+    with built_run(config(char_model_dir, tmp_path, "engine.spec.enabled=false", "engine.weights=bfloat16")) as built:
+        trainer, engine, actor = built.trainer, built.engine, built.actor
+        assert not trainer.learner.engine_old_logprobs
+        result = trainer.step()
+        assert result.metrics["train/mismatch_kl"] > 1e-9  # the bf16-rounded policy samples, the fp32 actor trains
+        served = dict(engine.model.named_parameters())
+        for name, w in actor.named_weights():
+            if name in served and w.dim() >= 2:
+                assert torch.equal(served[name].detach(), w.detach().cpu().bfloat16().float()), name
 
 
 def test_a_non_finite_reward_is_an_error_naming_the_prompt(char_model_dir, tmp_path, monkeypatch):

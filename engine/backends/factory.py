@@ -1,15 +1,33 @@
-"""The rollout engine a run's config names (`engine.backend`): the one place the loop's launcher
-chooses a backend, so the loop itself does not know which one runs.
+"""The rollout backend a run's config names (`engine.backend`): the one place that maps a name to
+a backend, so nothing else knows which one runs.
 
 native: engine.engine.RolloutEngine (the CPU default, exact); vllm: engine.backends.vllm_engine
-(imported only when chosen, so configs and the native path work where vLLM is not installed).
+(its module imports nothing of vLLM, so configs and the native path work where vLLM is not
+installed). `backend_class` gives the class, whose declared capabilities a config is checked
+against before anything is built; `build_rollout_engine` builds one.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from engine.backend import RolloutBackend
 from engine.config import EngineConfig
+
+BACKENDS = ("native", "vllm")
+
+
+def backend_class(name: str) -> type[RolloutBackend]:
+    """The class of the backend engine.backend=`name` (imported, nothing built)."""
+    if name == "native":
+        from engine.engine import RolloutEngine
+
+        return RolloutEngine
+    if name == "vllm":
+        from engine.backends.vllm_engine import VllmEngine
+
+        return VllmEngine
+    raise ValueError(f"engine.backend must be one of {', '.join(BACKENDS)}, got {name!r}")
 
 
 def build_rollout_engine(path: str | Path, cfg: EngineConfig, *, seed: int = 0, history=None):

@@ -28,6 +28,7 @@ Pushes go through `collective_rpc` into engine.backends.vllm_worker, in buckets 
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 import time
@@ -44,6 +45,7 @@ from engine.backends.vllm_schedule import arm_tokens, vllm_schedule
 from engine.checkpoint import read_config
 from engine.config import EngineConfig
 from engine.sampling import SamplingParams
+from engine.spec.drafter_spec import DrafterSpec
 from engine.spec.tuner import parse_arm
 from engine.types import FinishReason, Request, Rollout, RolloutBatch
 
@@ -110,16 +112,22 @@ def sample_seed(seed: int, step: int, prompt_id: str, sample: int) -> int:
 
 
 class VllmEngine(RolloutBackend):
+    CAPS = BackendCapabilities(exact_logprobs=False, returns_features=False, same_tokens=False, preemptible=False,
+                               takes_drafts=False, sleeps=True)
+
+    @classmethod
+    def serves(cls, drafter: DrafterSpec) -> bool:
+        """Single drafters only (ngram, or a learned network of VLLM_METHODS' kinds): compositions and
+        pre-generated drafts are the native engine's."""
+        return vllm_serves(drafter)
+
     def __init__(self, model_path: str | Path, cfg: EngineConfig, *, seed: int = 0) -> None:
         from vllm import LLM
 
         cfg.validate()
-        if cfg.backend != "vllm":
-            raise ValueError(f"VllmEngine needs engine.backend=vllm, got {cfg.backend!r}")
         self.cfg, self.path = cfg, Path(model_path)
         self.model_config = read_config(model_path)
-        self.caps = BackendCapabilities(exact_logprobs=False, returns_features=False, same_tokens=False, preemptible=False,
-                                        takes_drafts=False, sleeps=cfg.vllm.sleep_level > 0)
+        self.caps = dataclasses.replace(self.CAPS, sleeps=cfg.vllm.sleep_level > 0)
         self.version = 0
         self.drafter_version = 0
         self.policy = None  # vLLM applies the schedule itself; no per-step policy object

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.actors.base import Actor, ActorConfig, LogProbs, LossFn
+from pipeline.actors.base import Actor, ActorConfig, LogProbs, LossFn, having
 
 __all__ = ["Actor", "ActorConfig", "LogProbs", "LossFn", "build_actor"]
 
@@ -16,10 +16,10 @@ def build_actor(cfg: ActorConfig, model_path: str | Path, group=None) -> Actor:
     group, pipeline.placement). The torch (DDP) and deepspeed (ZeRO) backends train on a subgroup;
     megatron trains on every rank of the job."""
     cfg.validate()
-    if group is not None and cfg.backend == "megatron":
-        raise ValueError("actor.backend=megatron builds its tensor- / pipeline- / data-parallel groups over every rank "
-                         "of the job, so it cannot train on the actor ranks of pipeline.placement=separated: use "
-                         "actor.backend=deepspeed or torch there, or pipeline.placement=colocated")
+    if group is not None and not cfg.caps.subgroup:
+        raise ValueError(f"actor.backend={cfg.backend} builds its parallel groups over every rank of the job (it lacks "
+                         "the capability subgroup), so it cannot train on the actor ranks of "
+                         f"pipeline.placement=separated: use {having('subgroup')} there, or pipeline.placement=colocated")
     if cfg.backend == "megatron":
         try:
             import megatron.core  # noqa: F401

@@ -43,7 +43,7 @@ def resolve(cfg: ActorConfig) -> str:
     """cfg.precision with `auto` decided for this machine: "float32" or "bf16-mixed"."""
     if cfg.precision != "auto":
         return cfg.precision
-    mixed = cfg.backend == "torch" and cfg.device == "cpu" and cfg.dtype == "float32" and cpu_has_bf16()
+    mixed = cfg.caps.autocast and cfg.device == "cpu" and cfg.dtype == "float32" and cpu_has_bf16()
     return "bf16-mixed" if mixed else "float32"
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,6 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         step = StepRecord(index=0, batch_size=2, shape="d4k1v4", drafted=[4, 4], accepted=[2, 2], emitted=[3, 3],
                           context_mean=5.0, draft_s=0.0, forward_s=0.0, other_s=0.0, source=[0, 0 if rank else 1])
         torch.save({"state": h.state_dict(), "predicted": h.predicted(["p0", "p1", "both", "unseen"]),
-                    "metrics": h.metrics([step])}, os.path.join(out, f"rank{rank}.pt"))
+                    "metrics": h.metrics(SimpleNamespace(batch=SimpleNamespace(steps=[step])))}, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -21,7 +21,7 @@ BUCKET = 4096
 
 
 def worker(rank: int, world: int, port: int, out: str) -> None:
-    from launch.run_config import PipelineSection
+    from pipeline.config import PipelineSection
     from pipeline.dist import Ranks, all_sum
     from pipeline.placement import build_placement
     from pipeline.shipment import RolloutShipment, receive_shipments, send_shipments
