@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.buckets import buckets_of
-from engine.backends.vllm_engine import sample_seed, served_model, speculative_config
+from engine.backends.vllm_engine import VllmEngine, sample_seed, served_model, speculative_config
 from engine.backends.vllm_export import EXPECTED, export_eagle, vllm_eagle_config
 from engine.backends.vllm_schedule import schedule_from_tuner, vllm_schedule
 from engine.config import EngineConfig
@@ -80,8 +80,10 @@ def test_the_speculative_config_follows_engine_spec(drafter_dir, tmp_path):
     out = speculative_config(tuned, tmp_path)
     assert out["method"] == "eagle" and (tmp_path / "eagle" / "config.json").is_file()
     assert out["num_speculative_tokens"] == 4 and out["num_speculative_tokens_per_batch_size"] == [(1, 7, 4), (8, 32, 4)]
+    composed = EngineConfig(backend="vllm", spec=SpecConfig(enabled=True, drafter="ngram+eagle", drafter_path=str(path)))
+    assert not VllmEngine.serves(composed.spec.drafter_spec)  # declared on the class: a run's config is refused at load
     with pytest.raises(ValueError, match="eagle, eagle3_vllm, mtp, ngram"):
-        EngineConfig(backend="vllm", spec=SpecConfig(enabled=True, drafter="ngram+eagle", drafter_path=str(path))).validate()
+        speculative_config(composed, tmp_path)
 
 
 def test_an_eagle3_vllm_drafter_exports_in_specforges_layout_with_d2t(hf_folders, tmp_path):
