@@ -32,8 +32,8 @@ from typing import Literal
 from engine.model_config import ModelConfig
 from launch.memory_engine import (DTYPE_BYTES, buffer_part, engine_parts, pool_member_parts, spot_trainer_parts,
                                   vllm_parts)
-from launch.memory_model import (ALL, PHASES, TRAINING, ZERO3_MAX_LIVE_PARAMETERS, GiB, ModelStates, Part, activation_parts,
-                                 param_counts, torch_model_states, zero_model_states)
+from launch.memory_model import (ALL, PHASES, TRAINING, ZERO3_MAX_LIVE_PARAMETERS, GiB, ModelStates, ParamCounts, Part,
+                                 activation_parts, param_counts, torch_model_states, zero_model_states)
 from launch.run_config import TrainConfig
 
 MARGIN = 0.10  # of a GPU's memory, held back for what torch's allocator does not count
@@ -162,20 +162,52 @@ def _per_node(parts: list[Part], ranks: int) -> list[Part]:
     return [Part(p.name, p.bytes * ranks, p.phases, f"{ranks} ranks x ({p.how})", p.knob) for p in parts]
 
 
-def _actor_states(cfg: TrainConfig, model: ModelConfig, ranks: int, per_node: int) -> ModelStates:
+def _deepspeed_states(cfg: TrainConfig, p: ParamCounts, ranks: int, per_node: int) -> ModelStates:
     a = cfg.actor
-    p = param_counts(model)
-    if a.backend == "deepspeed" and a.dtype in ("bfloat16", "float32"):
-        return zero_model_states(p, stage=a.zero_stage, world=ranks, ranks_per_node=min(per_node, ranks),
-                                 offload_optimizer=a.offload_optimizer, offload_params=a.offload_params,
-                                 weight_bytes=DTYPE_BYTES[a.dtype])
-    if a.backend == "deepspeed":
+    if a.dtype not in ("bfloat16", "float32"):
         raise ValueError(f"the memory planner sizes DeepSpeed ZeRO with actor.dtype bfloat16 or float32, not "
                          f"{a.dtype!r}: set actor.dtype to one of them")
-    if a.backend == "torch":
-        return torch_model_states(p, dtype_bytes=DTYPE_BYTES[a.dtype], world=ranks)
-    raise ValueError(f"the memory planner sizes actor.backend torch and deepspeed, not {a.backend!r} "
-                     "(megatron shards by tensor / pipeline parallelism: size it with megatron's own tools)")
+    return zero_model_states(p, stage=a.zero_stage, world=ranks, ranks_per_node=min(per_node, ranks),
+                             offload_optimizer=a.offload_optimizer, offload_params=a.offload_params,
+                             weight_bytes=DTYPE_BYTES[a.dtype])
+
+
+def _torch_states(cfg: TrainConfig, p: ParamCounts, ranks: int, per_node: int) -> ModelStates:
+    return torch_model_states(p, dtype_bytes=DTYPE_BYTES[cfg.actor.dtype], world=ranks)
+
+
+def _deepspeed_transients(cfg: TrainConfig, p: ParamCounts) -> list[Part]:
+    """Beyond DeepSpeed's model-state estimate: ZeRO-3 keeps gathered parameters alive between their
+    uses up to stage3_max_live_parameters (and reuse distance), so a model under it stays whole from
+    the forward to the backward."""
+    if cfg.actor.zero_stage != 3:
+        return []
+    d, live = DTYPE_BYTES[cfg.actor.dtype], min(ZERO3_MAX_LIVE_PARAMETERS, p.total)
+    return [Part("ZeRO-3 live gathered parameters", d * live, ("update",),
+                 f"min(stage3_max_live_parameters {ZERO3_MAX_LIVE_PARAMETERS:.0e}, {p.total:.3g} params) x {d} B",
+                 "stage3_max_live_parameters (pipeline.actors.deepspeed_actor.zero3_settings)")]
+
+
+# The planner's model of each actor backend it sizes: its model states, and what its update holds
+# beyond the activations every backend has. Megatron shards by tensor / pipeline parallelism and is
+# sized with megatron's own tools.
+ACTOR_MODELS = {
+    "torch": (_torch_states, lambda cfg, p: []),
+    "deepspeed": (_deepspeed_states, _deepspeed_transients),
+}
+
+
+def _actor_model(cfg: TrainConfig):
+    try:
+        return ACTOR_MODELS[cfg.actor.backend]
+    except KeyError:
+        raise ValueError(f"the memory planner sizes actor.backend {' and '.join(ACTOR_MODELS)}, not "
+                         f"{cfg.actor.backend!r} (megatron shards by tensor / pipeline parallelism: size it with "
+                         "megatron's own tools)") from None
+
+
+def _actor_states(cfg: TrainConfig, model: ModelConfig, ranks: int, per_node: int) -> ModelStates:
+    return _actor_model(cfg)[0](cfg, param_counts(model), ranks, per_node)
 
 
 def _actor_transients(cfg: TrainConfig, model: ModelConfig) -> list[Part]:
@@ -193,45 +225,54 @@ def _actor_transients(cfg: TrainConfig, model: ModelConfig) -> list[Part]:
     if mixed:
         parts.append(Part("autocast's bf16 weight copies", 2 * p.matrices, ("update",), f"{p.matrices:.3g} params x 2 B",
                           "actor.precision=float32"))
-    if a.backend == "deepspeed" and a.zero_stage == 3:
-        # Beyond DeepSpeed's model-state estimate: ZeRO-3 keeps gathered parameters alive between their
-        # uses up to stage3_max_live_parameters (and reuse distance), so a model under it stays whole
-        # from the forward to the backward.
-        live = min(ZERO3_MAX_LIVE_PARAMETERS, p.total)
-        parts.append(Part("ZeRO-3 live gathered parameters", d * live, ("update",),
-                          f"min(stage3_max_live_parameters {ZERO3_MAX_LIVE_PARAMETERS:.0e}, {p.total:.3g} params) x {d} B",
-                          "stage3_max_live_parameters (pipeline.actors.deepspeed_actor.zero3_settings)"))
+    parts += _actor_model(cfg)[1](cfg, p)
     if cfg.algorithm.kl_coef > 0:
         parts.append(Part("reference policy weights", d * p.total, TRAINING, f"{p.total:.3g} params x {d} B, whole",
                           "algorithm.kl_coef=0"))
     return parts
 
 
+def _vllm_engine(cfg: TrainConfig, model: ModelConfig, device: Device, cpu: CpuFacts | None,
+                 notes: list[str]) -> tuple[list[Part], list[Part]]:
+    """vLLM's share of the GPU: its own allocator and a paged KV cache in what the share leaves."""
+    e = cfg.engine
+    parts, host, kv = vllm_parts(model, e, device_bytes=device.bytes)
+    per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * DTYPE_BYTES[e.dtype]
+    per_token //= e.vllm.tensor_parallel_size
+    ctx = min(e.max_len, model.max_position_embeddings)
+    if kv < per_token * ctx:
+        notes.append(f"does not fit: vLLM's share leaves {kv / GiB:.1f} GiB of KV cache on each GPU, less than one "
+                     f"row of engine.max_len={ctx} tokens ({per_token * ctx / GiB:.1f} GiB): raise "
+                     "engine.vllm.gpu_memory_utilization or engine.vllm.tensor_parallel_size")
+    else:
+        notes.append(f"vLLM's KV cache: {kv / GiB:.1f} GiB a GPU, {kv // per_token:,} tokens "
+                     f"({kv // per_token // ctx} rows of {ctx} at once at most; paged, so more of shorter ones)")
+    return parts, host
+
+
+def _native_engine(cfg: TrainConfig, model: ModelConfig, device: Device, cpu: CpuFacts | None,
+                   notes: list[str]) -> tuple[list[Part], list[Part]]:
+    """The native engine: its weights, a KV cache of max_len per row, the CPU kernels' packed copies."""
+    e = cfg.engine
+    stored = model.extra.get("torch_dtype") or model.extra.get("dtype") or "float32"
+    parts = engine_parts(model, e, n=cfg.rollout.n, max_new_tokens=cfg.rollout.max_new_tokens,
+                         cuda=device.kind == "gpu", cpu_tile_n=cpu.tile_n if cpu is not None and e.dtype == "float32"
+                         and e.weights == "float32" else None, stored_bytes=DTYPE_BYTES.get(stored, 4))
+    return parts, []
+
+
+# The planner's model of each engine backend.
+ENGINE_MODELS = {"native": _native_engine, "vllm": _vllm_engine}
+
+
 def _rollout(cfg: TrainConfig, model: ModelConfig, device: Device, cpu: CpuFacts | None,
              notes: list[str]) -> tuple[list[Part], list[Part]]:
     """A rollout rank's device parts and its host parts."""
     e = cfg.engine
-    host: list[Part] = []
     if e.max_len > model.max_position_embeddings:
         notes.append(f"engine.max_len={e.max_len} is capped at the model's {model.max_position_embeddings} positions "
                      "(config.json's max_position_embeddings): the engine and the plan use that")
-    if e.backend == "vllm":
-        parts, host, kv = vllm_parts(model, e, device_bytes=device.bytes)
-        per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * DTYPE_BYTES[e.dtype]
-        per_token //= e.vllm.tensor_parallel_size
-        ctx = min(e.max_len, model.max_position_embeddings)
-        if kv < per_token * ctx:
-            notes.append(f"does not fit: vLLM's share leaves {kv / GiB:.1f} GiB of KV cache on each GPU, less than one "
-                         f"row of engine.max_len={ctx} tokens ({per_token * ctx / GiB:.1f} GiB): raise "
-                         "engine.vllm.gpu_memory_utilization or engine.vllm.tensor_parallel_size")
-        else:
-            notes.append(f"vLLM's KV cache: {kv / GiB:.1f} GiB a GPU, {kv // per_token:,} tokens "
-                         f"({kv // per_token // ctx} rows of {ctx} at once at most; paged, so more of shorter ones)")
-    else:
-        stored = model.extra.get("torch_dtype") or model.extra.get("dtype") or "float32"
-        parts = engine_parts(model, e, n=cfg.rollout.n, max_new_tokens=cfg.rollout.max_new_tokens,
-                             cuda=device.kind == "gpu", cpu_tile_n=cpu.tile_n if cpu is not None and e.dtype == "float32"
-                             and e.weights == "float32" else None, stored_bytes=DTYPE_BYTES.get(stored, 4))
+    parts, host = ENGINE_MODELS[e.backend](cfg, model, device, cpu, notes)
     learned = e.spec.drafter_spec.learned if e.spec.enabled else None
     if cfg.spot.enabled and cfg.spot.mode == "colocated" and learned is not None:
         parts += spot_trainer_parts(model, cfg.spot, learned, DTYPE_BYTES[e.dtype])
