@@ -175,8 +175,11 @@ def _node_checks(cfg: TrainConfig, missing: list[str]) -> list[Check]:
 
 
 def port_free(port: int) -> bool:
-    """Whether this host can listen on `port` (on every address, as the rendezvous's store does)."""
+    """Whether this host can listen on `port` (on every address, as the rendezvous's store does). With
+    SO_REUSEADDR, as the store binds: a requeued job's port whose last connections are in TIME_WAIT is
+    free; one a process listens on is not."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", port))
         except OSError:

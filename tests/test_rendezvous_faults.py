@@ -56,3 +56,18 @@ def test_a_node_that_never_arrives_fails_the_job_after_the_rendezvous_timeout(tm
     assert "RendezvousTimeoutError" in proc.stdout + proc.stderr
     assert timeout_s <= took < timeout_s + 60, took
     assert re.search(r"--nnodes=\"\$SLURM_JOB_NUM_NODES\"", launch)
+
+
+def test_a_port_whose_last_connection_is_in_time_wait_is_free_for_a_requeued_job():
+    from launch.preflight import port_free
+
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = server.accept()
+        conn.close()  # the server side closes first: its end of the connection waits in TIME_WAIT
+        client.close()
+    assert port_free(port)
