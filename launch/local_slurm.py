@@ -28,6 +28,8 @@ from pathlib import Path
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "mungekey")
 PACKAGES = ("slurm-wlm", "munge")
+# The states of a job that has not ended yet (None: scontrol does not know it yet).
+NOT_ENDED = (None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED")
 
 
 class SlurmUnavailable(RuntimeError):
@@ -184,7 +186,7 @@ class LocalSlurm:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             info = self.job(job_id)
-            if info.get("JobState") not in (None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"):
+            if info.get("JobState") not in NOT_ENDED:
                 return info
             time.sleep(1)
         self._run(["scancel", job_id])

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from launch.config import load_config, override_args
-from launch.local_slurm import LocalSlurm, SlurmUnavailable
+from launch.local_slurm import NOT_ENDED, LocalSlurm, SlurmUnavailable
 from launch.run_config import TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -132,7 +132,7 @@ def follow(slurm: LocalSlurm, job: Job, timeout_s: float, echo: bool = True,
                     print(f"  | {line}", flush=True)
             seen = len(text)
         info = slurm.job(job.id)
-        if info.get("JobState") not in (None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"):
+        if info.get("JobState") not in NOT_ENDED:
             return info
         if until is not None and until():
             return info
