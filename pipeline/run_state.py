@@ -5,6 +5,10 @@ optimizer, per-rank RNG state), `drafter/` when the engine has a model drafter, 
 (the RL step, the data loader's position, the engine's weights version, and any component
 state such as a tuner's). Writing is collective and atomic: the actor folder first, then rank 0
 writes `state.json` last, so a folder without it is an incomplete checkpoint and is refused.
+
+A write that fails (a full disk, an I/O fault: common.atomic.WriteError) stops the run with an
+error naming the folder, the free space and the previous complete checkpoint, which no write
+touched: the run resumes from it with `trainer.resume=auto` once there is room.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.atomic import atomic_file, atomic_folder
+from common.atomic import WriteError, atomic_file, atomic_folder, storage_error, write_error
 
 STATE = "state.json"
 
@@ -44,19 +48,38 @@ def save_run(folder: Path, state: RunState, actor, drafter_net=None, *, main: bo
     """Collective: every rank calls it (the actor's save is collective). `extras`: name -> a
     function writing that subfolder atomically (rank 0, before state.json; e.g. the spot trainer's)."""
     folder = Path(folder)
-    if main:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / STATE).unlink(missing_ok=True)  # incomplete until state.json is written again
-    actor.save(folder / "actor")
-    if main:
-        if drafter_net is not None:
-            with atomic_folder(folder / "drafter") as tmp:
-                drafter_net.save(tmp)
-        for name, write in (extras or {}).items():
-            write(folder / name)
-        with atomic_file(folder / STATE) as f:
-            json.dump({"step": state.step, "loader": state.loader, "engine_version": state.engine_version,
-                       "components": state.components}, f, indent=2)
+    try:
+        if main:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / STATE).unlink(missing_ok=True)  # incomplete until state.json is written again
+        actor.save(folder / "actor")
+        if main:
+            if drafter_net is not None:
+                with atomic_folder(folder / "drafter") as tmp:
+                    drafter_net.save(tmp)
+            for name, write in (extras or {}).items():
+                write(folder / name)
+            with atomic_file(folder / STATE) as f:
+                json.dump({"step": state.step, "loader": state.loader, "engine_version": state.engine_version,
+                           "components": state.components}, f, indent=2)
+    except WriteError as e:
+        raise CheckpointWriteError(e.errno, _stopped(folder, e)) from e
+    except Exception as e:  # a rank's own file in the actor's shared folder (not written through common.atomic)
+        if (os_error := storage_error(e)) is None:
+            raise
+        raise CheckpointWriteError(os_error.errno, _stopped(folder, write_error(folder, os_error))) from e
+
+
+class CheckpointWriteError(WriteError):
+    """A run checkpoint could not be written; the message names the resume point left intact."""
+
+
+def _stopped(folder: Path, e: WriteError) -> str:
+    run_dir = folder.parent.parent
+    previous = latest_checkpoint(run_dir)
+    resume = (f"the previous checkpoint {previous} is intact: free space, then resume with run.dir={run_dir} "
+              "trainer.resume=auto" if previous else "no earlier checkpoint exists: free space and start again")
+    return f"checkpoint {folder} could not be written, the run stops: {e.strerror}; {resume}"
 
 
 def load_run(folder: str | Path) -> RunState:
