@@ -67,6 +67,7 @@ class Side:
 def trl_settings(cfg, micro_rows: int) -> dict:
     """GRPOConfig keywords for the job of TailSpec config `cfg`; ValueError naming what TRL is not given here."""
     from pipeline.actors import precision
+    from pipeline.tasks.reward_plugins import uses_math_verify
 
     a, r, t, act = cfg.algorithm, cfg.rollout, cfg.trainer, cfg.actor
     if a.name != "grpo" or a.dynamic_sampling or a.overlong_buffer:
@@ -80,9 +81,10 @@ def trl_settings(cfg, micro_rows: int) -> dict:
     if act.lr_schedule != "constant" or act.lr_warmup_steps:
         raise ValueError(f"bench.trl runs a constant learning rate: set actor.lr_schedule=constant and "
                          f"actor.lr_warmup_steps=0 (got {act.lr_schedule}, {act.lr_warmup_steps})")
-    if cfg.task.name != "math" or getattr(cfg.task, "reward", None) not in (None, "math_verify"):
+    reward = cfg.task.reward
+    if cfg.task.name != "math" or not (reward is None or (isinstance(reward, str) and uses_math_verify(cfg.task))):
         raise ValueError(f"bench.trl scores with math-verify: set task.name=math (got {cfg.task.name}) with its own "
-                         "reward")
+                         f"reward or task.reward=math_verify (got {reward})")
     rows = t.prompts_per_step * r.n
     if micro_rows < 1 or rows % micro_rows:
         raise ValueError(f"--trl-micro-rows must divide the step's {rows} rows (trainer.prompts_per_step x "
@@ -231,12 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     from bench.common import cpu_model, finish
     from launch.config import load_config
     from launch.run_config import TrainConfig
+    from pipeline.tasks.reward_plugins import math_verify_format_weight
 
     cfg = load_config(TrainConfig, args.config, args.overrides)
     settings = trl_settings(cfg, args.trl_micro_rows)
     rows = job_rows(cfg, AutoTokenizer.from_pretrained(cfg.model.path), args.steps)
     job = {"model": str(Path(cfg.model.path).resolve()), "steps": args.steps, "seed": cfg.run.seed, "rows": rows,
-           "format_weight": cfg.task.format_weight, "grpo": settings}
+           "format_weight": math_verify_format_weight(cfg.task), "grpo": settings}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO),

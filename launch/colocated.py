@@ -41,7 +41,7 @@ def build_colocated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
     for line in problems.summary:
         log(f"data: {line}")
     task, held_out = problems.task, problems.held_out
-    loader = prompt_loader(cfg, problems.train, world_size=r.world, rank=r.rank)
+    loader = prompt_loader(cfg, problems.train, world_size=r.world, rank=r.rank, log=log)
     rewards = build_rewards(cfg.task, task, log)  # before any rollout: a reward that does not load stops the build
     resources.callback(rewards.close)
     log(rewards.summary())

@@ -3,12 +3,13 @@
 `problems_for(cfg, tokenizer)`: the task, its training problems (generated, or task.file's rows)
 and the held-out set, each rendered as the run renders it (a chat run's conversation), with the
 rows a run cannot use refused by name; `prompt_loader(cfg, problems)`: the loader of the run's
-step order (trainer.prompt_order) over them. Both placements' builders (launch.colocated,
+step order (trainer.prompt_order, auto decided here and logged) over them. Both placements' builders (launch.colocated,
 launch.separated), the warm start and the benches read the same problems through these two.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from launch.run_config import TrainConfig
@@ -19,6 +20,7 @@ from pipeline.data.sets import FileSets, file_sets
 from pipeline.tasks import Problem, Task, get_task
 from pipeline.tasks.eval import EVAL_SEED
 from pipeline.tasks.math import INSTRUCTION, unreadable_answer
+from pipeline.tasks.reward_plugins import uses_math_verify
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ def _row_check(cfg: TrainConfig, tokenizer):
         raise ValueError(f"engine.max_len ({cfg.engine.max_len}) leaves no room for a prompt beside "
                          f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}): raise engine.max_len")
     chatted = _chat_form(cfg)
-    math_verify = tc.reward == "math_verify" or (tc.reward is None and tc.name == "math")  # a plug-in reads its own answers
+    math_verify = uses_math_verify(tc)  # a plug-in reads its own answers
 
     def check(problem: Problem) -> str | None:
         if problem.messages and not tc.chat:
@@ -92,18 +94,33 @@ def _row_check(cfg: TrainConfig, tokenizer):
     return check
 
 
-def prompt_loader(cfg: TrainConfig, problems: list[Problem], *, world_size: int = 1, rank: int = 0) -> PromptLoader:
-    """The run's PromptLoader over `problems` (world_size / rank: whose shard; 1 / 0: the global step).
+def prompt_loader(cfg: TrainConfig, problems: list[Problem], *, world_size: int = 1, rank: int = 0,
+                  log: Callable[[str], None] | None = None) -> PromptLoader:
+    """The run's PromptLoader over `problems` (world_size / rank: whose shard; 1 / 0: the global step);
+    `log` is told which order trainer.prompt_order chose and why.
 
-    trainer.prompt_order=stratified sizes each problem by the characters of its reference response.
+    A stratified order sizes each problem by the characters of its reference response.
     """
-    sizes = None
-    if cfg.trainer.prompt_order == "stratified":
-        bare = [p.id for p in problems if not p.response]
-        if bare:
-            raise ValueError(f"trainer.prompt_order=stratified sizes problems by their reference response, and "
-                             f"{len(bare)} of {len(problems)} have none (first: {bare[0]}; a data file's rows carry one in "
-                             "task.response_field): use trainer.prompt_order=shuffled")
-        sizes = [len(p.response) for p in problems]
+    order, why = prompt_order(cfg, problems)
+    if log is not None:
+        log(f"prompt order: {order} ({why})")
+    sizes = [len(p.response) for p in problems] if order == "stratified" else None
     return PromptLoader(problems, cfg.trainer.prompts_per_step, cfg.run.seed, world_size=world_size, rank=rank,
                         sizes=sizes)
+
+
+def prompt_order(cfg: TrainConfig, problems: list[Problem]) -> tuple[str, str]:
+    """(shuffled | stratified, why): trainer.prompt_order, with auto decided by whether every problem
+    has a reference response to size it by. ValueError for stratified over problems without one."""
+    chosen = cfg.trainer.prompt_order
+    bare = [p.id for p in problems if not p.response]
+    if chosen == "shuffled":
+        return "shuffled", "trainer.prompt_order=shuffled"
+    if not bare:
+        return "stratified", f"trainer.prompt_order={chosen}: every problem has a reference response to size it by"
+    if chosen == "auto":
+        return "shuffled", (f"trainer.prompt_order=auto: {len(bare)} of {len(problems)} problems have no reference "
+                            "response to size a stratified order by (a data file's rows carry one in task.response_field)")
+    raise ValueError(f"trainer.prompt_order=stratified sizes problems by their reference response, and "
+                     f"{len(bare)} of {len(problems)} have none (first: {bare[0]}; a data file's rows carry one in "
+                     "task.response_field): use trainer.prompt_order=shuffled (or auto, which shuffles them)")

@@ -70,7 +70,7 @@ def build_separated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
         from pipeline.actors import build_actor
         from pipeline.separated_actor import SeparatedActor
 
-        loader = prompt_loader(cfg, train_problems, world_size=K, rank=placement.actors.rank)
+        loader = prompt_loader(cfg, train_problems, world_size=K, rank=placement.actors.rank, log=log)
         actor = build_actor(cfg.actor, cfg.model.path, group=placement.actors.group)
         if (schedule := cfg.actor.schedule_summary(cfg.trainer.steps)) is not None:
             log(schedule)
@@ -89,7 +89,7 @@ def build_separated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
     else:
         from pipeline.separated_rollout import SeparatedRollout
 
-        loader = prompt_loader(cfg, train_problems)  # the whole global step
+        loader = prompt_loader(cfg, train_problems, log=log)  # the whole global step
         rewards = build_rewards(cfg.task, task, log)  # before any rollout: a reward that does not load stops the build
         resources.callback(rewards.close)
         log(rewards.summary())

@@ -9,6 +9,7 @@ section's `validate()` checks its own keys, raising ValueError naming the key.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,7 +28,7 @@ class TaskSection:
     prompt_field: str = "prompt"
     answer_field: str = "answer"
     id_field: str | None = "id"  # a row without it (or null here) gets a hash of its prompt as its id
-    response_field: str | None = None  # a worked solution, if the rows have one (trainer.prompt_order=stratified)
+    response_field: str | None = None  # a worked solution, if the rows have one (trainer.prompt_order=stratified / auto)
     max_bad_share: float = 0.01  # stop when more rows than this share are malformed (each is logged as file:line)
     # The held-out set: a file of its own (the same fields), or this share of task.file held out by
     # a hash of each id (the same on every run and rank, never trained on). null: 0.05 for a file
@@ -42,11 +43,17 @@ class TaskSection:
     # rendered as given, without the instruction.
     system_prompt: str | None = None
     instruction: str | None = None
-    format_weight: float = 0.0  # training reward bonus for a \boxed{} answer (math-verify tasks); eval scores correctness
     # The training reward (pipeline.tasks.reward_plugins): null, the task's own (run in this process);
-    # math_verify, exact, path/to/file.py:function or package.module:function, each called as
-    # fn(prompt, response, answer, extra) -> float | {"score": float, <metric>: float, ...}.
-    reward: str | None = None
+    # math_verify (math_verify(format_weight=0.2): + 0.2 for a \boxed{} answer in training; held-out
+    # accuracy scores correctness only), exact, path/to/file.py:function or package.module:function
+    # (written fn(prompt, response, answer, extra), as verl's compute_score(data_source, solution_str,
+    # ground_truth, extra_info) or as TRL's reward_func(prompts, completions, **kwargs)), or a list of
+    # them summed with task.reward_weights (TRL's reward_weights; null: each 1).
+    reward: str | list[str] | None = None
+    reward_weights: list[float] | None = None
+    # The former spelling of math_verify's bonus: read as task.reward=math_verify(format_weight=W) where
+    # math-verify is the reward, ignored (with a warning) beside another reward; null: not given.
+    format_weight: float | None = None
     reward_workers: int = 2  # worker processes a named reward runs in; 0: this process, without timeouts
     reward_timeout_s: float = 10.0  # a call running longer is abandoned (its worker replaced) and scores 0
     # A rank's step whose failed reward calls (raised or timed out: each scores 0, counted in
@@ -66,9 +73,8 @@ class TaskSection:
             raise ValueError("task.eval_problems and task.train_problems must be >= 1")
         if (self.max_digits is not None or self.tail is not None) and (self.name != "arith" or self.file):
             raise ValueError("task.max_digits / task.tail shape the arith generator only (task.name=arith, no task.file)")
-        if self.format_weight < 0:
-            raise ValueError(f"task.format_weight must be >= 0, got {self.format_weight}")
-        check_reward_name(self.reward)
+        self._migrate_format_weight()
+        check_reward_name(self.reward, self.reward_weights)
         if self.reward_workers < 0:
             raise ValueError(f"task.reward_workers must be >= 0 (0: the reward runs in the trainer's process), got "
                              f"{self.reward_workers}")
@@ -93,6 +99,31 @@ class TaskSection:
         if self.instruction is not None and self.instruction.count("{prompt}") != 1:
             raise ValueError(f"task.instruction must hold {{prompt}} exactly once (where the question goes), got "
                              f"{self.instruction!r}")
+
+    def _migrate_format_weight(self) -> None:
+        """task.format_weight=W becomes task.reward=math_verify(format_weight=W) where math-verify is the
+        reward (task.reward math_verify, or null on a math-verify task); beside another reward it is
+        math-verify's option of a reward the run does not use, so it is dropped with a warning."""
+        weight, self.format_weight = self.format_weight, None
+        if weight is None:
+            return
+        if weight < 0:
+            raise ValueError(f"task.format_weight must be >= 0, got {weight} (write task.reward=math_verify(format_weight=W))")
+        math_task = self.name == "math" or bool(self.file)
+        if self.reward == "math_verify" or (self.reward is None and math_task):
+            if weight > 0:
+                self.reward = f"math_verify(format_weight={weight:g})"
+                warnings.warn(f"task.format_weight={weight:g} is read as task.reward={self.reward}; write that instead",
+                              FutureWarning, stacklevel=2)
+            return
+        if weight > 0:
+            if self.reward is None:
+                raise ValueError(f"task.format_weight is math-verify's bonus for a \\boxed{{}} answer, and the {self.name} "
+                                 "task's own reward is not math-verify: drop task.format_weight, or set "
+                                 f"task.reward=math_verify(format_weight={weight:g})")
+            warnings.warn(f"task.format_weight={weight:g} is ignored: it is math-verify's bonus for a \\boxed{{}} answer, "
+                          f"and task.reward={self.reward} is another reward (drop task.format_weight; with math-verify "
+                          f"write task.reward=math_verify(format_weight={weight:g}))", UserWarning, stacklevel=2)
 
     @property
     def held_out_share(self) -> float:
@@ -168,7 +199,9 @@ class TrainerSection:
     # Which problems share a step (pipeline.data): shuffled epochs, or stratified ones where every
     # step takes one problem of each size stratum, a problem's size being the length of its reference
     # response, so every step has the whole set's spread of lengths (its longest from the top stratum).
-    prompt_order: Literal["shuffled", "stratified"] = "shuffled"
+    # auto: stratified where every training problem has a reference response (generated tasks, a file
+    # with task.response_field), else shuffled; the run's log says which (launch.problems).
+    prompt_order: Literal["auto", "shuffled", "stratified"] = "shuffled"
     # Rows whose advantage is 0 on every token (a GRPO / RLOO group whose rewards are all equal)
     # give the policy loss no gradient when algorithm.kl_coef is 0: the update's forward and
     # backward leave them out (the loss weights still count them, so the step's gradient is the

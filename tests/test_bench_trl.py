@@ -39,7 +39,7 @@ def test_the_smollm2_job_becomes_grpoconfig_keywords_of_the_same_settings():
     (["trainer.mini_batches=2"], "trainer.mini_batches"),
     (["algorithm.name=rloo"], "algorithm.name"),
     (["actor.lr_schedule=cosine"], "actor.lr_schedule"),
-    (["task.name=mult", "task.chat=false", "task.format_weight=0"], "task.name"),
+    (["task.name=mult", "task.chat=false"], "task.name"),
 ])
 def test_what_the_bench_does_not_give_trl_is_refused_naming_the_key(overrides, key):
     with pytest.raises(ValueError, match=key):

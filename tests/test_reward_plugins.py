@@ -22,7 +22,8 @@ ROW = RewardRow(prompt_id="gsm8k-17", sample=2, prompt="2+2?", response="4", ans
 
 
 def task_cfg(**kw) -> SimpleNamespace:
-    return SimpleNamespace(**{"reward": None, "format_weight": 0.0, "file": None, **kw})
+    return SimpleNamespace(**{"reward": None, "reward_weights": None, "name": "arith", "answer_field": "answer",
+                              "chat": False, "file": None, **kw})
 
 
 def write(path: Path, code: str) -> Path:
@@ -70,8 +71,9 @@ def test_a_pickled_plugin_carries_its_name_not_its_code(tmp_path):
     ("def other(prompt, response, answer, extra):\n    return 0\n", "{file}:score",
      r"task.reward=.*r.py:score: .*r.py has no 'score' \(its functions: other\)"),
     ("def score(response, answer):\n    return 0\n", "{file}:score",
-     r"task.reward=.*: score\(response, answer\) cannot be called as score\(prompt, response, answer, extra\).*"
-     r"define def score\(prompt: str, response: str, answer: str, extra: Mapping\[str, Any\]\)"),
+     r"task.reward=.*: score\(response, answer\) fits no reward convention .*expected def score\(prompt, response, "
+     r"answer, extra\).*; or def score\(data_source, solution_str, ground_truth, extra_info=None\).*; or "
+     r"def score\(prompts, completions, \*\*kwargs\)"),
     ("async def score(prompt, response, answer, extra):\n    return 0\n", "{file}:score",
      r"task.reward=.*: score is async; a reward is a plain function"),
     ("score = 3\n", "{file}:score", r"task.reward=.*: score is a int, not a function"),
@@ -89,7 +91,7 @@ def test_a_reward_that_does_not_load_is_a_value_error_naming_task_reward(tmp_pat
 
 @pytest.mark.parametrize("value", ["mathverify", "score.py", "file.py:9lives", ":score", "file.py:not an identifier"])
 def test_a_malformed_task_reward_is_refused_when_the_config_loads(value):
-    with pytest.raises(ValueError, match=r"task.reward=.*expected null, math_verify, exact, <file.py>:<function> or"):
+    with pytest.raises(ValueError, match=r"task.reward=.*expected null, math_verify, math_verify\(format_weight=W\), exact"):
         load_config(TrainConfig, REPO / "configs" / "tiny.yaml", [f"task.reward={value}"])
 
 
@@ -104,22 +106,30 @@ def test_null_is_the_tasks_own_reward_and_the_format_bonus_stays_out_of_the_held
     train, held_out = reward_functions(task_cfg(), TASKS["mult"])
     assert isinstance(train, TaskReward) and held_out is train and train.fn is TASKS["mult"].reward
     assert train("p", "1*2\n#### 2", "2", {}) == 1.0
-    train, held_out = reward_functions(task_cfg(format_weight=0.2), TASKS["math"])
+    train, held_out = reward_functions(task_cfg(reward="math_verify(format_weight=0.2)"), TASKS["math"])
     assert train("p", "\\boxed{7}", "7", {})["score"] == pytest.approx(1.2)
-    assert held_out("p", "\\boxed{7}", "7", {}) == 1.0  # the task's own: correctness
-    with pytest.raises(ValueError, match="task.format_weight needs a math-verify task"):
-        reward_functions(task_cfg(format_weight=0.2), TASKS["arith"])
+    assert held_out("p", "\\boxed{7}", "7", {})["score"] == 1.0  # correctness only
 
 
 def test_named_built_ins_score_correctness_held_out_and_report_their_parts_as_metrics():
-    train, held_out = reward_functions(task_cfg(reward="math_verify", format_weight=0.5), TASKS["arith"])
+    train, held_out = reward_functions(task_cfg(reward="math_verify(format_weight=0.5)"), TASKS["arith"])
     assert train("p", "so \\boxed{\\frac{14}{2}}", "7", {}) == {"score": 1.5, "correct": 1.0, "boxed": 1.0}
     assert held_out("p", "so \\boxed{\\frac{14}{2}}", "7", {})["score"] == 1.0
     assert (train.bounds, held_out.bounds) == ((0.0, 1.5), (0.0, 1.0))
     exact, same = reward_functions(task_cfg(reward="exact"), TASKS["arith"])
     assert same is exact and exact("p", "\\boxed{72}", "72", {}) == {"score": 1.0}
-    with pytest.raises(ValueError, match="task.format_weight is math-verify's bonus .* task.reward=exact has none"):
-        reward_functions(task_cfg(reward="exact", format_weight=0.2), TASKS["arith"])
+
+
+@pytest.mark.parametrize("value, error", [
+    ("math_verify(format_weigth=0.2)", r"'format_weigth=0.2' is not an option of math_verify \(its options: "
+                                       r"format_weight, timeout_s"),
+    ("math_verify(format_weight=-1)", r"format_weight must be >= 0, got -1.0"),
+    ("math_verify(format_weight=a lot)", r"math_verify's format_weight must be a float, got 'a lot'"),
+    ("exact(format_weight=0.2)", r"'format_weight=0.2' is not an option of exact \(its options: none"),
+])
+def test_a_built_in_rewards_bad_option_is_refused_naming_task_reward(value, error):
+    with pytest.raises(ValueError, match=r"task.reward=.*" + error):
+        load_config(TrainConfig, REPO / "configs" / "tiny.yaml", [f"task.reward={value}"])
 
 
 @pytest.mark.parametrize("value, error", [
