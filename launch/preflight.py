@@ -2,7 +2,9 @@
 
 Two moments, one table each:
 - before submission (`launch.slurm` runs it on the login node): the required settings, `sbatch`,
-  the model / drafter / dataset folders, the interpreter, free disk for checkpoints, W&B
+  the model / drafter / dataset folders, the held-out file and the reward (loaded, and scoring a
+  few rows of the data: launch.preflight_data), the interpreter, free disk for the checkpoints
+  the run keeps (trainer.keep_checkpoints), W&B
   credentials or offline mode, that the config's devices and sizes fit cluster.*, and that every
   rank role fits its GPU's memory (launch.memory's plan from the model's config.json, printed under
   the line: a role that does not fit fails the preflight, naming the part and the knob);
@@ -49,7 +51,7 @@ def _model_folder(path: str, what: str, key: str) -> Check:
     if not (p / "config.json").is_file():
         return Check(what, False, f"{key}={path}: no config.json there",
                      f"set {key} to a Hugging Face folder (config.json, *.safetensors, tokenizer) on the shared file "
-                     "system; TailSpec never downloads (fetch it once with `huggingface-cli download` where there is network)")
+                     "system; TailSpec never downloads (fetch it once with `hf download` where there is network)")
     if key == "model.path" and not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         return Check(what, False, f"{path} has no tokenizer", f"save the model's tokenizer into {path}")
     return Check(what, True, str(p.resolve()))
@@ -76,12 +78,26 @@ def _disk(cfg: TrainConfig) -> Check:
     if cfg.cluster.min_free_disk_gb:
         need, how = cfg.cluster.min_free_disk_gb * GB, "cluster.min_free_disk_gb"
     elif (Path(cfg.model.path) / "config.json").is_file():
-        need, how = 2 * checkpoint_bytes(cfg), "two checkpoints of this model and optimizer"
+        kept, why = checkpoints_kept(cfg)
+        need, how = kept * checkpoint_bytes(cfg), f"{kept} checkpoints of this model and optimizer: {why}"
     else:
         return Check("disk", True, f"{free / GB:.0f} GB free at {probe} (no model folder to size checkpoints by)", fatal=False)
     ok = free >= need
     return Check("disk", ok, f"{free / GB:.0f} GB free at {probe}, {need / GB:.0f} GB wanted ({how})",
-                 "" if ok else "free space, point run.out_dir at a larger file system, or lower cluster.min_free_disk_gb")
+                 "" if ok else "lower trainer.keep_checkpoints (or raise trainer.save_every), free space, point "
+                               "run.out_dir at a larger file system, or set cluster.min_free_disk_gb")
+
+
+def checkpoints_kept(cfg: TrainConfig) -> tuple[int, str]:
+    """(the most checkpoints the run holds at once, why): trainer.keep_checkpoints K, the K latest and
+    the best held-out one, each written before the oldest goes; with K = 0 every save of the run."""
+    t = cfg.trainer
+    saves = (t.steps // t.save_every if t.save_every else 0) + (not t.save_every or t.steps % t.save_every != 0)
+    if t.keep_checkpoints and t.keep_checkpoints + 2 < saves:
+        return t.keep_checkpoints + 2, (f"trainer.keep_checkpoints={t.keep_checkpoints}, + the best held-out, + the "
+                                        "next one before the oldest is removed")
+    return saves, (f"every one of the run's saves (trainer.save_every={t.save_every} over trainer.steps={t.steps}; "
+                   f"trainer.keep_checkpoints={t.keep_checkpoints})")
 
 
 def _wandb(cfg: TrainConfig) -> Check:
@@ -124,6 +140,9 @@ def submit_checks(cfg: TrainConfig, repo: Path) -> list[Check]:
     checks.append(Check("sbatch", shutil.which("sbatch") is not None, shutil.which("sbatch") or "not on PATH",
                         "submit from a Slurm login node (or `DRY_RUN=1` to only print the script)"))
     checks += _node_checks(cfg, missing)
+    from launch.preflight_data import data_checks  # it imports Check from here
+
+    checks += data_checks(cfg, missing)
     py = Path(cfg.cluster.python)
     py = py if py.is_absolute() else repo / py
     checks.append(Check("python", os.access(py, os.X_OK), str(py),

@@ -14,6 +14,7 @@ from pathlib import Path
 from engine.backend import RolloutBackend
 from launch.run_config import TrainConfig
 from pipeline.actors import Actor
+from pipeline.checkpoint_keep import retain
 from pipeline.data import PromptLoader
 from pipeline.dist import Ranks
 from pipeline.metrics import MetricsLogger
@@ -56,7 +57,8 @@ class Run:
 
     def train(self) -> dict:
         """Runs the remaining steps: eval before the first, every `trainer.eval_every` steps and at the
-        end; metrics every step; checkpoints every `trainer.save_every` steps and at the end."""
+        end; metrics every step; checkpoints every `trainer.save_every` steps and at the end, the
+        `trainer.keep_checkpoints` latest and the best held-out kept (pipeline.checkpoint_keep)."""
         cfg, r, trainer, log = self.cfg, self.ranks, self.trainer, self.log
         tc = cfg.trainer
         accuracy: dict[int, float] = {}
@@ -80,6 +82,10 @@ class Run:
                 self.logger.log(step, metrics, lengths=result.lengths)
                 if (tc.save_every and step % tc.save_every == 0) or step == tc.steps:
                     trainer.save()
+                    if r.main and tc.keep_checkpoints:
+                        for folder in retain(self.run_dir, step, accuracy.get(step), tc.keep_checkpoints):
+                            log(f"removed checkpoint {folder.name} (trainer.keep_checkpoints={tc.keep_checkpoints}: "
+                                "the latest and the best held-out stay)")
             train_s = time.perf_counter() - t0
         summary = {"run_dir": str(self.run_dir), "steps": tc.steps, "world_size": r.world, "train_seconds": round(train_s, 1),
                    "heldout_accuracy": {str(k): v for k, v in accuracy.items()}}

@@ -179,6 +179,9 @@ class TrainerSection:
     mini_batches: int = 1  # optimizer steps per PPO epoch
     eval_every: int = 5  # held-out accuracy every N steps (and before the first, after the last); 0 = only those
     save_every: int = 0  # checkpoint every N steps (and after the last); 0 = only after the last
+    # Checkpoints kept on disk: the K latest and the one of best held-out accuracy (pipeline.checkpoint_keep);
+    # 0 keeps every one. The preflight sizes the run folder's disk by it.
+    keep_checkpoints: int = 0
     # A checkpoint folder (runs/<run>/checkpoints/step-N) to continue from, or "auto": the run folder's
     # (run.dir's) latest complete checkpoint if it has one, else a fresh start (requeued Slurm jobs).
     resume: str | None = None
@@ -212,7 +215,7 @@ class TrainerSection:
         for key in ("steps", "prompts_per_step", "ppo_epochs", "mini_batches"):
             if getattr(self, key) < 1:
                 raise ValueError(f"trainer.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("eval_every", "save_every"):
+        for key in ("eval_every", "save_every", "keep_checkpoints"):
             if getattr(self, key) < 0:
                 raise ValueError(f"trainer.{key} must be >= 0, got {getattr(self, key)}")
         if self.old_logprobs == "engine" and self.async_steps:
