@@ -24,8 +24,10 @@ Parameters under the persistence threshold (norms, biases) stay whole on every r
 A checkpoint is each rank's ZeRO optimizer state (`engine.optimizer.state_dict()`: its partition
 of the float32 master weights and of Adam's moments), its RNG state and, under ZeRO-1 / 2, the
 model as a Hugging Face folder (every rank holds the whole model; ZeRO-3's weights are the master
-partitions). DeepSpeed's own `save_checkpoint` is not used: it runs barriers over the whole job.
-A checkpoint resumes on the same number of data-parallel ranks only.
+partitions, with the model's config.json and the parameter shapes in partition order that
+DeepSpeed's zero_to_fp32 joins them by: launch.export). DeepSpeed's own `save_checkpoint` is not
+used: it runs barriers over the whole job. A checkpoint resumes on the same number of
+data-parallel ranks only.
 """
 
 from __future__ import annotations
@@ -241,6 +243,9 @@ def layer_key(name: str) -> str:
     return m.group(1) if m else name
 
 
+ZERO3_SHAPES = "zero3_param_shapes.pt"  # a ZeRO-3 checkpoint's parameter names and shapes, in partition order
+
+
 def optimizer_file(rank: int) -> str:
     return f"zero_rank{rank}.pt"
 
@@ -319,6 +324,11 @@ class DeepSpeedActor:
                 # ZeRO-1 / 2 keep the parameters as views of one flat buffer: copies, so that
                 # safetensors sees separate tensors.
                 self.engine.module.save_pretrained(tmp, state_dict={n: w.clone() for n, w in self.named_weights()})
+            if self.cfg.zero_stage == 3 and self.rank == 0:
+                # what DeepSpeed's zero_to_fp32 needs to join the partitions into a model (launch.export)
+                self.engine.module.config.save_pretrained(tmp)
+                shapes = [{n: list(s) for n, s in group.items()} for group in self.engine._get_zero_param_shapes()]
+                torch.save({"param_shapes": shapes}, tmp / ZERO3_SHAPES)
             torch.save({"world": self.world, "optimizer": self.engine.optimizer.state_dict()},
                        tmp / optimizer_file(self.rank))
             save_rng(tmp, self.rank)
