@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # OpenMP workers spin briefly between ops, then sleep (engine/omp.py: the entry points' same default).
 export GOMP_SPINCOUNT ?= 10000
 
-.PHONY: setup setup-vllm test test-fast test-slurm test-vllm train train-7b train-32b train-32b-h200 rehearse-7b rehearse-32b memory train-check models pretrain-tiny bench bench-spec bench-e2e bench-spot bench-bubble bench-longtail setup-trl bench-trl drafters sim clean help
+.PHONY: setup setup-vllm test test-fast test-slurm test-vllm train train-7b train-32b train-32b-h200 rehearse-7b rehearse-32b memory train-check models pretrain-tiny bench bench-spec bench-e2e bench-spot bench-bubble bench-longtail setup-trl bench-trl drafters sim soak clean help
 
 help:
 	@echo "make setup          create .venv (CPU torch 2.13.0, project editable with test extras)"
@@ -35,6 +35,7 @@ help:
 	@echo "make bench-bubble   bubble drafts at step t+1 (pre-generated with policy t) vs autoregressive and EAGLE, over learning rates"
 	@echo "make bench-longtail one long-tailed rollout: autoregressive, each tuner arm, TLT's threshold, the tuner"
 	@echo "make bench-trl      TRL's GRPOTrainer and TailSpec on the SmolLM2 GRPO job, 3 steps each, one process each (~16 min)"
+	@echo "make soak           200 RL steps of the tiny config on 2 ranks, spot training and bubble drafts on: does live RSS grow? (~30 min)"
 	@echo "make sim            project the cluster scenarios (sim/scenarios) into docs/SIMULATOR.md's figures"
 	@echo "make clean          remove the virtual environments"
 
@@ -219,6 +220,11 @@ bench-trl: setup setup-trl models
 bench-spot: setup $(TINY_READY)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 -m bench.spot --config configs/tiny.yaml --steps 20 \
 		--plot docs/figures/spot_accept.png engine.spec.max_active_batch=null
+
+# Long-run memory (not in CI): live RSS per rank per step, its growth fitted after step 20; exits 1 above 1 MB a step.
+soak: setup $(TINY_READY)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 -m bench.soak --config configs/tiny.yaml --steps 200 --warmup 20 \
+		--max-growth-mb 1 $(ARGS)
 
 sim: setup
 	for s in 7b 32b 235b_moe; do $(PY) -m sim.run --scenario sim/scenarios/$$s.yaml --out docs/sim --checks || exit 1; done

@@ -56,6 +56,7 @@ from pipeline.data import PromptLoader
 from pipeline.dist import Ranks, all_sum, gather_floats, gather_objects, job_store
 from pipeline.hooks import StepHook, hook_metrics
 from pipeline.learner import Learner
+from pipeline.metrics.live_memory import live_rss_bytes, rss_metrics
 from pipeline.rollouts import ScoredRollouts, StepSampling, held_out_accuracy
 from pipeline.run_state import RunState, checkpoint_dir, save_run
 from pipeline.schedule import RolloutSchedule
@@ -218,7 +219,9 @@ class Trainer:
         m.update(rollout_metrics(reports))
         rewards = scored.rewards[scored.trained]
         m["reward/std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
-        peaks = [row[0] for row in gather_floats(self.r, [peak_rss_gb()])]  # by rank
+        memory = gather_floats(self.r, [peak_rss_gb(), live_rss_bytes() / 1e9])  # by rank: peak, live
+        peaks = [row[0] for row in memory]
+        m.update(rss_metrics([row[1] for row in memory]))
         m["memory/peak_rss_gb"] = max(peaks)  # the rank nearest to running out
         m.update({f"memory/peak_rss_gb/rank{rank}": gb for rank, gb in enumerate(peaks)})
         return m

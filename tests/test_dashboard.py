@@ -19,7 +19,7 @@ from pipeline.metrics.sinks import ConsoleSink, JsonlSink
 from pipeline.metrics.summary import summary_lines
 
 PANELS = ["Reward and held-out accuracy", "Response length percentiles", "Response lengths", "Rollout throughput",
-          "Step time split", "Speculation", "Idle share per rank"]
+          "Step time split", "Speculation", "Idle share per rank", "Live memory per rank"]
 RATIO_PANEL = "Step-time ratio: reference / this run"
 
 

@@ -4,7 +4,8 @@ Panels: mean reward (with its std band) and held-out accuracy over steps; the re
 percentiles (p50, p90, max) per step, on a log scale when the tail is ten times the median or
 more; the response-length distribution of the first and last quarter of the steps; rollout
 throughput; the step time split into rollout / idle / log-prob / update / sync / other; accept
-length and rate; each rank's idle share. A panel whose metrics the run did not log says so
+length and rate; each rank's idle share; each rank's live resident memory (`mem/rss_gb/rank{r}`,
+pipeline.metrics.live_memory) with its growth a step after the first fifth of the steps. A panel whose metrics the run did not log says so
 instead. When the run is compared with a reference run (pipeline.metrics.comparison: given, or
 the folder's comparison.json) a further panel shows the step-time ratio per step (reference /
 this run) and its mean; without a comparison there is no such panel.
@@ -31,6 +32,7 @@ from common.atomic import atomic_write
 from pipeline.metrics.comparison import Comparison, compare_runs, read_comparison
 from pipeline.metrics.history import TIME_SPLIT, RunHistory, load_history
 from pipeline.metrics.lengths import PERCENTILES, length_metric
+from pipeline.metrics.live_memory import MIN_FIT_STEPS, RSS_KEY, growth_per_step
 from pipeline.metrics.summary import write_summary
 
 DASHBOARD_FILE = "dashboard.png"
@@ -196,6 +198,23 @@ def _throughput(ax: Axes, h: RunHistory) -> None:
     ax.set_ylim(bottom=0)
 
 
+def _live_memory(ax: Axes, h: RunHistory) -> None:
+    ax.set_title("Live memory per rank")
+    ranks = h.ranks(RSS_KEY)
+    if not ranks:
+        return _no_data(ax, f"{RSS_KEY}/rank<r>")
+    for rank in ranks:
+        steps, gb = h.series(f"{RSS_KEY}/rank{rank}")
+        warmup = steps[len(steps) // 5]  # the fit leaves out the first fifth: arenas and caches fill in
+        fits = sum(s > warmup for s in steps) >= MIN_FIT_STEPS
+        growth = f", {growth_per_step(steps, gb, warmup) * 1e3:+.2f} MB/step after step {warmup}" if fits else ""
+        ax.plot(steps, gb, label=f"rank {rank}{growth}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("resident GB")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="lower right", fontsize=8)
+
+
 def _step_ratio(ax: Axes, c: Comparison) -> None:
     ax.set_title("Step-time ratio: reference / this run")
     ax.plot(c.steps, c.step_ratios, "o-", color="#55A868", markersize=3, label=f"vs {Path(c.reference_run).name}")
@@ -209,7 +228,7 @@ def _step_ratio(ax: Axes, c: Comparison) -> None:
     ax.legend(loc="upper left", fontsize=8)
 
 
-PANELS = (_reward, _length_percentiles, _lengths, _throughput, _time_split, _speculation, _idle)
+PANELS = (_reward, _length_percentiles, _lengths, _throughput, _time_split, _speculation, _idle, _live_memory)
 COMPARISON_AT = 5  # the step-ratio panel's place: beside the step time split
 
 
@@ -217,10 +236,11 @@ def dashboard_figure(history: RunHistory, title: str, comparison: Comparison | N
     panels: list[tuple[Callable, RunHistory | Comparison]] = [(panel, history) for panel in PANELS]
     if comparison is not None:
         panels.insert(COMPARISON_AT, (_step_ratio, comparison))
-    fig = Figure(figsize=(20, 8.4), dpi=90, layout="constrained")
+    rows = -(-len(panels) // 4)
+    fig = Figure(figsize=(20, 4.2 * rows), dpi=90, layout="constrained")
     trained = sum(1 for row in history.rows.values() if "timing/step" in row)  # step 0 holds the first eval only
     fig.suptitle(f"{title}: {trained} steps", fontsize=13)
-    axes = list(fig.subplots(2, 4).flat)
+    axes = list(fig.subplots(rows, 4).flat)
     for (panel, data), ax in zip(panels, axes):
         panel(ax, data)
         ax.grid(alpha=0.25)
