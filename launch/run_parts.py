@@ -18,6 +18,7 @@ from pipeline.checkpoint_keep import retain
 from pipeline.data import PromptLoader
 from pipeline.dist import Ranks
 from pipeline.metrics import MetricsLogger
+from pipeline.metrics.device_memory import cuda_memory_metrics
 from pipeline.records_log import log_step, truncate_after
 from pipeline.run_state import RunState, load_run
 from pipeline.tasks import Problem, Task
@@ -74,7 +75,7 @@ class Run:
                 step = trainer.step_index
                 log_step(self.run_dir, step, r.rank, result.decode_steps, result.rollouts)
                 log(f"step {step}: peak RSS {peak_rss_gb():.2f} GB on rank {r.rank}")
-                metrics = result.metrics
+                metrics = result.metrics | cuda_memory_metrics(r)
                 if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
                     acc = trainer.evaluate()
                     if acc is not None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -245,3 +246,31 @@ def test_summary_counts_the_steps_whose_longest_response_is_8x_their_median(tmp_
     assert summary_lines(load_history(tmp_path))[-1] == (
         "response length: median 15 tokens; a step's longest over its median: least 2.8x, median 5.9x, most 9.0x "
         "(>= 8x in 1 of 2 steps)")
+
+
+def test_a_run_folder_logs_to_one_wandb_run_id_across_starts_with_system_stats_as_configured(tmp_path, monkeypatch):
+    import wandb
+
+    from pipeline.metrics.sinks import WandbSink, wandb_run_id
+
+    calls = []
+    monkeypatch.setattr(wandb, "init", lambda **kw: calls.append(kw) or SimpleNamespace(finish=lambda: None))
+    first = WandbSink(tmp_path / "run", project="p", run_name="r", config=None, mode="offline")
+    again = WandbSink(tmp_path / "run", project="p", run_name="r", config=None, mode="offline", system_stats=False)
+    other = WandbSink(tmp_path / "other", project="p", run_name="r", config=None, mode="offline")
+    assert first.run_id == again.run_id == wandb_run_id(tmp_path / "run") != other.run_id
+    assert first.run_id.startswith("run-") and {c["resume"] for c in calls} == {"allow"}
+    assert [c["settings"].x_disable_stats for c in calls] == [False, True, False]
+
+
+def test_cuda_memory_is_logged_per_rank_and_as_the_largest_ranks(monkeypatch):
+    import torch
+
+    from pipeline.dist import Ranks
+    from pipeline.metrics.device_memory import cuda_memory_metrics
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cuda_memory_metrics(Ranks()) == {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3_500_000_000)
+    assert cuda_memory_metrics(Ranks()) == {"memory/cuda_max_allocated_gb": 3.5, "memory/cuda_max_allocated_gb/rank0": 3.5}

@@ -16,6 +16,9 @@ class MetricsConfig:
     # offline writes runs/<run>/wandb/offline-run-* (`wandb sync` uploads it later); online needs an
     # account (`wandb login`); the environment's WANDB_MODE, when set, wins over this.
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    # W&B's system metrics (CPU, GPU utilisation and memory, host memory) sampled by a thread in rank
+    # 0's process; the run's own memory/* metrics cover every rank either way.
+    wandb_system_stats: bool = True
     console: bool = True  # a line per step on rank 0
     dashboard: bool = True  # dashboard.png and summary.txt in the run folder at the end
 

@@ -55,7 +55,7 @@ class MetricsLogger:
         if mode != "disabled":
             factories.append(("wandb", lambda: WandbSink(
                 run_dir, project=config.wandb_project, run_name=run_name or Path(run_dir).name,
-                config=resolved_config, mode=mode)))
+                config=resolved_config, mode=mode, system_stats=config.wandb_system_stats)))
         if config.console:
             factories.append(("console", ConsoleSink))
         sinks = []

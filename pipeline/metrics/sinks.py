@@ -81,24 +81,48 @@ def resolve_wandb_mode(config_mode: str, environ: Mapping[str, str] = os.environ
     return mode
 
 
+RUN_ID_FILE = "run_id"  # in <run_dir>/wandb/: the W&B run id every start of this run folder logs to
+
+
+def wandb_run_id(run_dir: str | Path) -> str:
+    """The W&B run id of `run_dir`: made at its first start and kept in <run_dir>/wandb/run_id, so a
+    requeued or resumed job (the same run.dir) logs to the same W&B run, online or offline."""
+    import secrets
+
+    path = Path(run_dir) / "wandb" / RUN_ID_FILE
+    if path.is_file():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    run_id = f"{Path(run_dir).name[:48]}-{secrets.token_hex(4)}"
+    run_id = "".join(c if c.isalnum() or c in "-_." else "-" for c in run_id)
+    path.write_text(run_id + "\n")
+    return run_id
+
+
 class WandbSink:
-    """One W&B run whose files live in `<run_dir>/wandb/`; offline unless asked otherwise."""
+    """One W&B run whose files live in `<run_dir>/wandb/`; offline unless asked otherwise. Its id is
+    the run folder's (`wandb_run_id`), resumed when it exists: an offline run's attempts are
+    `offline-run-*-<id>` folders that `wandb sync` joins into one W&B run, in order. W&B keeps the
+    steps it already has, so steps a resumed run redoes keep their first values there (the run
+    folder's metrics.jsonl holds the redone ones). `system_stats`: W&B's sampler of CPU, GPU and
+    memory use (a thread in this process)."""
 
     name = "wandb"
 
     def __init__(self, run_dir: str | Path, *, project: str, run_name: str, config: dict[str, Any] | None,
-                 mode: str) -> None:
+                 mode: str, system_stats: bool = True) -> None:
         import wandb  # slow to import: only runs that log to W&B pay it
 
         self._wandb = wandb
         settings = wandb.Settings(
             silent=True,  # the console sink is the run's voice; W&B's banners would interleave with it
             console="off",  # do not wrap stdout / stderr
-            x_disable_stats=True,  # no system-metrics sampler thread beside the training ranks
-            x_disable_machine_info=True,
+            x_disable_stats=not system_stats,
+            x_disable_machine_info=not system_stats,
         )
+        self.run_id = wandb_run_id(run_dir)
         self._run = wandb.init(project=project, name=run_name, dir=str(run_dir), config=config or {},
-                               mode=mode, settings=settings)
+                               mode=mode, settings=settings, id=self.run_id, resume="allow")
 
     def write(self, step: int, metrics: Mapping[str, float], lengths: Sequence[int] | None) -> None:
         payload: dict[str, Any] = dict(metrics)
