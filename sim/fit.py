@@ -34,6 +34,16 @@ from sim.step import padded_tokens
 TABLE_MIN_PASSES = 5
 
 
+
+def stratified_order(run: MeasuredRun) -> bool:
+    """Whether the run's steps took a stratified prompt order: its config's trainer.prompt_order, and
+    for `auto` the order its rank 0 log says the run chose (launch.problems.prompt_loader)."""
+    order = (run.config.get("trainer") or {}).get("prompt_order")
+    if order == "auto":
+        log = run.folder / "rank0.log"
+        return log.is_file() and "prompt order: stratified (" in log.read_text()
+    return order == "stratified"
+
 def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with coefficients >= 0: refit without the columns that came out negative."""
     keep = np.ones(x.shape[1], dtype=bool)
@@ -259,7 +269,7 @@ def calibrate(run: MeasuredRun, plain: MeasuredRun | None = None) -> tuple[Scena
     # With several samples a prompt, whole groups are resampled: how alike a prompt's samples are
     # is what split groups (Techniques.split) act on.
     # A run with a stratified prompt order has every step hold its set's spread; its projection too.
-    stratified = samples > 1 and (run.config.get("trainer") or {}).get("prompt_order") == "stratified"
+    stratified = samples > 1 and stratified_order(run)
     lengths = LengthSpec(kind="empirical", path=str((run.folder / "rollouts.jsonl").resolve()),
                          max_len=max(r.length for r in run.rollouts), by_prompt=samples > 1, stratified=stratified)
     scn = Scenario(

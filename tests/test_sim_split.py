@@ -137,3 +137,11 @@ def test_the_projection_adds_split_rows_only_where_a_prompts_samples_are_alike()
     rows = {(r.devices, r.combo): r for r in project(alike)}
     assert {"split", "spec+spot+split"} <= {combo for _, combo in rows}
     assert rows[(8, "split")].rollout_speedup > 1.0
+
+
+def test_calibration_reads_the_order_an_auto_prompt_order_chose_from_the_runs_log(tmp_path):
+    for chose, stratified in (("stratified", True), ("shuffled", False)):
+        folder = make_run(tmp_path / chose, measured_scenario(2, 8))
+        (folder / "config.yaml").write_text("trainer:\n  prompt_order: auto\n")
+        (folder / "rank0.log").write_text(f"[10:00:00] prompt order: {chose} (trainer.prompt_order=auto: ...)\n")
+        assert calibrate(read_run(folder))[0].rollout.lengths.stratified == stratified
