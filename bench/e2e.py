@@ -27,7 +27,7 @@ same_weights). Over steps 2..N (step 1 pays one-time costs), it prints the CPU m
 way (step, rollout, update and idle seconds, accept length, step ratio against all-off,
 identical), then:
 
-- the step ratio all-off / as-shipped and the rollout ratio (of the generation phase: rollouts
+- the step ratio all-off / as-shipped (the mean, and the worst step's beside it) and the rollout ratio (of the generation phase: rollouts
   until every rank is done, rollout + idle);
 - R_gen, the generation phase's share of all-off's step, and its idle share (the other ranks'
   wait: the bubble spot training and bubble drafts fill);
@@ -248,6 +248,11 @@ def headline(ways: dict[str, WayTimes], identical: dict[str, bool]) -> dict:
             "ways": {name: {k: None if v is None else round(v, 4) for k, v in asdict(w).items()} for name, w in ways.items()}}
 
 
+def step_ratios(off: list[dict], way: list[dict]) -> list[float]:
+    """all-off's step seconds / the way's, step by step over steps 2..N (the same steps: the same run)."""
+    return [round(a["timing/step"] / b["timing/step"], 3) for a, b in zip(off[1:], way[1:])]
+
+
 def round_name(way: str, k: int) -> str:
     """The run folder of round k (from 0) of a way: the way's name, then `way@2`, `way@3`..."""
     return way if k == 0 else f"{way}@{k + 1}"
@@ -303,7 +308,9 @@ def report(result: dict, chosen: list[Lever]) -> None:
             f"{fmt(w['accept_len']):>6} {fmt(w['busy_share']):>5} {off / w['step_s']:>10.3f} {result['identical_ways'].get(name, '-')}")
         if w["idle_to_last_start"] is not None:
             err(f"{'':<11} idle share of rank-seconds until the last unit started: {w['idle_to_last_start']:.3f}")
-    err(f"step ratio all-off / as-shipped {result['step_ratio']:.3f}x (rollout {result['rollout_ratio']:.3f}x); all-off: "
+    err(f"step ratio all-off / as-shipped {result['step_ratio']:.3f}x, worst step {result['worst_step_ratio']:.3f}x "
+        f"(steps 2..N: {', '.join(f'{x:.3f}' for x in result['step_ratios'])}); rollout {result['rollout_ratio']:.3f}x")
+    err(f"all-off: "
         f"R_gen {result['r_gen']:.2f}, idle share {result['idle_share']:.2f}; as-shipped accept length "
         f"{fmt(result['accept_len'], '.3f')}; ceiling {result['ceiling']:.2f}x ({result['of_ceiling']:.0%} of it)")
     err(f"at the generation phase's measured ratio ({result['rollout_ratio']:.3f}x, not alpha) the same bound is "
@@ -369,7 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     times = {name: WayTimes.of(*(rows[run] for run in rounds[name])) for name in rounds}
     by_round = [round(WayTimes.of(rows[round_name("all-off", k)]).step_s / WayTimes.of(rows[round_name("as-shipped", k)]).step_s, 3)
                 for k in range(args.repeats)]
+    per_step = [x for k in range(args.repeats)
+                for x in step_ratios(rows[round_name("all-off", k)], rows[round_name("as-shipped", k)])]
     result = {**headline(times, identical), "repeats": args.repeats, "step_ratio_by_round": by_round,
+              "step_ratios": per_step, "worst_step_ratio": min(per_step),
               "skipped": {lever.name: lever.skip for lever in chosen if lever.skip},
               "notes": {lever.name: lever.note for lever in chosen if lever.note and not lever.skip},
               "steps": args.steps, "world_size": r.world, "config": args.config, "overrides": args.overrides,

@@ -67,7 +67,6 @@ class RolloutEngine(RolloutBackend):
         depth, topk, verify = spec.limits()
         self.limits = DraftShape(depth=depth, topk=topk, verify_tokens=verify, iid_children=iid)
         self.shape.check_within(self.limits)
-        self.policy: SpecPolicy = policy or self._config_policy()
         self.sink = sink
         self.max_len = min(self.cfg.max_len, model.config.max_position_embeddings)
         # Chosen once: on CUDA the decode loop's target forwards replay CUDA graphs; elsewhere they run eager.
@@ -77,6 +76,7 @@ class RolloutEngine(RolloutBackend):
         self.drafter: Drafter | None = None
         self.cache: KVCache | None = None
         self._build_cache(margin=0)
+        self.policy: SpecPolicy = policy or self._config_policy()  # after the cache: the cost tuner measures passes
         if drafter is not None:
             self.attach_drafter(drafter)
 
@@ -89,6 +89,16 @@ class RolloutEngine(RolloutBackend):
             for arm in arms:
                 if arm is not None:
                     arm.check_within(self.limits)
+            if spec.tuner == "cost" and spec.enabled:  # off: no drafter asks the policy, nothing to measure
+                from engine.spec import pass_costs
+                from engine.spec.cost_policy import CostPolicy, entries
+
+                # Measured once per host (cached): the sampler's cost with noise, as RL samples, at half
+                # the engine's context (a rollout's rows mid-way).
+                widest = max(entries(a) for a in arms if a is not None)
+                costs = pass_costs.cached(self.runtime, SamplingParams(temperature=1.0), self.cfg.max_batch, widest,
+                                          context=max(1, min(self.max_len // 2, self.max_len - widest - 1)))
+                return CostPolicy(arms, costs, epsilon=spec.tuner_epsilon)
             return TunerPolicy(arms, spec.tuner_buckets, epsilon=spec.tuner_epsilon, window=spec.tuner_window,
                                explore_within=spec.tuner_explore_within)
         if spec.max_active_batch is not None:

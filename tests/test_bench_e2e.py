@@ -127,6 +127,12 @@ def small(char_model_dir, char_drafter_dir, task: str) -> list[str]:
             "engine.spec.max_active_batch=null", "engine.spec.tuner_arms=[]"]
 
 
+def test_step_ratios_pair_the_same_steps_and_leave_out_step_1():
+    off = [{"timing/step": 9.0}, {"timing/step": 4.0}, {"timing/step": 6.0}]
+    way = [{"timing/step": 3.0}, {"timing/step": 2.0}, {"timing/step": 8.0}]
+    assert e2e.step_ratios(off, way) == [2.0, 0.75]
+
+
 @pytest.mark.slow
 def test_every_lever_alone_and_as_shipped_is_the_all_off_run_and_the_json_says_so(char_model_dir, char_drafter_dir, tmp_path,
                                                                                    capsys, monkeypatch):
@@ -163,7 +169,9 @@ def test_repeated_rounds_are_each_the_all_off_run_and_report_the_ratio_of_every_
     assert out["identical_ways"] == {"all-off": True, "as-shipped": True, "spec": True}  # all-off's second round too
     assert set(out["runs"]) == {"all-off", "as-shipped", "spec", "all-off@2", "as-shipped@2", "spec@2"}
     assert out["repeats"] == 2 and len(out["step_ratio_by_round"]) == 2 and all(x > 0 for x in out["step_ratio_by_round"])
-    assert "by round" in captured.err
+    assert len(out["step_ratios"]) == 2  # step 2 of each round
+    assert out["worst_step_ratio"] == min(out["step_ratios"])
+    assert "by round" in captured.err and "worst step" in captured.err
 
 
 @pytest.mark.slow

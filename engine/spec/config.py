@@ -38,8 +38,12 @@ class SpecConfig:
     verify: Literal["coupled", "rejection"] = "coupled"
     # Speculate only while at most this many rows are active (the long tail); None: every step.
     max_active_batch: int | None = None
-    # The BEG-MAB tuner (engine.spec.tuner): arms like ["off", "d4k1v4", "d16k1v16"]; empty: no tuner.
+    # The tuner: arms like ["off", "d4k1v4", "d16k1v16"]; empty: no tuner.
     tuner_arms: list[str] = field(default_factory=list)
+    # Which tuner chooses among them: bandit (BEG-MAB, engine.spec.tuner: learns each arm's tokens/s
+    # per batch-size bucket by pulling it), or cost (engine.spec.cost_policy: this machine's measured
+    # pass costs and the live acceptance; an arm runs only where it is predicted faster than off).
+    tuner: Literal["bandit", "cost"] = "bandit"
     tuner_buckets: list[int] = field(default_factory=lambda: [1, 2, 5, 21])  # TLT's thresholds
     tuner_epsilon: float = 0.1
     tuner_window: int = 300
@@ -94,6 +98,11 @@ class SpecConfig:
                 parse_arm(label)
             Bandit(len(self.tuner_arms), self.tuner_buckets, epsilon=self.tuner_epsilon, window=self.tuner_window,
                    explore_within=self.tuner_explore_within)
+        if self.tuner not in ("bandit", "cost"):
+            raise ValueError(f"engine.spec.tuner must be bandit or cost, got {self.tuner!r}")
+        if self.tuner == "cost" and not [a for a in self.tuner_arms if a != "off"]:
+            raise ValueError("engine.spec.tuner=cost chooses among engine.spec.tuner_arms: give it at least one draft "
+                             "shape, e.g. tuner_arms: [\"off\", \"d2k1v2\", \"d4k1v4\"]")
         for key in ("history_max_prompts", "history_max_tokens", "history_max_responses", "history_max_candidates",
                     "long_row_tokens"):
             if getattr(self, key) < 1:
