@@ -137,7 +137,8 @@ def test_preflight_names_missing_folders_credentials_and_device_mismatches(tmp_p
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
     cfg = load_config(TrainConfig, REPO / "configs/7b.yaml", [f"model.path={tmp_path / 'nope'}", f"task.file={tmp_path / 'x.jsonl'}",
-                                                              f"engine.spec.drafter_path={tmp_path}", "engine.device=cpu"])
+                                                              f"engine.spec.drafter_path={tmp_path}", "engine.device=cpu",
+                                                              "metrics.wandb_mode=online"])
     checks = by_name(submit_checks(cfg, REPO))
     assert checks["settings"].ok
     assert checks["model"].failed and "no config.json" in checks["model"].detail and "never downloads" in checks["model"].fix
