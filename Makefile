@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # OpenMP workers spin briefly between ops, then sleep (engine/omp.py: the entry points' same default).
 export GOMP_SPINCOUNT ?= 10000
 
-.PHONY: setup setup-vllm test test-fast test-slurm test-vllm train train-7b train-32b train-32b-h200 rehearse-7b rehearse-32b memory train-check models pretrain-tiny bench bench-spec bench-e2e bench-spot bench-bubble bench-longtail setup-trl bench-trl drafters sim soak clean help
+.PHONY: setup setup-vllm test test-fast test-slurm test-vllm train train-7b train-32b train-32b-h200 rehearse-7b rehearse-32b memory train-check models pretrain-tiny bench bench-spec bench-e2e bench-e2e-gsm8k bench-spot bench-bubble bench-longtail setup-trl bench-trl drafters sim soak clean help
 
 help:
 	@echo "make setup          create .venv (CPU torch 2.13.0, project editable with test extras)"
@@ -31,6 +31,7 @@ help:
 	@echo "make bench          engine benchmark on SmolLM2 against transformers generate"
 	@echo "make bench-spec     speculative vs autoregressive on the tiny model and SmolLM2"
 	@echo "make bench-e2e      the headline: RL steps all-off vs as shipped vs each lever alone, 2 ranks (identical runs, step ratio)"
+	@echo "make bench-e2e-gsm8k the real-model headline: the SmolLM2 GSM8K recipe all-off vs as shipped, 2 ranks (~20 min)"
 	@echo "make bench-spot     RL steps with spot training vs a frozen drafter on 2 ranks (free? does it follow the policy?)"
 	@echo "make bench-bubble   bubble drafts at step t+1 (pre-generated with policy t) vs autoregressive and EAGLE, over learning rates"
 	@echo "make bench-longtail one long-tailed rollout: autoregressive, each tuner arm, TLT's threshold, the tuner"
@@ -203,6 +204,22 @@ bench-spec: drafters
 bench-e2e: setup $(TINY_READY)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 -m bench.e2e --config configs/tiny.yaml --steps 6 \
 		--plot docs/figures/e2e_split.png
+
+# The real-model headline: the SmolLM2 GSM8K recipe (examples/smollm2-gsm8k-cpu) every lever off against as shipped,
+# 2 ranks, 6 steps, then where its decode time went and the bound a drafter could reach on this machine.
+# GSM8K as published (train.jsonl / test.jsonl) in GSM8K_RAW: ../shared/data/gsm8k here; elsewhere the recipe's README.
+GSM8K_RAW ?= ../shared/data/gsm8k
+data/gsm8k/test.jsonl: | setup
+	@test -f $(GSM8K_RAW)/train.jsonl || { echo "no GSM8K in $(GSM8K_RAW): download it (examples/smollm2-gsm8k-cpu/README.md, step 2) and set GSM8K_RAW"; exit 1; }
+	$(PY) -m pipeline.data.prepare --format gsm8k $(GSM8K_RAW)/train.jsonl data/gsm8k --test-share 0
+	$(PY) -m pipeline.data.prepare --format gsm8k $(GSM8K_RAW)/test.jsonl data/gsm8k-test --test-share 1
+	mv data/gsm8k-test/test.jsonl data/gsm8k/test.jsonl
+
+bench-e2e-gsm8k: models data/gsm8k/test.jsonl
+	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 -m bench.e2e --config examples/smollm2-gsm8k-cpu/config.yaml \
+		--steps 6 --levers "" --out runs/bench-e2e-gsm8k --plot docs/figures/e2e_gsm8k.png $(ARGS)
+	$(PY) -m bench.rollout_profile runs/bench-e2e-gsm8k/all-off runs/bench-e2e-gsm8k/as-shipped \
+		--model checkpoints/smollm2-135m-instruct
 
 bench-bubble: setup $(TINY_READY)
 	$(PY) -m bench.bubble --config configs/tiny.yaml --lrs 3e-5,1e-4,3e-4,1e-3 --batch1 16 --plot docs/figures/bubble_lr.png \

@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alphas", default="0.5,0.7,0.8,0.9,0.95", help="per-token acceptances the bound is given for")
     p.add_argument("--max-len", type=int, default=8, help="the longest chain the bound considers")
     p.add_argument("--max-batch", type=int, default=32, help="the engine's rows (the pass-cost table's largest)")
+    p.add_argument("--context", type=int, default=384,
+                   help="committed tokens per row while measuring: the engine's max_len / 2, as the cost tuner measures "
+                        "(384: the GSM8K recipe's; the same table is then read from the tuner's cache)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         model = load_checkpoint(args.model, torch.float32, "cpu")
         model.build_rope_table(1024)
         costs = pass_costs.cached(TargetRuntime(model), SamplingParams(temperature=1.0), args.max_batch, 1 + args.max_len,
-                                  context=256)
+                                  context=args.context)
         share = r_gen(args.runs[0])
         result["r_gen"] = round(share, 3)
         result["pass_costs"] = costs.as_dict()

@@ -151,7 +151,8 @@ def cache_key(runtime, rows, entries, temperature: float, context: int) -> str:
     from engine.kernels.tuning_cache import cpu_model
 
     c = runtime.model.config
-    parts = [VERSION, cpu_model(), str(runtime.model.device), str(runtime.model.dtype), runtime.kernels, c.hidden_size,
+    parts = [VERSION, cpu_model(), str(runtime.model.device), str(runtime.model.dtype), runtime.kernels, runtime.bf16_weights,
+             runtime.bf16_products, c.hidden_size,
              c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.vocab_size,
              torch.get_num_threads(), list(rows), list(entries), temperature > 0, context, torch.__version__]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
