@@ -93,6 +93,16 @@ def engine_parts(m: ModelConfig, e: EngineConfig, *, n: int, max_new_tokens: int
         parts.append(Part("engine KV cache built twice", kv_bytes(m, e.max_batch, ctx, b), BUILD,
                           "attaching the drafter allocates the cache with its margin before the first is freed "
                           "(RolloutEngine.attach_drafter)", "engine.max_batch, engine.max_len"))
+    if spec.enabled and spec.tuner == "cost" and spec.tuner_arms:
+        from engine.spec.cost_policy import entries
+        from engine.spec.tuner import parse_arm
+
+        widest = max(entries(a) for a in map(parse_arm, spec.tuner_arms) if a is not None)
+        probe = min(ctx // 2, ctx - widest - 1) + widest + 1  # engine.spec.pass_costs.measure's private cache
+        parts.append(Part("cost tuner's pass measurement", kv_bytes(m, e.max_batch, probe, b)
+                          + 2 * e.max_batch * widest * m.vocab_size * 4, BUILD,
+                          f"a KV cache of {e.max_batch} rows x {probe} slots and a pass's logits, once per host "
+                          "(engine.spec.pass_costs; cached after)", "engine.spec.tuner"))
     if not cuda:
         parts.append(Part("checkpoint tensors while loading", p.total * stored_bytes, BUILD,
                           f"{p.total:.3g} params x {stored_bytes} B read beside the model (engine.checkpoint)"))

@@ -204,3 +204,19 @@ def test_the_planners_zero3_live_parameters_are_the_actors_setting():
     from pipeline.actors.deepspeed_actor import zero3_settings
 
     assert zero3_settings(576)["stage3_max_live_parameters"] == ZERO3_MAX_LIVE_PARAMETERS
+
+
+def test_the_cost_tuners_one_time_measurement_is_planned_at_build():
+    """engine.spec.tuner=cost measures passes on a private KV cache of max_batch rows: the build phase holds it."""
+    from engine.config import EngineConfig
+    from engine.spec.config import SpecConfig
+    from launch.memory_engine import engine_parts
+
+    from tests.conftest import hf_config
+
+    m = ModelConfig.from_hf(hf_config("llama").to_dict())
+    spec = dict(enabled=True, drafter="ngram", tuner_arms=["off", "d2k1v2"], max_depth=6, max_verify_tokens=6)
+    names = lambda tuner: [p.name for p in engine_parts(m, EngineConfig(max_batch=8, max_len=64, spec=SpecConfig(**spec, tuner=tuner)),  # noqa: E731
+                                                        n=4, max_new_tokens=32, cuda=False, cpu_tile_n=None)]
+    assert "cost tuner's pass measurement" in names("cost")
+    assert "cost tuner's pass measurement" not in names("bandit")
