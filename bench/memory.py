@@ -34,6 +34,7 @@ BUDGETS = {"tiny": [1024, 4096, 16384], "smollm2": [512, 1024, 1536]}
 RUN = ["trainer.steps=2", "trainer.eval_every=0", "trainer.save_every=0", "task.eval_problems=1",
        "trainer.skip_zero_advantage=false", "metrics.wandb=false", "metrics.console=false", "metrics.dashboard=false"]
 SEPARATED = ["pipeline.placement=separated", "pipeline.actor_ranks=1", "trainer.train_shares=shard", "bubble.enabled=false"]
+OVERRIDES = {"colocated": [], "separated": SEPARATED}  # by --placements name
 # glibc's malloc as it comes, and with a fixed mmap threshold: every freed block over 64 KiB goes back to
 # the OS at once, so the resident peak is the live tensors' (the plan's count) without the heap's holes.
 # The default's dynamic threshold rises to 32 MiB, keeping freed activations of up to that size in the
@@ -102,10 +103,10 @@ def cases(configs: list[str], placements: list[str], out: Path) -> list[dict]:
         else:
             raise ValueError(f"--configs: unknown config {name!r} (tiny, smollm2)")
         for placement in placements:
-            if placement not in ("colocated", "separated"):
-                raise ValueError(f"--placements: unknown placement {placement!r} (colocated, separated)")
+            if placement not in OVERRIDES:
+                raise ValueError(f"--placements: unknown placement {placement!r} ({', '.join(OVERRIDES)})")
             for budget in BUDGETS[name]:
-                extra = [*RUN, f"actor.micro_batch_tokens={budget}", *(SEPARATED if placement == "separated" else [])]
+                extra = [*RUN, f"actor.micro_batch_tokens={budget}", *OVERRIDES[placement]]
                 rows.append({"config": name, "model": what, "placement": placement, "micro_batch_tokens": budget,
                              "path": base[0], "overrides": [*base[1:], *extra]})
     return rows

@@ -137,7 +137,7 @@ def plan(cfg: TrainConfig, model: ModelConfig, *, world: int, device: Device, cp
                     "a fresh rank's resident memory after its imports")] if cpu is not None else []
     if cfg.spot.enabled:
         host.append(buffer_part(cfg.spot))
-    if cfg.pipeline.placement == "colocated":
+    if not cfg.pipeline.separated:
         roles = [RoleMemory("colocated", world, runtime + actor + rollout)]
         host += _per_node(states.host_per_node, 1) + _per_node(rollout_host, min(per_node, world))
     else:

@@ -169,7 +169,7 @@ def memory_table(name: str, root: Path, run_dir: Path) -> str:
     actors, _ = cfg.pipeline.roles(cfg.cluster.world_size)
     lines = ["rank  role       planned GB  measured GB  planned / measured"]
     for rank, measured in sorted(peak_memory(run_dir).items()):
-        role = "colocated" if cfg.pipeline.placement == "colocated" else ("actor" if rank < actors else "rollout")
+        role = "colocated" if not cfg.pipeline.separated else ("actor" if rank < actors else "rollout")
         planned = roles[role].peak / 1e9 if role in roles else float("nan")
         lines.append(f"{rank:>4}  {role:<9}  {planned:10.2f}  {measured:11.2f}  {planned / measured:18.2f}")
     return "\n".join(lines)

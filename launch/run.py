@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launch.capabilities import check_capabilities
 from launch.colocated import build_colocated
 from launch.config import save_config
 from launch.run_config import TrainConfig
@@ -46,8 +45,8 @@ def run(cfg: TrainConfig, r: Ranks) -> dict:
 
 
 def build_run(cfg: TrainConfig, r: Ranks) -> Run:
-    """Every part of the run from its config on this rank (collective: every rank calls it)."""
-    check_capabilities(cfg)  # before anything is built: what the rollout backend cannot run is a config error
+    """Every part of the run from its config on this rank (collective: every rank calls it). `cfg` was
+    checked as it loaded (TrainConfig.validate, launch.capabilities)."""
     resolve_resume(cfg, r)
     run_dir = run_dir_for(cfg, r)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -61,7 +60,7 @@ def build_run(cfg: TrainConfig, r: Ranks) -> Run:
     torch.manual_seed(cfg.run.seed)
     resources = ExitStack()
     try:
-        build = build_separated if cfg.pipeline.placement == "separated" else build_colocated
+        build = build_separated if cfg.pipeline.separated else build_colocated
         return build(cfg, r, run_dir, log, resources)
     except BaseException:
         resources.close()

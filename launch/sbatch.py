@@ -76,7 +76,7 @@ def placement_lines(cfg: TrainConfig) -> list[str]:
     c, p = cfg.cluster, cfg.pipeline
     world, per_node = c.world_size, c.ranks_per_node
     actors, rollout = p.roles(world)
-    if p.placement == "colocated":
+    if not p.separated:
         return [f"# placement: colocated: all {world} ranks roll out, then train"]
     lines = [f"# placement: separated: ranks 0-{actors - 1} train (pipeline.actor_ranks={actors}), ranks "
              f"{actors}-{world - 1} roll out ({rollout} ranks)",
@@ -93,7 +93,7 @@ def placement_lines(cfg: TrainConfig) -> list[str]:
 
 def pool_agents(cfg: TrainConfig) -> bool:
     """The job starts an elastic spot pool beside the run (a separated run with spot.mode=pool)."""
-    return cfg.pipeline.placement == "separated" and cfg.spot.enabled and cfg.spot.mode == "pool"
+    return cfg.pipeline.separated and cfg.spot.enabled and cfg.spot.mode == "pool"
 
 
 def pool_start_lines(cfg: TrainConfig) -> list[str]:

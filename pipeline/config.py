@@ -231,6 +231,26 @@ class TrainerSection:
             raise ValueError(f"trainer.is_cap must be >= 1, got {self.is_cap}")
 
 
+@dataclass(frozen=True)
+class PlacementCapabilities:
+    """What a placement's loops can run, declared per placement (PLACEMENTS) as the actor and engine
+    backends declare theirs; the run's validation (launch.capabilities) reads them."""
+
+    pregenerates: bool  # a rank idles between its rollouts and its update (bubble drafts fill that wait)
+    refills: bool  # the ranks that train also roll out more rounds of a step (algorithm.dynamic_sampling)
+    balances: bool  # a step's rollouts and groups are dealt across the ranks that both make and train them
+    actor_on_every_rank: bool  # the actor trains on every rank of the job, not on a subgroup
+    actor_beside_engine: bool  # each rank that rolls out also holds the actor (its features for spot training)
+
+
+PLACEMENTS = {
+    "colocated": PlacementCapabilities(pregenerates=True, refills=True, balances=True, actor_on_every_rank=True,
+                                       actor_beside_engine=True),
+    "separated": PlacementCapabilities(pregenerates=False, refills=False, balances=False, actor_on_every_rank=False,
+                                       actor_beside_engine=False),
+}
+
+
 @dataclass(kw_only=True)
 class PipelineSection:
     """Where the run's work goes (docs/PLACEMENT.md). colocated: every rank rolls out, then trains
@@ -244,19 +264,29 @@ class PipelineSection:
     # died ends the others' waits with an error after at most this long.
     timeout_s: float = 1800.0
 
+    @property
+    def separated(self) -> bool:
+        """Whether actor ranks and rollout ranks are different processes."""
+        return self.placement == "separated"
+
+    @property
+    def caps(self) -> PlacementCapabilities:
+        """What this placement's loops can run."""
+        return PLACEMENTS[self.placement]
+
     def validate(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"pipeline.timeout_s must be > 0, got {self.timeout_s}")
-        if self.placement == "colocated" and self.actor_ranks:
+        if not self.separated and self.actor_ranks:
             raise ValueError(f"pipeline.actor_ranks={self.actor_ranks} is for pipeline.placement=separated; drop it or "
                              "set pipeline.placement=separated")
-        if self.placement == "separated" and self.actor_ranks < 1:
+        if self.separated and self.actor_ranks < 1:
             raise ValueError("pipeline.placement=separated needs pipeline.actor_ranks >= 1 (the ranks that train; the "
                              "others roll out)")
 
     def roles(self, world: int) -> tuple[int, int]:
         """(actor ranks, rollout ranks) in a job of `world` processes; colocated: every rank is both."""
-        if self.placement == "colocated":
+        if not self.separated:
             return world, world
         if self.actor_ranks >= world:
             raise ValueError(f"pipeline.actor_ranks={self.actor_ranks} leaves no rollout rank in a job of {world} "

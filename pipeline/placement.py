@@ -65,7 +65,7 @@ def build_placement(pipeline_cfg, job: Ranks, timeout_s: float = 1800.0) -> Plac
     """The placement `pipeline_cfg` (pipeline.config.PipelineSection) asks for, on this rank
     (collective in separated mode)."""
     actors, _ = pipeline_cfg.roles(job.world)
-    if pipeline_cfg.placement == "colocated":
+    if not pipeline_cfg.separated:
         return Placement.colocated(job)
     actor_ranks, rollout_ranks = tuple(range(actors)), tuple(range(actors, job.world))
     timeout = datetime.timedelta(seconds=timeout_s)

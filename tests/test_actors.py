@@ -176,7 +176,6 @@ def test_a_malformed_checkpoint_folder_gives_an_error_naming_it(model_dir, tmp_p
 
 def test_config_errors_name_the_key():
     for kw, key in [({"micro_batch_tokens": 0}, "actor.micro_batch_tokens"), ({"lr": 0.0}, "actor.lr"),
-                    ({"offload_optimizer": True}, "actor.offload_optimizer"),
                     ({"backend": "deepspeed", "offload_params": True, "zero_stage": 2}, "actor.offload_params"),
                     ({"device": "tpu"}, "actor.device"), ({"lr_schedule": "linear"}, "actor.lr_schedule"),
                     ({"lr_warmup_steps": -1}, "actor.lr_warmup_steps"), ({"lr_min_ratio": 1.5}, "actor.lr_min_ratio"),
@@ -367,9 +366,15 @@ def test_zero3_on_two_ranks_of_a_three_rank_job_trains_and_resumes_exactly_as_on
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_megatron_trains_on_every_rank_of_the_job_and_refuses_a_process_group(model_dir):
-    with pytest.raises(ValueError, match="actor.backend=megatron .* cannot train on the actor ranks"):
-        build_actor(ActorConfig(backend="megatron", device="cuda"), model_dir, group=object())
+def test_megatron_trains_on_every_rank_of_the_job_so_a_separated_run_refuses_it():
+    from launch.config import load_config
+    from launch.run_config import TrainConfig
+
+    separated = ["pipeline.placement=separated", "pipeline.actor_ranks=1", "trainer.train_shares=shard",
+                 "rollout.split_groups=false", "actor.device=cuda"]
+    with pytest.raises(ValueError, match="capability subgroup that actor.backend=megatron lacks"):
+        load_config(TrainConfig, REPO / "configs" / "tiny.yaml", [*separated, "actor.backend=megatron"])
+    load_config(TrainConfig, REPO / "configs" / "tiny.yaml", [*separated, "actor.backend=deepspeed"])
 
 
 def zero_advantage_update(model_dir, batch, skip: bool):

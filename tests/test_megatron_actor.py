@@ -138,9 +138,14 @@ def test_unsupported_models_and_weights_raise_naming_them():
 
 
 def test_megatron_backend_on_cpu_raises_naming_actor_device():
-    with pytest.raises(ValueError, match=r"actor\.device"):
-        ActorConfig(backend="megatron").validate()
-    ActorConfig(backend="megatron", device="cuda", tensor_parallel=2).validate()
+    from launch.config import load_config
+    from launch.run_config import TrainConfig
+
+    tiny = REPO / "configs" / "tiny.yaml"
+    with pytest.raises(ValueError, match=r"actor\.device=cpu .* capability cpu that actor\.backend=megatron lacks"):
+        load_config(TrainConfig, tiny, ["actor.backend=megatron", "actor.precision=float32"])
+    load_config(TrainConfig, tiny, ["actor.backend=megatron", "actor.device=cuda", "actor.tensor_parallel=2",
+                                    "actor.precision=float32"])
 
 
 def test_build_actor_without_megatron_core_says_how_to_install(monkeypatch, tmp_path):

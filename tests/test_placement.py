@@ -35,13 +35,14 @@ def test_separated_ranks_are_actors_first_then_rollouts_and_a_bad_count_names_th
         load_config(TrainConfig, REPO / "configs" / "tiny.yaml", ["pipeline.actor_ranks=2"])
 
 
-@pytest.mark.parametrize("overrides, key", [(["engine.backend=vllm"], "spot.enabled trains from the rollout engine's features"),
-                                            (["algorithm.name=dapo"], "algorithm.dynamic_sampling"),
-                                            (["actor.backend=megatron", "actor.device=cuda"], "actor.backend=megatron"),
-                                            (["rollout.work_stealing=true", "rollout.split_groups=false"], "rollout.work_stealing"),
-                                            (["rollout.long_first=true"], "rollout.long_first")])
+@pytest.mark.parametrize("overrides, key", [(["engine.backend=vllm"], ": spot.enabled trains from the rollout engine's features"),
+                                            (["algorithm.name=dapo"], ": algorithm.dynamic_sampling"),
+                                            (["actor.backend=megatron", "actor.device=cuda"],
+                                             " .* the capability subgroup that actor.backend=megatron lacks"),
+                                            (["rollout.work_stealing=true", "rollout.split_groups=false"], ": rollout.work_stealing"),
+                                            (["rollout.long_first=true"], ": rollout.long_first")])
 def test_what_separated_does_not_run_is_a_config_error_naming_the_key(overrides, key):
-    with pytest.raises(ValueError, match=f"pipeline.placement=separated: {key}"):
+    with pytest.raises(ValueError, match=f"pipeline.placement=separated{key}"):
         load_config(TrainConfig, REPO / "configs" / "tiny.yaml",
                     [*SEPARATED, "spot.enabled=true", "spot.pool_dir=pool", *overrides])
 

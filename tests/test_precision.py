@@ -10,6 +10,7 @@ from pipeline.actors import precision
 from pipeline.actors.base import ActorConfig
 from pipeline.actors.forward import forward_in, load_policy
 from pipeline.actors.head import LogprobHead
+from tests.conftest import REPO
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +91,14 @@ def test_auto_picks_bf16_mixed_only_where_the_cpu_multiplies_bf16(monkeypatch):
     assert precision.resolve(ActorConfig(precision="bf16-mixed")) == "bf16-mixed"
 
 
-@pytest.mark.parametrize("overrides", [{"backend": "deepspeed"}, {"dtype": "bfloat16", "attention": "sdpa"}])
-def test_bf16_mixed_off_the_torch_backends_float32_weights_is_refused_with_the_fix(overrides):
+def test_bf16_mixed_off_the_torch_backends_float32_weights_is_refused_with_the_fix():
+    from launch.config import load_config
+    from launch.run_config import TrainConfig
+
     with pytest.raises(ValueError, match="set actor.precision=float32"):
-        ActorConfig(precision="bf16-mixed", **overrides).validate()
+        ActorConfig(precision="bf16-mixed", dtype="bfloat16", attention="sdpa").validate()
+    with pytest.raises(ValueError, match="capability autocast that actor.backend=deepspeed lacks: set actor.precision=float32"):
+        load_config(TrainConfig, REPO / "configs" / "tiny.yaml", ["actor.backend=deepspeed", "actor.precision=bf16-mixed"])
 
 
 def test_the_torch_actor_updates_in_bf16_mixed(model_dir):

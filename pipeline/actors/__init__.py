@@ -4,22 +4,43 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.actors.base import Actor, ActorConfig, LogProbs, LossFn, having
+from pipeline.actors.base import Actor, ActorCapabilities, ActorConfig, LogProbs, LossFn
 
-__all__ = ["Actor", "ActorConfig", "LogProbs", "LossFn", "build_actor"]
+__all__ = ["ACTOR_BACKENDS", "Actor", "ActorConfig", "LogProbs", "LossFn", "actor_class", "build_actor"]
+
+ACTOR_BACKENDS = ("torch", "deepspeed", "megatron")
+
+
+def actor_class(name: str) -> type:
+    """The class of actor.backend=`name` (imported, nothing built; none imports its framework at module
+    level), whose `CAPS: ActorCapabilities` say what it can do."""
+    if name == "torch":
+        from pipeline.actors.torch_actor import TorchActor
+
+        return TorchActor
+    if name == "deepspeed":
+        from pipeline.actors.deepspeed_actor import DeepSpeedActor
+
+        return DeepSpeedActor
+    if name == "megatron":
+        from pipeline.actors.megatron_actor import MegatronActor
+
+        return MegatronActor
+    raise ValueError(f"actor.backend must be one of {', '.join(ACTOR_BACKENDS)}, got {name!r}")
+
+
+def actor_caps(name: str) -> ActorCapabilities:
+    """What actor.backend=`name` can do."""
+    return actor_class(name).CAPS
 
 
 def build_actor(cfg: ActorConfig, model_path: str | Path, group=None) -> Actor:
     """The actor of cfg.backend over the Hugging Face folder model_path (collective under torch.distributed).
 
     `group`: the data-parallel ranks (None: every rank of the job; a separated placement's actor
-    group, pipeline.placement). The torch (DDP) and deepspeed (ZeRO) backends train on a subgroup;
-    megatron trains on every rank of the job."""
+    group, pipeline.placement), for a backend whose CAPS have subgroup (launch.capabilities refuses
+    the others on a separated run)."""
     cfg.validate()
-    if group is not None and not cfg.caps.subgroup:
-        raise ValueError(f"actor.backend={cfg.backend} builds its parallel groups over every rank of the job (it lacks "
-                         "the capability subgroup), so it cannot train on the actor ranks of "
-                         f"pipeline.placement=separated: use {having('subgroup')} there, or pipeline.placement=colocated")
     if cfg.backend == "megatron":
         try:
             import megatron.core  # noqa: F401

@@ -43,25 +43,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class ActorCapabilities:
-    """What an actor backend can do, declared per backend (BACKENDS) and read before one is built."""
+    """What an actor backend can do, declared on its class (`CAPS`, as engine.backend's backends
+    declare theirs) and read before one is built (pipeline.actors.actor_class; launch.capabilities)."""
 
     offloads: bool  # optimizer states / parameters in CPU memory (actor.offload_optimizer, actor.offload_params)
     model_parallel: bool  # each layer's matrices or the layers split over ranks (actor.tensor_parallel, pipeline_parallel)
     autocast: bool  # bf16 products under autocast over float32 weights (actor.precision=bf16-mixed)
     cpu: bool  # trains on CPU (actor.device=cpu)
     subgroup: bool  # trains on a subgroup of the job's ranks (the separated placement's actor ranks)
-
-
-BACKENDS = {
-    "torch": ActorCapabilities(offloads=False, model_parallel=False, autocast=True, cpu=True, subgroup=True),
-    "deepspeed": ActorCapabilities(offloads=True, model_parallel=False, autocast=False, cpu=True, subgroup=True),
-    "megatron": ActorCapabilities(offloads=False, model_parallel=True, autocast=False, cpu=False, subgroup=False),
-}
-
-
-def having(capability: str) -> str:
-    """The actor backends that have `capability`, for messages: "actor.backend=a or b"."""
-    return "actor.backend=" + " or ".join(name for name, caps in BACKENDS.items() if getattr(caps, capability))
 
 
 @dataclass(kw_only=True)
@@ -119,13 +108,6 @@ class ActorConfig:
                      f"{horizon} < trainer.steps={steps}: raise it to stretch the curve)")
         return line
 
-    @property
-    def caps(self) -> ActorCapabilities:
-        """What actor.backend can do (ValueError naming the backends for an unknown one)."""
-        if self.backend not in BACKENDS:
-            raise ValueError(f"actor.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        return BACKENDS[self.backend]
-
     def lr_at(self, step: int, steps: int) -> float:
         """The learning rate in 0-based RL step `step` of a run of `steps` steps (lr_schedule over
         lr_schedule_steps, else `steps`)."""
@@ -133,6 +115,8 @@ class ActorConfig:
                             self.lr_min_ratio)
 
     def validate(self) -> None:
+        """The section's own values; what needs a capability of actor.backend is checked with the run's
+        other needs (launch.capabilities)."""
         if not self.lr > 0:
             raise ValueError(f"actor.lr must be > 0, got {self.lr}")
         if not all(0 <= b < 1 for b in self.betas):
@@ -156,28 +140,15 @@ class ActorConfig:
                              f"got {self.head_chunk_tokens}")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"actor.device must be 'cpu' or 'cuda', got {self.device!r}")
-        caps = self.caps
-        if (self.offload_optimizer or self.offload_params) and not caps.offloads:
-            raise ValueError(f"actor.offload_optimizer / actor.offload_params need the capability offloads, which "
-                             f"actor.backend={self.backend} lacks: use {having('offloads')}")
-        if (self.tensor_parallel, self.pipeline_parallel) != (1, 1) and not caps.model_parallel:
-            raise ValueError(f"actor.tensor_parallel / actor.pipeline_parallel need the capability model_parallel, which "
-                             f"actor.backend={self.backend} lacks: use {having('model_parallel')}; DeepSpeed ZeRO shards "
-                             "the model over data-parallel ranks instead (actor.zero_stage=3)")
         for key in ("tensor_parallel", "pipeline_parallel"):
             if getattr(self, key) < 1:
                 raise ValueError(f"actor.{key} must be >= 1, got {getattr(self, key)}")
         if self.attention == "tailspec" and (self.device != "cpu" or self.dtype != "float32"):
             raise ValueError(f"actor.attention=tailspec runs on CPU in float32 only (here actor.device={self.device}, "
                              f"actor.dtype={self.dtype}): set actor.attention=auto or sdpa")
-        if self.precision == "bf16-mixed" and not (caps.autocast and self.dtype == "float32"):
-            raise ValueError(f"actor.precision=bf16-mixed is autocast over float32 weights (the capability autocast, "
-                             f"{having('autocast')}; here actor.backend={self.backend}, actor.dtype={self.dtype}): set "
-                             "actor.precision=float32, and use DeepSpeed's or Megatron's own bf16 settings with those "
-                             "backends")
-        if not caps.cpu and not self.device.startswith("cuda"):
-            raise ValueError(f"actor.backend={self.backend} needs actor.device=cuda (it lacks the capability cpu: "
-                             f"megatron-core's forward runs on CUDA only); on CPU use {having('cpu')}")
+        if self.precision == "bf16-mixed" and self.dtype != "float32":
+            raise ValueError(f"actor.precision=bf16-mixed is autocast over float32 weights, got actor.dtype={self.dtype}: "
+                             "set actor.precision=float32, or actor.dtype=float32")
         if self.offload_params and self.zero_stage != 3:
             raise ValueError(f"actor.offload_params needs actor.zero_stage=3, got {self.zero_stage}")
 

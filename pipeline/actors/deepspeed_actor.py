@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipeline.actors.base import ActorConfig, LogProbs, LossFn
+from pipeline.actors.base import ActorCapabilities, ActorConfig, LogProbs, LossFn
 from pipeline.actors.checkpoint import collective_folder, load_rng, rank_and_world, require_files, rng_file, save_rng
 from pipeline.actors.forward import accumulate, batched_logprobs, load_policy, policy_forward
 from common.optim import param_groups, set_lr
@@ -252,6 +252,9 @@ def optimizer_file(rank: int) -> str:
 
 class DeepSpeedActor:
     """`group`: the data-parallel ranks (None: the default process group, every rank)."""
+
+    # ZeRO offloads; bf16 is DeepSpeed's own setting, not autocast over float32 weights
+    CAPS = ActorCapabilities(offloads=True, model_parallel=False, autocast=False, cpu=True, subgroup=True)
 
     def __init__(self, cfg: ActorConfig, model_path: str | Path, group=None):
         import deepspeed

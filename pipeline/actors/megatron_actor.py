@@ -46,18 +46,14 @@ import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core import parallel_state, tensor_parallel
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.transformer_config import TransformerConfig
-
 from common.optim import make_adamw, set_lr
 from engine.checkpoint import load_state_dict
-from pipeline.actors.base import ADDITIVE_METRICS, DTYPES, ActorConfig, LogProbs, LossFn
+from pipeline.actors.base import ADDITIVE_METRICS, DTYPES, ActorCapabilities, ActorConfig, LogProbs, LossFn
 from pipeline.actors.checkpoint import collective_folder, load_rng, rank_and_world, require_files, rng_file, save_rng
 from pipeline.actors.deepspeed_actor import layer_key
 from pipeline.actors.forward import accumulate, batched_logprobs, token_entropy, token_logprobs
@@ -66,9 +62,14 @@ from pipeline.actors.megatron_convert import (GPTLayout, hf_to_megatron, megatro
 from pipeline.actors.torch_actor import actor_device
 from pipeline.records import TrainBatch
 
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+
 
 def init_model_parallel(tp: int, pp: int, device: torch.device) -> None:
     """megatron's parallel_state for TP x PP (data parallel = the rest); a world-1 process group if none."""
+    from megatron.core import parallel_state
+
     if not dist.is_initialized():  # one process without torchrun: megatron still needs a process group
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -87,6 +88,8 @@ def init_model_parallel(tp: int, pp: int, device: torch.device) -> None:
 
 def seed_cuda_tracker(seed: int = 0) -> None:
     """megatron's CUDA RNG tracker, which its layers fork around dropout, without moving torch's CUDA generator."""
+    from megatron.core import tensor_parallel
+
     state = torch.cuda.get_rng_state()
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.cuda.set_rng_state(state)
@@ -98,6 +101,10 @@ def transformer_engine_available() -> bool:
 
 def build_gpt_model(hf_config, layout: GPTLayout, cfg: ActorConfig, device: torch.device) -> GPTModel:
     """An uninitialised GPTModel of the HF config's architecture, in cfg.dtype, laid out for this TP rank."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
     dtype = DTYPES[cfg.dtype]
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     config = TransformerConfig(
@@ -203,7 +210,12 @@ def gather_group_rows(tensors: list[torch.Tensor | None], group) -> tuple[list[t
 
 
 class MegatronActor:
+    # megatron-core builds its parallel groups over the whole job and runs its forward on CUDA; bf16
+    # is its own setting, not autocast over float32 weights
+    CAPS = ActorCapabilities(offloads=False, model_parallel=True, autocast=False, cpu=False, subgroup=False)
+
     def __init__(self, cfg: ActorConfig, model_path: str | Path):
+        from megatron.core import parallel_state
         from transformers import AutoConfig
 
         cfg.validate()

@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 
+from pipeline.actors import actor_caps
 from pipeline.actors.base import ActorConfig
 
 
@@ -43,7 +44,7 @@ def resolve(cfg: ActorConfig) -> str:
     """cfg.precision with `auto` decided for this machine: "float32" or "bf16-mixed"."""
     if cfg.precision != "auto":
         return cfg.precision
-    mixed = cfg.caps.autocast and cfg.device == "cpu" and cfg.dtype == "float32" and cpu_has_bf16()
+    mixed = actor_caps(cfg.backend).autocast and cfg.device == "cpu" and cfg.dtype == "float32" and cpu_has_bf16()
     return "bf16-mixed" if mixed else "float32"
 
 

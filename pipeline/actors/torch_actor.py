@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipeline.actors.base import ActorConfig, LogProbs, LossFn
+from pipeline.actors.base import ActorCapabilities, ActorConfig, LogProbs, LossFn
 from pipeline.actors.checkpoint import collective_folder, load_rng, rank_and_world, require_files, rng_file, save_rng
 from pipeline.actors.forward import accumulate, batched_logprobs, forward_in, load_policy
 from common.optim import clip_and_step, make_adamw, set_lr
@@ -33,6 +33,8 @@ def actor_device(cfg: ActorConfig) -> torch.device:
 
 class TorchActor:
     """`group`: the data-parallel ranks (None: the default process group, every rank)."""
+
+    CAPS = ActorCapabilities(offloads=False, model_parallel=False, autocast=True, cpu=True, subgroup=True)
 
     def __init__(self, cfg: ActorConfig, model_path: str | Path, group=None):
         cfg.validate()
