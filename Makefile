@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # OpenMP workers spin briefly between ops, then sleep (engine/omp.py: the entry points' same default).
 export GOMP_SPINCOUNT ?= 10000
 
-.PHONY: setup setup-vllm test test-fast test-slurm test-vllm train train-7b train-32b train-32b-h200 rehearse-7b rehearse-32b memory train-check models pretrain-tiny bench bench-spec bench-e2e bench-e2e-gsm8k bench-spot bench-bubble bench-longtail setup-trl bench-trl drafters sim soak clean help
+.PHONY: setup setup-vllm test test-fast test-slurm test-vllm train train-7b train-32b train-32b-h200 rehearse-7b rehearse-32b memory train-check models pretrain-tiny bench bench-spec bench-e2e bench-e2e-gsm8k bench-spot bench-bubble bench-longtail setup-trl bench-trl drafters sim soak chaos clean help
 
 help:
 	@echo "make setup          create .venv (CPU torch 2.13.0, project editable with test extras)"
@@ -37,6 +37,7 @@ help:
 	@echo "make bench-longtail one long-tailed rollout: autoregressive, each tuner arm, TLT's threshold, the tuner"
 	@echo "make bench-trl      TRL's GRPOTrainer and TailSpec on the SmolLM2 GRPO job, 3 steps each, one process each (~16 min)"
 	@echo "make soak           200 RL steps of the tiny config on 2 ranks, spot training and bubble drafts on: does live RSS grow? (~30 min)"
+	@echo "make chaos          50 random SIGKILLs of elastic spot-pool members over one separated run (~15 min; CHAOS_KILLS, CHAOS_SEED)"
 	@echo "make sim            project the cluster scenarios (sim/scenarios) into docs/SIMULATOR.md's figures"
 	@echo "make clean          remove the virtual environments"
 
@@ -242,6 +243,14 @@ bench-spot: setup $(TINY_READY)
 soak: setup $(TINY_READY)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 -m bench.soak --config configs/tiny.yaml --steps 200 --warmup 20 \
 		--max-growth-mb 1 $(ARGS)
+
+# Preemption chaos (not in CI): pool members (a worker, or a whole node) SIGKILLed at random over one RL run;
+# the suite runs the same test with 8 kills.
+CHAOS_KILLS ?= 50
+CHAOS_SEED ?= 0
+chaos: setup
+	TAILSPEC_CHAOS_KILLS=$(CHAOS_KILLS) TAILSPEC_CHAOS_SEED=$(CHAOS_SEED) $(PY) -m pytest -q -m slow -s tests/test_spot_chaos.py \
+		-k random_sigkills
 
 sim: setup
 	for s in 7b 32b 235b_moe; do $(PY) -m sim.run --scenario sim/scenarios/$$s.yaml --out docs/sim --checks || exit 1; done

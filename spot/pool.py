@@ -31,10 +31,14 @@ restart them: the pool loses at most the micro-step in flight.
 
 Rank 0 publishes the drafter every `publish_every` micro-steps and at the end, atomically and
 versioned: `<out>/published/v<N>/` (EagleModel.save's layout, loadable by EagleModel.load and as
-`engine.spec.drafter_path`) then `<out>/published/LATEST` naming it. N counts publications (1, 2,
-...), so it only grows across restarts; config.json records `spot_micro_steps`. Rollout ranks
-call `latest_published(out)` to see whether there is a newer drafter, and load it with
-`engine.load_drafter_weights(published_weights(path), version)`.
+`engine.spec.drafter_path`, plus `manifest.json`: each file's size and SHA-256) then
+`<out>/published/LATEST` naming it. N counts publications (1, 2, ...), so it only grows across
+restarts; config.json records `spot_micro_steps`. Rollout ranks call `latest_published(out)` to
+see whether there is a newer drafter, and load it with
+`engine.load_drafter_weights(published_weights(path), version)`, which checks the bytes it read
+against the manifest: a publication that is not whole is refused by name, never loaded. What a
+writer killed mid-write leaves (`v<N>.tmp`, `ckpt-<n>.tmp`, `.ckpt-<n>.claim`, ...) the next
+publication or checkpoint removes, so a pool preempted again and again does not fill its disk.
 
 This module knows nothing of torchrun itself (launch/spot_pool.py is the entry point) or of who
 fills the buffers and sets their gates (spot.sink, spot.separated_pool).
@@ -43,6 +47,7 @@ fills the buffers and sets their gates (spot.sink, spot.separated_pool).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -55,7 +60,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
+from safetensors.torch import load
 
 from common.atomic import atomic_folder, atomic_write
 from engine.checkpoint import load_checkpoint
@@ -71,7 +76,9 @@ if TYPE_CHECKING:  # a pipeline.dist.Ranks (rank, world, main): spot never impor
     from pipeline.dist import Ranks
 
 PUBLISHED, LATEST, CHECKPOINTS, STOP = "published", "LATEST", "checkpoints", "STOP"
+MANIFEST, WEIGHTS_FILE = "manifest.json", "model.safetensors"
 VERSION = re.compile(r"v(\d+)")
+LEFTOVER = re.compile(r"\.?(.+?)\.(?:tmp|old|claim)")  # a killed writer's temporaries (common.atomic, save_once)
 
 
 @dataclass(kw_only=True)
@@ -158,10 +165,38 @@ def latest_published(out: str | Path) -> tuple[int, Path] | None:
 
 def published_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """A published drafter's trainable weights, named for engine.load_drafter_weights (the draft
-    vocabulary is not among them: it is fixed by the warm drafter the pool started from)."""
-    state = load_file(str(Path(path) / "model.safetensors"))
+    vocabulary is not among them: it is fixed by the warm drafter the pool started from), from bytes
+    checked against its manifest (ValueError naming the folder when they differ)."""
+    state = load(checked_bytes(Path(path), WEIGHTS_FILE))
     state.pop("draft_vocab", None)
     return state
+
+
+def write_manifest(folder: Path) -> None:
+    """folder/manifest.json: the size and SHA-256 of every other file in folder."""
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+             for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+    (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+
+
+def checked_bytes(folder: Path, name: str) -> bytes:
+    """The bytes of folder/name, read once, as folder/manifest.json describes them; ValueError otherwise.
+    A missing file (a publication pruned while it is read) raises FileNotFoundError."""
+    try:
+        want = json.loads((folder / MANIFEST).read_text())["files"][name]
+    except FileNotFoundError:
+        if not folder.is_dir():
+            raise  # pruned while read
+        raise ValueError(f"published drafter {folder} has no {MANIFEST}: it is not a whole publication; load another "
+                         "version or let the pool publish again") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"published drafter {folder}: {MANIFEST} does not describe {name} ({type(e).__name__}: {e}); "
+                         "it is not a whole publication: load another version or let the pool publish again") from None
+    data = (folder / name).read_bytes()
+    if len(data) != want["bytes"] or hashlib.sha256(data).hexdigest() != want["sha256"]:
+        raise ValueError(f"published drafter {folder}: {name} is corrupt ({len(data)} bytes, {MANIFEST} says "
+                         f"{want['bytes']}, or its SHA-256 differs); load another version or let the pool publish again")
+    return data
 
 
 def publish(model: EagleModel, out: str | Path, micro_steps: int, keep: int) -> tuple[int, Path]:
@@ -172,11 +207,26 @@ def publish(model: EagleModel, out: str | Path, micro_steps: int, keep: int) -> 
     folder = pub / f"v{version}"
     with atomic_folder(folder) as tmp:
         model.save(tmp, extra={"spot_micro_steps": micro_steps})
+        write_manifest(tmp)
     atomic_write(pub / LATEST, lambda p: p.write_text(folder.name + "\n"))
     for old in pub.iterdir():
         if (m := VERSION.fullmatch(old.name)) and int(m[1]) <= version - keep:
             shutil.rmtree(old, ignore_errors=True)
+    remove_leftovers(pub, VERSION, version)
     return version, folder
+
+
+def remove_leftovers(folder: Path, names: re.Pattern, below: int) -> None:
+    """Removes what a writer killed mid-write left beside the versions `names` matches: common.atomic's
+    `<name>.tmp` / `<name>.old` and save_once's `.<name>.claim` of versions below `below` (members all
+    write the same version at a time, so an older one is nobody's write in flight)."""
+    for p in folder.iterdir():
+        m = LEFTOVER.fullmatch(p.name)
+        if m and (v := names.fullmatch(m[1])) and int(v[1]) < below:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
@@ -201,6 +251,7 @@ def save_once(trainer: SpotTrainer, folder: Path, keep: int) -> Path | None:
     found = sorted((int(m[1]), p) for p in folder.iterdir() if (m := CKPT.fullmatch(p.name)))
     for _, old in found[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    remove_leftovers(folder, CKPT, trainer.micro_steps)
     return path
 
 
