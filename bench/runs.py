@@ -4,6 +4,8 @@ group, read their metrics, and check two runs were the same run."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -39,9 +41,21 @@ def train_runs(config: str, plan: list[tuple[str, list[str]]], common: list[str]
             if check is not None:
                 check(cfg, r)
             runs[name] = Path(train_run(cfg, r)["run_dir"])
+            release_heap()
     finally:
         shutdown()
     return runs, r
+
+
+def release_heap() -> None:
+    """Frees what a finished run left: its parts sit in reference cycles (GBs of a real model's
+    tensors, until the collector's next full pass) and glibc keeps freed heap pages; without this a
+    bench's next way starts with the previous way's memory still resident."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to hand back explicitly
+        pass
 
 
 def plan_config(config: str, common: list[str], extra: list[str], out_dir: Path, name: str) -> TrainConfig:
