@@ -43,7 +43,7 @@ from launch.run_config import TrainConfig
 from launch.problems import problems_for, prompt_loader
 from pipeline.actors import build_actor
 from pipeline.algorithms import build_algorithm
-from pipeline.dist import Ranks
+from pipeline.dist import Ranks, run_scope
 from pipeline.learner import Learner, uses_engine_logprobs
 from pipeline.rollouts import StepSampling, encode_problem
 from pipeline.tasks.reward_scoring import build_rewards
@@ -75,7 +75,7 @@ def one_lr(cfg: TrainConfig, lr: float, out: Path, batch1: int = 0) -> dict:
     learner = Learner(cfg.trainer, build_algorithm(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.actor, Ranks(), actor,
                       pad_token(tok), uses_engine_logprobs(cfg.trainer, sampling.is_policy, engine.caps.exact_logprobs))
     trainer = Trainer(cfg.trainer, cfg.rollout, cfg.task, Ranks(), engine, learner, tok, build_rewards(cfg.task, task),
-                      loader, [], sampling, out)
+                      loader, [], sampling, out, scope=run_scope(out))
 
     upcoming = loader.peek(2)  # step t+1's shard (step t is the next one the loader hands out)
 

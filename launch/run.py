@@ -30,7 +30,7 @@ from launch.config import save_config
 from launch.run_config import TrainConfig
 from launch.run_parts import RankLog, Run
 from launch.separated import build_separated
-from pipeline.dist import Ranks
+from pipeline.dist import Ranks, run_scope
 from pipeline.records_log import truncate_after
 from pipeline.run_state import latest_checkpoint
 
@@ -61,7 +61,7 @@ def build_run(cfg: TrainConfig, r: Ranks) -> Run:
     resources = ExitStack()
     try:
         build = build_separated if cfg.pipeline.separated else build_colocated
-        return build(cfg, r, run_dir, log, resources)
+        return build(cfg, r, run_dir, log, resources, run_scope(run_dir))
     except BaseException:
         resources.close()
         raise

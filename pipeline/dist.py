@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import itertools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -52,6 +54,17 @@ def init_ranks(device: str = "cpu", timeout_s: float = 1800.0) -> Ranks:
             torch.cuda.set_device(local)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return Ranks(rank=rank, world=world, local_rank=local)
+
+
+_RUNS = itertools.count()  # runs built in this process: part of their store scope
+
+
+def run_scope(run_dir: str | Path) -> str:
+    """The prefix of a run's keys in the job's store, `tailspec/<run folder>/<n>`: the same on every
+    rank (each builds its runs in the same order, once each), distinct from an earlier run of the
+    job (the store outlives a run). launch.run.build_run takes it once and hands it to every part
+    that keeps keys there (idle windows, work queues, push announcements)."""
+    return f"tailspec/{Path(run_dir).name}/{next(_RUNS)}"
 
 
 def job_store(r: Ranks):

@@ -1,8 +1,9 @@
 """Step hooks: the optional parts of a run, run by the loop around every RL step.
 
 A config turns parts on (bubble drafts, spot training, history drafts, a learning speculation
-policy, a drafter that follows the policy's LM head); the run's builder (launch.colocated) makes
-one hook for each part that is on, and the Trainer (pipeline.trainer) calls every hook at each
+policy, a drafter that follows the policy's LM head); the run's builder (launch.colocated,
+launch.separated) makes one hook for each part that is on, and the loop (pipeline.trainer's
+Trainer; on a separated run's rollout ranks pipeline.separated_rollout) calls every hook at each
 moment of the step, in list order, without asking which parts the run has. Every method is a
 no-op by default; a hook overrides the moments it acts at. In the order of a step:
 
@@ -16,6 +17,9 @@ no-op by default; a hook overrides the moments it acts at. In the order of a ste
     collect(step, scored)         every rank's rollouts are done (the idle window has closed);
                                   collective on every rank
     update side
+    updating(step, version)       separated rollout ranks only: the actor ranks' update runs
+                                  elsewhere; a hook may work until actor rank 0 announces the push
+                                  of `version` (the Trainer never calls it: its ranks update)
     weights(named)                the actor's weights on their way to the engine, at every sync
     end(step)                     the update is done and its weights are served; collective
     metrics(scored)               the step's metrics, with the step's trained rollouts; may be collective
@@ -42,7 +46,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from common.idle import IdleWork
+from common.idle import IdleWork, PushFlag
 from engine.backend import NamedTensors
 from engine.types import Request
 
@@ -67,6 +71,9 @@ class StepHook:
         pass
 
     def collect(self, step: int, scored: ScoredRollouts) -> None:
+        pass
+
+    def updating(self, step: int, version: int) -> None:
         pass
 
     def weights(self, named: NamedTensors) -> NamedTensors:
@@ -164,6 +171,19 @@ class IdleWorkHook(StepHook):
     def drafters(self) -> list[torch.nn.Module]:
         net = self.work.drafter()
         return [] if net is None else [net]
+
+
+class UpdateIdleWorkHook(IdleWorkHook):
+    """The idle work of a separated run's rollout ranks (spot.separated, spot.separated_pool): also
+    through the actor ranks' update, until actor rank 0 announces the push in the job's store
+    (common.idle.PushFlag), which ends that window."""
+
+    def __init__(self, work: IdleWork, push_flag: PushFlag) -> None:
+        super().__init__(work)
+        self.push_flag = push_flag
+
+    def updating(self, step: int, version: int) -> None:
+        self.work.through_update(self.push_flag.window(step, version))
 
 
 class SpecPolicyHook(StepHook):

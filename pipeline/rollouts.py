@@ -9,6 +9,7 @@ score as an error naming the prompt, never silently dropped).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -89,13 +90,13 @@ def requests_for(tokenizer, problems: list[Problem], n: int, chat: bool,
 
 
 def roll_out(engine: RolloutBackend, tokenizer, problems: list[Problem], params: SamplingParams, n: int, chat: bool,
-             rewards: Rewards, drafts: dict[str, dict[int, list[int]]] | None = None,
-             predicted: dict[str, int] | None = None, first_sample: int = 0) -> ScoredRollouts:
+             rewards: Rewards, first_sample: int = 0,
+             prepare: Callable[[list[Request]], list[Request]] = list) -> ScoredRollouts:
     """Samples first_sample .. first_sample + n - 1 of each problem (a part of each group when a
-    group is split over ranks), scored with the run's training reward. `drafts`: pre-generated
-    responses by prompt id and sample (bubble drafts), for the engine's `pregenerated` drafter;
-    `predicted`: response lengths by prompt id (the length-aware draft budget). Neither changes a token."""
-    requests = requests_for(tokenizer, problems, n, chat, drafts, predicted, first_sample)
+    group is split over ranks), scored with the run's training reward. `prepare`: the requests ->
+    the requests the engine takes (the step hooks attach drafts and predicted lengths, which change
+    no token: pipeline.hooks)."""
+    requests = prepare(requests_for(tokenizer, problems, n, chat, first_sample=first_sample))
     return score(tokenizer, problems, [r.prompt for r in requests], engine.generate(requests, params), n, rewards,
                  params.step)
 

@@ -19,7 +19,7 @@ rollout ranks' reports: `timing/rollout/rank{g}` and `timing/idle/rank{g}` per r
 (idle: the wait for the slowest rollout rank plus the wait through the actor's update, whose part
 is `timing/update_idle/rank{g}`), `timing/receive` (the actor waiting for rollouts),
 `timing/logprob`, `timing/update`, `timing/sync`. Held-out accuracy comes from the first rollout
-rank; checkpoints are the actor group's, with that rank's speculation policy state.
+rank; checkpoints are the actor group's, with that rank's step hooks' state as their components.
 """
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ class SeparatedActor:
         return _receive_object(self.p.first_rollout, "receiving the held-out accuracy")
 
     def save(self) -> None:
-        """A run checkpoint (collective over the actor group), with the first rollout rank's
-        speculation policy state; the engine serves the version of the step saved."""
+        """A run checkpoint (collective over the actor group), its components the first rollout rank's
+        step hooks' state (`{hook.name: state}`); the engine serves the version of the step saved."""
         components = {}
         if self.r.main:
             components = _receive_object(self.p.first_rollout, "receiving the rollout engine's state for a checkpoint")

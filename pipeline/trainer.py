@@ -36,12 +36,10 @@ weight min(pi_old / pi_behaviour, is_cap) on each token's advantage.
 
 from __future__ import annotations
 
-import itertools
 import resource
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -70,7 +68,6 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
-_RUNS = itertools.count()  # runs made in this process: part of their idle windows' store scope
 
 
 @dataclass
@@ -99,20 +96,18 @@ class StepDriver(Protocol):
 class Trainer:
     def __init__(self, trainer_cfg: TrainerSection, rollout_cfg: RolloutSection, task_cfg: TaskSection, ranks: Ranks,
                  engine: RolloutBackend, learner: Learner, tokenizer, rewards: Rewards, loader: PromptLoader,
-                 eval_problems: list[Problem], sampling: StepSampling, run_dir, *, start_step: int = 0,
+                 eval_problems: list[Problem], sampling: StepSampling, run_dir, *, scope: str, start_step: int = 0,
                  idle_work: IdleWork | None = None, hooks: Sequence[StepHook] = (),
                  windows: IdleWindows | None = None) -> None:
         """`learner`: the update (its actor is the one trained and synced); `rewards`: the run's
         (pipeline.tasks.reward_scoring.build_rewards), released by whoever built them; `idle_work`: what
         the idle window runs (None: a barrier); `hooks`: the run's optional parts (pipeline.hooks), the
-        idle work's among them."""
+        idle work's among them; `scope`: the run's keys in the job's store (pipeline.dist.run_scope),
+        for its idle windows and work queues."""
         self.tc, self.task_cfg, self.r, self.engine, self.tok = trainer_cfg, task_cfg, ranks, engine, tokenizer
         self.learner, self.actor, self.algo = learner, learner.actor, learner.algo
         self.rewards, self.loader, self.eval_problems, self.run_dir = rewards, loader, eval_problems, run_dir
         self.sampling, self.idle_work, self.hooks = sampling, idle_work, list(hooks)
-        # Store keys of this run's idle windows and work queues: the same on every rank (they make their
-        # runs in the same order), distinct from an earlier run of this job (common.idle.window).
-        scope = f"tailspec/{Path(run_dir).name}/{next(_RUNS)}"
         self.windows = windows or IdleWindows(job_store(ranks), ranks.rank, ranks.world, scope, barrier=self._barrier)
         self.step_index = start_step
         self.pending: ScoredRollouts | None = None  # async mode: the next step's rollouts, made before this update

@@ -176,7 +176,8 @@ def test_a_rollout_rank_rolls_out_only_with_the_steps_expected_policy_version(mo
     engine = SimpleNamespace(version=2)  # a resumed run at step 3 serves version 3: this one is stale
     task = TASKS["mult"]
     side = SeparatedRollout(cfg.trainer, cfg.rollout, cfg.task, placement, engine, None, build_rewards(cfg.task, task),
-                            PromptLoader(task.make_problems("train", 8, 0), 4, 0), [], None, tmp_path, start_step=3)
+                            PromptLoader(task.make_problems("train", 8, 0), 4, 0), [], None, tmp_path, start_step=3,
+                            scope="tailspec/test/0")
     assert [side.expected_version(s) for s in (3, 4, 5)] == expected
     with pytest.raises(ValueError, match="policy version 3, the engine serves version 2; refusing a stale policy"):
         side._generate_and_send(3)
