@@ -48,6 +48,26 @@ def test_without_a_declared_key_no_rank_gathers():
     assert hook_metrics([StepWide(), StepHook()], None, lambda mine: pytest.fail("gathered")) == {"y/already_the_steps": 5.0}
 
 
+def test_a_separated_rollout_ranks_idle_work_runs_through_the_update_until_that_versions_push_is_announced():
+    import torch.distributed as dist
+
+    from common.idle import IdleWork, PushFlag
+    from pipeline.hooks import UpdateIdleWorkHook
+
+    flag = PushFlag(dist.HashStore(), "tailspec/test/0")
+    seen = []
+
+    class Work(IdleWork):
+        def through_update(self, window):
+            flag.announce(window.version - 1)  # an earlier version's push does not end this window
+            seen.append((window.step, window.version, window.pushed()))
+            flag.announce(window.version)
+            seen.append(window.pushed())
+
+    UpdateIdleWorkHook(Work(), flag).updating(3, 4)
+    assert seen == [(3, 4, False), True]
+
+
 def test_a_resumed_run_gives_each_named_hook_its_state():
     class Named(StepHook):
         name = "mine"
