@@ -211,9 +211,21 @@ def publish(model: EagleModel, out: str | Path, micro_steps: int, keep: int) -> 
     atomic_write(pub / LATEST, lambda p: p.write_text(folder.name + "\n"))
     for old in pub.iterdir():
         if (m := VERSION.fullmatch(old.name)) and int(m[1]) <= version - keep:
-            shutil.rmtree(old, ignore_errors=True)
+            retire(old)
     remove_leftovers(pub, VERSION, version)
     return version, folder
+
+
+def retire(folder: Path) -> None:
+    """Deletes a publication so that a reader finds it whole or not at all: renamed aside (atomic), then
+    removed. A reader mid-way through it gets FileNotFoundError (pruned), never a folder without its manifest."""
+    aside = folder.with_name(folder.name + ".old")
+    shutil.rmtree(aside, ignore_errors=True)
+    try:
+        os.replace(folder, aside)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def remove_leftovers(folder: Path, names: re.Pattern, below: int) -> None:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from engine.checkpoint import load_checkpoint
 from engine.spec.eagle import EagleConfig, EagleModel
 from spot.pool import (LEFTOVER, MANIFEST, PUBLISHED, STOP, VERSION, WEIGHTS_FILE, publish, published_weights,
-                       remove_leftovers)
+                       remove_leftovers, retire)
 from spot.segment import SHM, node_segment
 from spot.trainer import CKPT, SpotTrainer, checkpoints
 from spot.drafter_training import DrafterOptim
@@ -53,6 +53,10 @@ def test_a_publication_whose_bytes_differ_from_its_manifest_is_refused_by_name(c
         published_weights(folder)
     (folder / MANIFEST).unlink()
     with pytest.raises(ValueError, match="not a whole publication"):
+        published_weights(folder)
+    retire(folder)  # pruning: a reader then finds no folder (FileNotFoundError: pruned), never a part of one
+    assert not folder.exists() and not folder.with_name(folder.name + ".old").exists()
+    with pytest.raises(FileNotFoundError):
         published_weights(folder)
 
 
