@@ -45,8 +45,12 @@ class PoolFollower(IdleWork):
         version = self._newest(window.step, window.scope)
         if version > self.drafter_version:
             path = self._folder(version)
-            if path is not None:
-                self.engine.load_drafter_weights(published_weights(path), version=version)
+            try:
+                weights = published_weights(path) if path is not None else None
+            except FileNotFoundError:  # pruned between the look and the read: the next step tries anew
+                weights = None
+            if weights is not None:
+                self.engine.load_drafter_weights(weights, version=version)
                 self.drafter_version = version
         return {"spot/drafter_version": float(self.drafter_version), **self.buffer.stats()}
 

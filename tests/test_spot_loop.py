@@ -176,10 +176,12 @@ def test_a_two_rank_run_with_spot_training_trains_its_drafter_online(char_model_
     assert not [p for p in os.listdir("/dev/shm") if run_dir.name in p]  # the node's segment is gone
 
 
-def test_pool_mode_ranks_load_the_pools_newest_publication_once(hf_folders, buffer_name, tmp_path):
+def test_pool_mode_ranks_load_the_pools_newest_publication_once_and_skip_one_pruned_as_it_is_read(
+        hf_folders, buffer_name, tmp_path, monkeypatch):
     from common.idle import IdleWindow
+    import spot.follower as follower_module
     from spot.follower import PoolFollower
-    from spot.pool import publish
+    from spot.pool import publish, retire
 
     target = load_checkpoint(hf_folders["llama"])
     torch.manual_seed(0)
@@ -201,6 +203,11 @@ def test_pool_mode_ranks_load_the_pools_newest_publication_once(hf_folders, buff
         engine.load_drafter_weights = lambda *a, **k: loads.append(a)
         follower.work(window)  # the same publication: not loaded again
         assert loads == []
+        publish(trained, tmp_path / "pool", micro_steps=20, keep=3)
+        folder = tmp_path / "pool" / "published" / "v2"
+        checked = follower_module.published_weights
+        monkeypatch.setattr(follower_module, "published_weights", lambda path: (retire(folder), checked(path))[1])
+        assert follower.work(window)["spot/drafter_version"] == 1 and loads == []  # pruned as it was read: skipped
 
 
 def test_pool_mode_without_a_pool_folder_is_refused():
