@@ -7,9 +7,10 @@ A folder is replaced whole: the old one is renamed aside first, so there is neve
 where neither exists under a name a reader would look for (`path` or `path.old`).
 
 A write that fails for the file system's sake (no space, a quota, an I/O fault, a read-only
-mount; also as a Rust writer such as safetensors reports it) removes its temporary and raises `WriteError`, an OSError with the same errno whose
-message names the target and the free space where it was written: the caller decides whether
-the run stops, this module only makes the error say where and why.
+mount; also as a Rust writer such as safetensors reports it) removes its temporary and raises
+`WriteError`, an OSError with the same errno whose message names the target and the free space
+where it was written: the caller decides whether the run stops, this module only makes the error
+say where and why.
 """
 
 from __future__ import annotations

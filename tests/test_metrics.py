@@ -34,7 +34,7 @@ def step_metrics(step: int) -> dict[str, float]:
         "spec/accept_len": 3.0, "spec/accept_rate": 0.5, "timing/step": 10.0, "timing/rollout": 5.0,
         "timing/logprob": 1.0, "timing/update": 2.0, "timing/sync": 0.5, "timing/idle": 1.0,
         "timing/rollout/rank0": 6.0, "timing/rollout/rank1": 4.0, "timing/idle/rank0": 0.0, "timing/idle/rank1": 2.0,
-        "train/pg_loss": 0.01, "train/kl": 0.001,
+        "train/pg_loss": 0.01, "train/kl": 0.001, "mem/rss_gb": 1.1, "mem/rss_gb/rank0": 1.0, "mem/rss_gb/rank1": 1.1,
     }
 
 
@@ -198,10 +198,10 @@ def test_dashboard_panels_without_data_say_so(tmp_path):
     sink.close()
     fig = dashboard_figure(load_history(tmp_path), "t")
     notes = sorted(t.get_text() for ax in fig.axes for t in ax.texts)
-    assert notes == ["no response lengths (lengths.jsonl) logged", "no rollout/response_length/p50, p90 or max logged",
-                     "no rollout/tokens_per_s logged",
-                     "no spec/accept_len or spec/accept_rate logged", "no timing/idle/rank<r> with timing/step logged",
-                     "no timing/step logged"]
+    assert notes == ["no mem/rss_gb/rank<r> logged", "no response lengths (lengths.jsonl) logged",
+                     "no rollout/response_length/p50, p90 or max logged", "no rollout/tokens_per_s logged",
+                     "no spec/accept_len or spec/accept_rate logged",
+                     "no timing/idle/rank<r> with timing/step logged", "no timing/step logged"]
     assert render_dashboard(tmp_path).exists()
     (tmp_path / "metrics.jsonl").unlink()
     assert render_dashboard(tmp_path).exists()  # no metrics at all: every panel says so

@@ -1,5 +1,6 @@
 """`python -m tests.mp.chaos_pool_train ...`: launch.train, where every rollout rank, before it
-receives each weight push after a step (versions 1, 2, ...; the initial push, version 0, goes by), writes <TAILSPEC_TEST_HOLD>/held-<version>-<rank> and waits until
+receives each weight push after a step (versions 1, 2, ...; the initial push, version 0, goes
+by), writes <TAILSPEC_TEST_HOLD>/held-<version>-<rank> and waits until
 <TAILSPEC_TEST_HOLD>/release-<version> exists. Every step then holds in its update window (the
 nodes' gates idle, the step's features in the buffer) while a test kills spot pool members: the
 kills spread over the whole run at known points, synchronised by files, not by a timer."""
