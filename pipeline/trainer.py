@@ -36,7 +36,6 @@ weight min(pi_old / pi_behaviour, is_cap) on each token's advantage.
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ from pipeline.dist import Ranks, all_sum, gather_floats, gather_objects, job_sto
 from pipeline.hooks import StepHook, hook_metrics
 from pipeline.learner import Learner
 from pipeline.memory_guard import Action, MemoryGuard, available_share
+from pipeline.metrics import phase_peaks
 from pipeline.metrics.live_memory import heap_free_bytes, live_rss_bytes, rss_metrics
 from pipeline.rollouts import ScoredRollouts, StepSampling, held_out_accuracy
 from pipeline.run_state import RunState, checkpoint_dir, save_run
@@ -66,8 +66,8 @@ from pipeline.tasks.reward_scoring import Rewards
 
 
 def peak_rss_gb() -> float:
-    """This process's peak resident memory so far, in GB (getrusage's ru_maxrss, KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    """This process's peak resident memory so far, in GB (over every phase: pipeline.metrics.phase_peaks)."""
+    return phase_peaks.peak_bytes() / 1e9
 
 
 
@@ -141,6 +141,7 @@ class Trainer:
     def step(self) -> StepResult:
         t_step = time.perf_counter()
         step = self.step_index
+        peaks = {"other": phase_peaks.mark()}  # since the last step: the build, evaluation, checkpoints
         t = time.perf_counter()
         for hook in self.hooks:
             hook.begin(step)
@@ -152,6 +153,7 @@ class Trainer:
         idle_s, idle_metrics = self.windows.run(step, self.idle_work)
         for hook in self.hooks:  # every rank is done: a gather makes no rank wait
             hook.collect(step, scored)
+        peaks["rollout"] = phase_peaks.mark()
         t = time.perf_counter()
         scored, schedule_metrics = self.schedule.share(scored)  # the rows this rank trains on (an exchange, if any)
         exchange_s = time.perf_counter() - t
@@ -169,8 +171,10 @@ class Trainer:
         for hook in self.hooks:  # what went on during the update (spot's average: timed in timing/sync)
             hook.end(step)
         sync_s = time.perf_counter() - t
+        peaks["update"] = phase_peaks.mark()
         self.step_index = step + 1
-        metrics.update(self._step_metrics(scored, rollout_s, idle_s, logprob_s, update_s, sync_s, time.perf_counter() - t_step))
+        metrics.update(self._step_metrics(scored, rollout_s, idle_s, logprob_s, update_s, sync_s, time.perf_counter() - t_step,
+                                          peaks))
         metrics.update(idle_metrics)
         metrics.update(schedule_metrics)
         metrics["timing/exchange"] = exchange_s
@@ -234,7 +238,8 @@ class Trainer:
         kept, metrics = fill_groups(groups, want)
         return _join_groups(kept, rounds, n, metrics | {"train/dynamic_sampling_rounds": float(len(rounds))})
 
-    def _step_metrics(self, scored: ScoredRollouts, rollout_s, idle_s, logprob_s, update_s, sync_s, step_s) -> dict[str, float]:
+    def _step_metrics(self, scored: ScoredRollouts, rollout_s, idle_s, logprob_s, update_s, sync_s, step_s,
+                      peaks: dict[str, int]) -> dict[str, float]:
         # the reward calls made during this step (an asynchronous run's include the next step's rollouts)
         mine = RolloutReport.of(scored, rollout_s, idle_s, self.rewards.take_stats())
         reports = dict(enumerate(gather_objects(self.r, mine)))
@@ -243,11 +248,15 @@ class Trainer:
         m.update(rollout_metrics(reports))
         rewards = scored.rewards[scored.trained]
         m["reward/std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
-        # by rank: peak, live, glibc's free heap, the host's available share
-        memory = gather_floats(self.r, [peak_rss_gb(), live_rss_bytes() / 1e9, heap_free_bytes() / 1e9, available_share()])
-        peaks = [row[0] for row in memory]
+        # by rank: peak, live, glibc's free heap, the host's available share, then each phase's peak
+        phases = sorted(peaks)
+        memory = gather_floats(self.r, [peak_rss_gb(), live_rss_bytes() / 1e9, heap_free_bytes() / 1e9, available_share(),
+                                        *(peaks[p] / 1e9 for p in phases)])
         m.update(rss_metrics([row[1] for row in memory], [row[2] for row in memory]))
-        m.update({f"mem/available_share/rank{rank}": row[3] for rank, row in enumerate(memory)})
+        for rank, row in enumerate(memory):
+            m[f"mem/available_share/rank{rank}"] = row[3]
+            m.update({f"mem/peak_gb/{p}/rank{rank}": gb for p, gb in zip(phases, row[4:])})
+        peaks = [row[0] for row in memory]
         m["memory/peak_rss_gb"] = max(peaks)  # the rank nearest to running out
         m.update({f"memory/peak_rss_gb/rank{rank}": gb for rank, gb in enumerate(peaks)})
         return m
