@@ -23,6 +23,7 @@ from launch.run_parts import (RankLog, Run, build_learner, build_memory_guard, b
 from pipeline.data import PromptLoader
 from pipeline.dist import Ranks, job_store
 from pipeline.hooks import IdleWorkHook, StepHook, WeightsFollower, load_hook_states
+from pipeline.metrics.live_memory import live_rss_bytes
 from pipeline.rollouts import StepSampling
 from pipeline.schedule import GroupSplit
 from pipeline.trainer import Trainer
@@ -30,6 +31,7 @@ from pipeline.trainer import Trainer
 
 def build_colocated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, resources: ExitStack, scope: str) -> Run:
     """`scope`: the run's keys in the job's store (pipeline.dist.run_scope)."""
+    resident_before = live_rss_bytes()  # what this process held before the run (the memory guard's offset)
     resume, state = resume_state(cfg, r, run_dir, log)
     tokenizer, problems = load_data(cfg, log)
     loader = prompt_loader(cfg, problems.train, world_size=r.world, rank=r.rank, log=log)
@@ -45,7 +47,7 @@ def build_colocated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
                             actor_features=spot.actor_features if spot is not None else None)
     trainer = Trainer(cfg.trainer, cfg.rollout, cfg.task, r, rollout.engine, learner, tokenizer, rollout.rewards, loader,
                       problems.held_out, rollout.sampling, run_dir, scope=scope, start_step=state.step,
-                      idle_work=idle_work, hooks=hooks, guard=build_memory_guard(cfg, r.world, log),
+                      idle_work=idle_work, hooks=hooks, guard=build_memory_guard(cfg, r, log, resident_before),
                       trim_heap=cfg.memory_guard.trim_heap)
     if "length_predictor" in state.components:
         trainer.schedule.load_state_dict(state.components["length_predictor"])

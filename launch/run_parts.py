@@ -25,7 +25,7 @@ from pipeline.actors import Actor, build_actor
 from pipeline.algorithms import build_algorithm
 from pipeline.checkpoint_keep import retain
 from pipeline.data import PromptLoader
-from pipeline.dist import Ranks
+from pipeline.dist import Ranks, gather_floats
 from pipeline.history import RunHistory, run_history
 from pipeline.hooks import SpecPolicyHook, StepHook
 from pipeline.learner import Learner, uses_engine_logprobs
@@ -214,27 +214,31 @@ def build_learner(cfg: TrainConfig, ranks: Ranks, side: UpdateSide, tokenizer, e
                    reference=side.reference, actor_features=actor_features)
 
 
-def build_memory_guard(cfg: TrainConfig, world: int, log: RankLog) -> MemoryGuard | None:
+def build_memory_guard(cfg: TrainConfig, r: Ranks, log: RankLog, resident_before: int) -> MemoryGuard | None:
     """The colocated run's memory guard (None with memory_guard.mode=off): each rank held to the memory
     plan's colocated peak on a CPU (launch.memory, as the preflight checks it), to its host's available
-    share only on a GPU (whose plan is the device's)."""
+    share only on a GPU (whose plan is the device's). `resident_before`: this rank's resident bytes
+    before the run was built; what a process held beyond a fresh rank's runtime then (an earlier run in
+    the same process: a bench's ways, a test session) is added to its plan. Collective."""
     g = cfg.memory_guard
     if g.mode == "off":
         return None
-    from launch.memory import model_config, on_gpu, plan_for
+    from launch.memory import CPU_RUNTIME_MB, model_config, on_gpu, plan_for
 
     if on_gpu(cfg):
         log(f"memory guard ({g.mode}): the host's available memory under {g.min_available:.0%} (a GPU's plan is the device's)")
         return MemoryGuard(g, None, log)
     try:
-        role = plan_for(cfg, model_config(cfg, None), ranks=world).roles[0]
+        role = plan_for(cfg, model_config(cfg, None), ranks=r.world).roles[0]
     except (ValueError, FileNotFoundError) as e:  # a backend the planner does not size
         log(f"memory guard ({g.mode}): no memory plan for this config ({e}); the host's available memory under "
             f"{g.min_available:.0%} only")
         return MemoryGuard(g, None, log)
+    held = [max(0.0, row[0] - CPU_RUNTIME_MB * 2**20 / 1e9) for row in gather_floats(r, [resident_before / 1e9])]
     log(f"memory guard ({g.mode}): the plan's {role.peak / 1e9:.2f} GB a rank (python -m launch.memory) "
-        f"+{g.over_plan:.0%} (at least {g.over_plan_gb:g} GB), and {g.min_available:.0%} of the host's memory available")
-    return MemoryGuard(g, [role.peak / 1e9] * world, log)
+        f"+{g.over_plan:.0%} (at least {g.over_plan_gb:g} GB), and {g.min_available:.0%} of the host's memory available"
+        + (f"; the process held {max(held):.2f} GB more than a fresh rank before the run" if max(held) > 0.1 else ""))
+    return MemoryGuard(g, [role.peak / 1e9 + extra for extra in held], log)
 
 
 def finish_run(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, problems: RunProblems, loader: PromptLoader,

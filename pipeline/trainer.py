@@ -193,7 +193,8 @@ class Trainer:
         """The memory guard's verdict on this step's gathered memory (the same on every rank): sheds the
         hooks' optional work, or returns the message to stop with."""
         world = range(self.r.world)
-        peaks = [metrics[f"memory/peak_rss_gb/rank{r}"] for r in world]
+        # this step's own peak (its phases'), not the process's: an earlier run in the process is not this one's
+        peaks = [max(metrics[f"mem/peak_gb/{p}/rank{r}"] for p in ("other", "rollout", "update")) for r in world]
         available = [metrics[f"mem/available_share/rank{r}"] for r in world]
         optional = [hook for hook in self.hooks if hook.optional]
         verdict = self.guard.verdict(peaks, available, can_shed=bool(optional))
