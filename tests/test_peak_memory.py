@@ -29,9 +29,9 @@ def test_the_peak_is_at_least_the_resident_memory_now_and_counts_a_touched_alloc
 
 @pytest.mark.slow
 def test_a_run_logs_each_ranks_peak_resident_memory_every_step(char_model_dir, tmp_path):
-    from launch.config import load_config
-    from launch.run import run
-    from launch.run_config import TrainConfig
+    from common.config import load_config
+    from launch.run.build import run
+    from launch.run.config import TrainConfig
     from pipeline.dist import Ranks
 
     repo = Path(__file__).resolve().parent.parent
