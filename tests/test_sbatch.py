@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from common.config import load_config, missing_keys, override_args, to_dict
-from launch.slurm.preflight import Check, checkpoint_bytes, report, submit_checks
+from launch.slurm.check import Check
+from launch.slurm.preflight import checkpoint_bytes, report, submit_checks
 from launch.run.config import TrainConfig
 from launch.slurm.sbatch import ARGS_SEPARATOR
 from launch.slurm.submit import render

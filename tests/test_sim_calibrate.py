@@ -21,7 +21,8 @@ from sim.model.latency import Fitted, build_latency
 from sim.model.lengths import deal
 from sim.projection.project import step_lengths
 from sim.calibration.runs import DecodeStep, read_run
-from sim.model.parts import Techniques, chunks, padded_tokens, phase_times, simulate_step
+from sim.model.parts import Techniques, chunks, padded_tokens, phase_times
+from sim.model.step import simulate_step
 from tests.sim_trace import write_run
 from sim.calibration.validation import validate
 from tests.test_sim_model import small_scenario

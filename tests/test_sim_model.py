@@ -14,7 +14,8 @@ from sim.model.events import simulate_group
 from sim.model.latency import Fitted, Roofline
 from sim.projection.project import COMBOS, project
 from sim.model.schedule import OFF, Schedule, boost, build_schedule, chain_accept_len
-from sim.model.parts import Techniques, simulate_step, spread_mask
+from sim.model.parts import Techniques, spread_mask
+from sim.model.step import simulate_step
 from sim.projection.sweeps import analytic_ceiling, ceiling_limit, depth_sweep, tail_sweep
 
 REPO = Path(__file__).resolve().parent.parent

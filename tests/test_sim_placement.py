@@ -14,7 +14,8 @@ from sim.model.latency import Fitted
 from sim.placement import best, compare, placement_report
 from sim.projection.project import step_lengths
 from sim.model.separated import push_sync_s, split_devices, transfer_s
-from sim.model.parts import Techniques, simulate_step
+from sim.model.parts import Techniques
+from sim.model.step import simulate_step
 
 REPO = Path(__file__).resolve().parent.parent
 PASS = Fitted(LatencySpec(kind="fitted", base_s=0.01))  # every pass 10 ms, nothing else costs

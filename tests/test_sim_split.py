@@ -15,7 +15,8 @@ from sim.model.latency import Fitted
 from sim.model.lengths import draw_lengths, read_lengths_by_prompt, split_deal
 from sim.projection.project import project
 from sim.calibration.runs import read_run
-from sim.model.parts import Techniques, simulate_step
+from sim.model.parts import Techniques
+from sim.model.step import simulate_step
 from sim.projection.sweeps import prompt_share_sweep
 from tests.test_sim_calibrate import make_run, measured_scenario
 from tests.test_sim_model import small_scenario

@@ -22,28 +22,15 @@ import os
 import shutil
 import socket
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import load_config, missing_keys, override_args
 from launch.run.config import TrainConfig
+from launch.slurm.check import Check
+from launch.slurm.preflight_data import data_checks
 from spot.buffer.segment import node_name
 
 GB = 1024**3
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    ok: bool
-    detail: str
-    fix: str = ""
-    fatal: bool = True  # False: a warning
-    table: str = ""  # printed under the line (the memory plan)
-
-    @property
-    def failed(self) -> bool:
-        return not self.ok and self.fatal
 
 
 def _model_folder(path: str, what: str, key: str) -> Check:
@@ -140,8 +127,6 @@ def submit_checks(cfg: TrainConfig, repo: Path) -> list[Check]:
     checks.append(Check("sbatch", shutil.which("sbatch") is not None, shutil.which("sbatch") or "not on PATH",
                         "submit from a Slurm login node (or `DRY_RUN=1` to only print the script)"))
     checks += _node_checks(cfg, missing)
-    from launch.slurm.preflight_data import data_checks  # it imports Check from here
-
     checks += data_checks(cfg, missing)
     py = Path(cfg.cluster.python)
     py = py if py.is_absolute() else repo / py

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from launch.slurm.preflight import Check
 from launch.run.config import TrainConfig
+from launch.slurm.check import Check
 from pipeline.data.files import RowFields, load_problems
 from pipeline.tasks import Problem, get_task
 from pipeline.tasks.reward_plugins import reward_functions

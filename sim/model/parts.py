@@ -1,7 +1,5 @@
-"""One RL step on N devices. Colocated (here): rollout on every group, then log-probs, training,
-sync on the same devices; separated (`sim.model.separated`): actor devices train while the others roll
-out. This module holds the parts both placements share: the rollout with its bubble filled, and
-the training phases' cost.
+"""The parts of one RL step that both placements share (sim.model.colocated, sim.model.separated):
+the techniques, the rollout with its bubble filled, and the training phases' cost.
 
 The rollout ends when the slowest group ends; every other group waits at the barrier: that wait
 is the *bubble* (idle window) of its devices. Techniques, each switchable:
@@ -37,7 +35,7 @@ import numpy as np
 
 from sim.config import PhaseSpec, Scenario
 from sim.model.events import GroupRollout, simulate_group
-from sim.model.latency import LatencyModel, build_latency
+from sim.model.latency import LatencyModel
 from sim.model.lengths import deal, row_deal, split_deal
 from sim.model.schedule import OFF, Schedule, build_schedule
 
@@ -102,30 +100,6 @@ class StepResult:
         return self.idle_s / self.step_s
 
 
-def simulate_step(scn: Scenario, lengths: np.ndarray, devices: int, tech: Techniques,
-                  latency: LatencyModel | None = None) -> StepResult:
-    """The step for these response lengths ([n], a prompt's samples adjacent) on `devices`, in the
-    scenario's placement."""
-    latency = latency or build_latency(scn)
-    if scn.placement.kind == "separated":
-        from sim.model.separated import simulate_separated_step  # built on this module's parts
-
-        return simulate_separated_step(scn, lengths, devices, tech, latency)
-    tp = scn.cluster.tensor_parallel
-    rollout_devices = _rollout_devices(scn, devices, tech)
-    groups, used, fill = fill_rollout(scn, rollout_parts(scn, lengths, rollout_devices // tp, tech), tech, latency)
-    rollout_s = max(g.time_s for g in groups)
-    trainers = devices - rollout_devices if tech.one_step_async else devices
-    logprob_s, update_s, sync_s = phase_times(scn, *trainer_parts(scn, lengths, trainers))
-    if tech.one_step_async:
-        step_s = max(rollout_s, logprob_s + update_s) + sync_s
-    else:
-        step_s = rollout_s + logprob_s + update_s + sync_s
-    return StepResult(devices=devices, techniques=tech, groups=tuple(groups), tensor_parallel=tp,
-                      rollout_s=rollout_s, logprob_s=logprob_s, update_s=update_s, sync_s=sync_s,
-                      step_s=step_s, fill=fill, used=used, actor_devices=trainers)
-
-
 def rollout_parts(scn: Scenario, lengths: np.ndarray, groups: int, tech: Techniques) -> list[np.ndarray]:
     """The requests ([n] lengths, a prompt's samples adjacent) each rollout group generates."""
     return split_deal(lengths, groups, scn.rollout.samples_per_prompt) if tech.split else deal(lengths, groups)
@@ -146,17 +120,6 @@ def fill_rollout(scn: Scenario, parts: list[np.ndarray], tech: Techniques, laten
         groups = _rollout(scn, parts, base, used, latency)
     fill = plan_fill(scn, groups, tech, window(max(g.time_s for g in groups))) if filling else NO_FILL
     return groups, used, fill
-
-
-def _rollout_devices(scn: Scenario, devices: int, tech: Techniques) -> int:
-    tp = scn.cluster.tensor_parallel
-    if not tech.one_step_async:
-        return devices
-    n = int(round(devices * scn.one_step_async.rollout_share / tp)) * tp
-    if not tp <= n <= devices - 1:
-        raise ValueError(f"one_step_async: {devices} devices leave no rollout group of {tp} and a trainer "
-                         f"with rollout_share={scn.one_step_async.rollout_share}")
-    return n
 
 
 def _rollout(scn: Scenario, parts: list[np.ndarray], base: Schedule, used: Fill,

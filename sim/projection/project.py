@@ -15,7 +15,8 @@ import numpy as np
 from sim.config import Scenario
 from sim.model.latency import LatencyModel, build_latency
 from sim.model.lengths import draw_lengths, read_lengths_by_prompt, read_rollout_lengths
-from sim.model.parts import StepResult, Techniques, simulate_step
+from sim.model.parts import StepResult, Techniques
+from sim.model.step import simulate_step
 
 COMBOS: dict[str, Techniques] = {
     "baseline": Techniques(),

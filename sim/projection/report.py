@@ -13,7 +13,8 @@ from pathlib import Path
 from sim.config import Scenario
 from sim.projection.plots import plot_accept, plot_depth, plot_scaling, plot_split, plot_tail, plot_timeline
 from sim.projection.project import markdown_table, project, step_lengths
-from sim.model.parts import Techniques, simulate_step
+from sim.model.parts import Techniques
+from sim.model.step import simulate_step
 from sim.projection.sweeps import SplitPoint, SweepPoint, accept_sweep, ceiling_limit, depth_sweep, prompt_share_sweep, tail_sweep
 
 TIMELINE = Techniques(spec=True, spot=True, bubble=True)
