@@ -3,7 +3,7 @@
 For each config (tiny, SmolLM2), placement (colocated, separated: one actor rank, one rollout rank)
 and micro-batch size (actor.micro_batch_tokens), runs two RL steps on 2 CPU ranks under torchrun
 (the second step's update is the first with AdamW's moments allocated: the steady state the plan counts),
-reads each rank's peak resident memory (getrusage's ru_maxrss, written by the rank itself), and
+reads each rank's peak resident memory (pipeline.metrics.phase_peaks' over the run, written by the rank itself), and
 prints it beside launch.memory's plan for that rank's role: planned / measured. The runtime
 baseline the plan counts (a rank's interpreter after its imports) is measured first, in a fresh
 process (`--baseline` prints only it), and is the same for every row.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -184,7 +183,9 @@ def rank_run(folder: Path, argv: list[str]) -> int:
 
     rc = main(argv)
     rank = int(os.environ.get("RANK", "0"))
-    peak = {"rank": rank, "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+    from pipeline.metrics.phase_peaks import peak_bytes
+
+    peak = {"rank": rank, "max_rss": peak_bytes()}  # over every phase (the loop resets the kernel's mark per phase)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         peak["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
     (folder / f"peak{rank}.json").write_text(json.dumps(peak))

@@ -4,7 +4,6 @@ group, read their metrics, and check two runs were the same run."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 from collections.abc import Callable
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from common import heap
 from common.config import load_config
 from launch.run.config import TrainConfig
 from launch.run.build import run as train_run
@@ -52,10 +52,7 @@ def release_heap() -> None:
     tensors, until the collector's next full pass) and glibc keeps freed heap pages; without this a
     bench's next way starts with the previous way's memory still resident."""
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to hand back explicitly
-        pass
+    heap.trim()
 
 
 def plan_config(config: str, common: list[str], extra: list[str], out_dir: Path, name: str) -> TrainConfig:

@@ -179,6 +179,10 @@ def run_tailspec(config: str, overrides: list[str], steps: int, rows: list[dict]
     cmd = [sys.executable, "-m", "launch.train", "--config", config, *bench_overrides(steps, overrides),
            f"run.dir={run_dir}"]
     wall, rss = run_measured(cmd, env, out / "tailspec.log")
+    # The loop resets the kernel's high-water mark at each phase (pipeline.metrics.phase_peaks), so the
+    # process's ru_maxrss at exit may miss an earlier phase's peak: the steps' logged peak covers it.
+    logged = [r["memory/peak_rss_gb"] for r in read_metrics(run_dir) if "memory/peak_rss_gb" in r]
+    rss = max([rss, *(int(gb * 1e9) for gb in logged)])
     rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines() if line.strip()]
     trained = sorted({(r["step"], r["prompt_id"]) for r in rollouts})
     per_step = len(rows) // steps

@@ -7,8 +7,9 @@ actor folder holds decides how its weights are read:
 - the torch backend (one process or DDP) and DeepSpeed ZeRO-1 / 2: the model as a Hugging Face
   folder already (every rank holds the whole model; rank 0 saved it): loaded and saved again;
 - DeepSpeed ZeRO-3: each rank's partition of the float32 master weights in its optimizer state
-  (`zero_rank{r}.pt`), joined into whole tensors by DeepSpeed's own zero_to_fp32 functions from the
-  parameter shapes saved beside them (`zero3_param_shapes.pt`), then cast to the model's dtype:
+  (`zero_rank{r}.pt`), joined into whole tensors the way DeepSpeed's zero_to_fp32 reads them
+  (pipeline.actors.zero_reshard) from the parameter shapes saved beside them
+  (`zero3_param_shapes.pt`), then cast to the model's dtype:
   the weights the engine serves after the same step (ZeRO-3 casts its masters so).
 The tokenizer comes from `--tokenizer`, else the run's model folder (`model.path` in the run's
 config.yaml, two folders above the checkpoint). `--dtype auto` keeps the model config's
@@ -42,29 +43,18 @@ def actor_folder(checkpoint: str | Path) -> Path:
 
 
 def zero3_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """The whole float32 weights of a ZeRO-3 actor checkpoint, by parameter name (DeepSpeed's zero_to_fp32)."""
-    from deepspeed.utils.zero_to_fp32 import _get_fp32_state_dict_from_zero3_checkpoint, to_torch_tensor, zero_model_state
-
-    from pipeline.actors.deepspeed_actor import ZERO3_SHAPES, optimizer_file
+    """The whole float32 weights of a ZeRO-3 actor checkpoint, by parameter name (pipeline.actors.zero_reshard)."""
+    from pipeline.actors.zero_files import ZERO3_SHAPES, saved_states, saved_world_and_stage
+    from pipeline.actors.zero_reshard import FLATS, zero3_whole
 
     shapes_file = folder / ZERO3_SHAPES
     if not shapes_file.is_file():
         raise FileNotFoundError(f"{folder} holds ZeRO-3 partitions but no {ZERO3_SHAPES} (the parameter shapes that join "
                                 "them): export a checkpoint that the deepspeed actor saved with it")
-    first = torch.load(folder / optimizer_file(0), map_location="cpu", weights_only=False)
-    world = first["world"]
-    missing = [optimizer_file(r) for r in range(world) if not (folder / optimizer_file(r)).is_file()]
-    if missing:
-        raise FileNotFoundError(f"{folder} was saved by {world} ranks and lacks {', '.join(missing)}")
-    states = [first] + [torch.load(folder / optimizer_file(r), map_location="cpu", weights_only=False)
-                        for r in range(1, world)]
-    flat = [s["optimizer"]["fp32_flat_groups"] for s in states]
-    shapes = [{n: torch.Size(s) for n, s in group.items()} for group in torch.load(shapes_file)["param_shapes"]]
-    model_state = zero_model_state(buffers={}, param_shapes=shapes, shared_params=[], ds_version=0,
-                                   frozen_param_shapes=None, frozen_param_fragments=None)
-    gathered = _get_fp32_state_dict_from_zero3_checkpoint(world, flat, [model_state] * world,
-                                                          exclude_frozen_parameters=True)
-    return to_torch_tensor(gathered)
+    world, _ = saved_world_and_stage(folder)
+    shapes = {n: torch.Size(s) for group in torch.load(shapes_file)["param_shapes"] for n, s in group.items()}
+    whole = zero3_whole([s[FLATS] for s in saved_states(folder, world)], [s.numel() for s in shapes.values()])
+    return {n: w.view(s) for (n, s), w in zip(shapes.items(), whole)}
 
 
 def tokenizer_source(checkpoint: Path, given: str | None) -> Path:

@@ -29,6 +29,10 @@ how the step's value is made from every rank's ("mean": over the ranks that repo
 "sum"); the Trainer reduces them, one gather for every hook's (`reduce_over_ranks`). Any other
 key is already the step's: the hook reduced it itself.
 
+Memory: `optional` marks a hook whose work the run can do without (bubble drafts, spot training:
+they change no token); `shed()` turns that work off for the rest of the run and frees what it
+holds, returning what it turned off (pipeline.memory_guard sheds it before memory runs out).
+
 Checkpoints: `name` is a hook's key in a run checkpoint's components ("" keeps no state):
 `state_dict` / `load_state_dict` are its state there, `checkpoint_files` the files it writes
 beside it, `drafters()` the drafter networks it trains, saved where the engine holds none.
@@ -60,6 +64,7 @@ Reduce = Literal["mean", "sum"]
 class StepHook:
     name = ""  # its key in a run checkpoint's components; "" keeps no state
     reduce: Mapping[str, Reduce] = {}  # keys of metrics() that are this rank's, and how ranks combine them
+    optional = False  # the run can do without its work (shed() turns it off)
 
     def begin(self, step: int) -> None:
         pass
@@ -96,6 +101,10 @@ class StepHook:
         return {}
 
     def drafters(self) -> list[torch.nn.Module]:
+        return []
+
+    def shed(self) -> list[str]:
+        """Turns this hook's optional work off for the rest of the run; -> what it turned off."""
         return []
 
 
@@ -142,6 +151,7 @@ class IdleWorkHook(StepHook):
     what `settle()` returned after the update (summed over ranks by the work itself)."""
 
     name = "idle_work"
+    optional = True
 
     def __init__(self, work: IdleWork) -> None:
         self.work = work
@@ -171,6 +181,9 @@ class IdleWorkHook(StepHook):
     def drafters(self) -> list[torch.nn.Module]:
         net = self.work.drafter()
         return [] if net is None else [net]
+
+    def shed(self) -> list[str]:
+        return self.work.shed()
 
 
 class UpdateIdleWorkHook(IdleWorkHook):

@@ -36,7 +36,6 @@ weight min(pi_old / pi_behaviour, is_cap) on each token's advantage.
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from common import heap
 from common.idle import IdleWindows, IdleWork
 from engine.backend import RolloutBackend
 from engine.types import Request, RolloutBatch, StepRecord
@@ -54,7 +54,9 @@ from pipeline.data import PromptLoader
 from pipeline.dist import Ranks, all_sum, gather_floats, gather_objects, job_store
 from pipeline.hooks import StepHook, hook_metrics
 from pipeline.update.learner import Learner
-from pipeline.metrics.live_memory import live_rss_bytes, rss_metrics
+from pipeline.memory_guard import Action, MemoryGuard, available_share
+from pipeline.metrics import phase_peaks
+from pipeline.metrics.live_memory import heap_free_bytes, live_rss_bytes, rss_metrics
 from pipeline.rollout.stage import ScoredRollouts, StepSampling, held_out_accuracy
 from pipeline.checkpoint.state import RunState, checkpoint_dir, save_run
 from pipeline.rollout.schedule import RolloutSchedule
@@ -64,8 +66,8 @@ from pipeline.tasks.reward_scoring import Rewards
 
 
 def peak_rss_gb() -> float:
-    """This process's peak resident memory so far, in GB (getrusage's ru_maxrss, KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    """This process's peak resident memory so far, in GB (over every phase: pipeline.metrics.phase_peaks)."""
+    return phase_peaks.peak_bytes() / 1e9
 
 
 
@@ -76,6 +78,7 @@ class StepResult:
     lengths: list[int]  # this step's response lengths (all ranks; empty on a rollout rank of a separated run)
     rollouts: ScoredRollouts | None  # the rollouts this rank trained on (None on a rollout rank of a separated run)
     decode_steps: list[StepRecord]  # this rank's engine decode steps (none on an actor rank of a separated run)
+    stop: str | None = None  # the memory guard stops the run after this step (its message); every rank alike
 
 
 class StepDriver(Protocol):
@@ -98,7 +101,7 @@ class Trainer:
                  engine: RolloutBackend, learner: Learner, tokenizer, rewards: Rewards, loader: PromptLoader,
                  eval_problems: list[Problem], sampling: StepSampling, run_dir, *, scope: str, start_step: int = 0,
                  idle_work: IdleWork | None = None, hooks: Sequence[StepHook] = (),
-                 windows: IdleWindows | None = None) -> None:
+                 windows: IdleWindows | None = None, guard: MemoryGuard | None = None, trim_heap: bool = False) -> None:
         """`learner`: the update (its actor is the one trained and synced); `rewards`: the run's
         (pipeline.tasks.reward_scoring.build_rewards), released by whoever built them; `idle_work`: what
         the idle window runs (None: a barrier); `hooks`: the run's optional parts (pipeline.hooks), the
@@ -107,7 +110,8 @@ class Trainer:
         self.tc, self.task_cfg, self.r, self.engine, self.tok = trainer_cfg, task_cfg, ranks, engine, tokenizer
         self.learner, self.actor, self.algo = learner, learner.actor, learner.algo
         self.rewards, self.loader, self.eval_problems, self.run_dir = rewards, loader, eval_problems, run_dir
-        self.sampling, self.idle_work, self.hooks = sampling, idle_work, list(hooks)
+        self.sampling, self.idle_work, self.hooks, self.guard = sampling, idle_work, list(hooks), guard
+        self.trim_heap = trim_heap
         self.windows = windows or IdleWindows(job_store(ranks), ranks.rank, ranks.world, scope, barrier=self._barrier)
         self.step_index = start_step
         self.pending: ScoredRollouts | None = None  # async mode: the next step's rollouts, made before this update
@@ -137,6 +141,7 @@ class Trainer:
     def step(self) -> StepResult:
         t_step = time.perf_counter()
         step = self.step_index
+        peaks = {"other": phase_peaks.mark()}  # since the last step: the build, evaluation, checkpoints
         t = time.perf_counter()
         for hook in self.hooks:
             hook.begin(step)
@@ -148,21 +153,28 @@ class Trainer:
         idle_s, idle_metrics = self.windows.run(step, self.idle_work)
         for hook in self.hooks:  # every rank is done: a gather makes no rank wait
             hook.collect(step, scored)
+        peaks["rollout"] = phase_peaks.mark()
         t = time.perf_counter()
         scored, schedule_metrics = self.schedule.share(scored)  # the rows this rank trains on (an exchange, if any)
         exchange_s = time.perf_counter() - t
         if self.tc.async_steps:
             self.pending = self._fill(step + 1)  # with this policy, before this step's update
         self.engine.sleep()
+        if self.trim_heap:
+            heap.trim()  # the rollout's freed temporaries
         metrics, logprob_s, update_s = self.learner.train(scored, step)
         t = time.perf_counter()
+        if self.trim_heap:
+            heap.trim()  # the update's freed activations
         self.engine.wake_up()
         self.sync(version=step + 1)
         for hook in self.hooks:  # what went on during the update (spot's average: timed in timing/sync)
             hook.end(step)
         sync_s = time.perf_counter() - t
+        peaks["update"] = phase_peaks.mark()
         self.step_index = step + 1
-        metrics.update(self._step_metrics(scored, rollout_s, idle_s, logprob_s, update_s, sync_s, time.perf_counter() - t_step))
+        metrics.update(self._step_metrics(scored, rollout_s, idle_s, logprob_s, update_s, sync_s, time.perf_counter() - t_step,
+                                          peaks))
         metrics.update(idle_metrics)
         metrics.update(schedule_metrics)
         metrics["timing/exchange"] = exchange_s
@@ -174,7 +186,28 @@ class Trainer:
         # every rank's trained rows (as many as its share: token shares differ by rank)
         mine = scored.lengths[scored.trained].tolist()
         lengths = [int(x) for part in gather_objects(self.r, mine) for x in part]
-        return StepResult(metrics=metrics, lengths=lengths, rollouts=scored, decode_steps=scored.batch.steps)
+        stop = self._guard_memory(metrics) if self.guard is not None else None
+        return StepResult(metrics=metrics, lengths=lengths, rollouts=scored, decode_steps=scored.batch.steps, stop=stop)
+
+    def _guard_memory(self, metrics: dict[str, float]) -> str | None:
+        """The memory guard's verdict on this step's gathered memory (the same on every rank): sheds the
+        hooks' optional work, or returns the message to stop with."""
+        world = range(self.r.world)
+        peaks = [metrics[f"memory/peak_rss_gb/rank{r}"] for r in world]
+        available = [metrics[f"mem/available_share/rank{r}"] for r in world]
+        optional = [hook for hook in self.hooks if hook.optional]
+        verdict = self.guard.verdict(peaks, available, can_shed=bool(optional))
+        if verdict.action is Action.SHED:
+            stopped = [name for hook in optional for name in hook.shed()]
+            self.guard.shed_done = True
+            self.guard.log(f"memory guard: {verdict.reason}: {' and '.join(stopped) or 'nothing'} off from step "
+                           f"{self.step_index + 1} (they change no token)")
+            metrics["mem/guard_shed"] = 1.0
+        elif verdict.action is Action.WARN:
+            self.guard.log(f"memory guard: {verdict.reason} (memory_guard.mode={self.guard.cfg.mode})")
+        elif verdict.action is Action.STOP:
+            return self.guard.stop_message(verdict.reason, self.step_index)
+        return None
 
     def sync(self, version: int) -> None:
         """The actor's weights into the engine, served as `version`, through the hooks' `weights`."""
@@ -205,7 +238,8 @@ class Trainer:
         kept, metrics = fill_groups(groups, want)
         return _join_groups(kept, rounds, n, metrics | {"train/dynamic_sampling_rounds": float(len(rounds))})
 
-    def _step_metrics(self, scored: ScoredRollouts, rollout_s, idle_s, logprob_s, update_s, sync_s, step_s) -> dict[str, float]:
+    def _step_metrics(self, scored: ScoredRollouts, rollout_s, idle_s, logprob_s, update_s, sync_s, step_s,
+                      peaks: dict[str, int]) -> dict[str, float]:
         # the reward calls made during this step (an asynchronous run's include the next step's rollouts)
         mine = RolloutReport.of(scored, rollout_s, idle_s, self.rewards.take_stats())
         reports = dict(enumerate(gather_objects(self.r, mine)))
@@ -214,9 +248,15 @@ class Trainer:
         m.update(rollout_metrics(reports))
         rewards = scored.rewards[scored.trained]
         m["reward/std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
-        memory = gather_floats(self.r, [peak_rss_gb(), live_rss_bytes() / 1e9])  # by rank: peak, live
+        # by rank: peak, live, glibc's free heap, the host's available share, then each phase's peak
+        phases = sorted(peaks)
+        memory = gather_floats(self.r, [peak_rss_gb(), live_rss_bytes() / 1e9, heap_free_bytes() / 1e9, available_share(),
+                                        *(peaks[p] / 1e9 for p in phases)])
+        m.update(rss_metrics([row[1] for row in memory], [row[2] for row in memory]))
+        for rank, row in enumerate(memory):
+            m[f"mem/available_share/rank{rank}"] = row[3]
+            m.update({f"mem/peak_gb/{p}/rank{rank}": gb for p, gb in zip(phases, row[4:])})
         peaks = [row[0] for row in memory]
-        m.update(rss_metrics([row[1] for row in memory]))
         m["memory/peak_rss_gb"] = max(peaks)  # the rank nearest to running out
         m.update({f"memory/peak_rss_gb/rank{rank}": gb for rank, gb in enumerate(peaks)})
         return m

@@ -27,6 +27,20 @@ def test_the_peak_is_at_least_the_resident_memory_now_and_counts_a_touched_alloc
     assert peak_rss_gb() >= big.numel() * 4 / 1e9 > before
 
 
+def test_each_phase_reads_its_own_peak_and_the_peak_so_far_keeps_every_phases():
+    from pipeline.metrics import phase_peaks
+
+    phase_peaks.mark()
+    big = torch.ones(int(0.4e9 / 4))  # 400 MB, touched, then freed: the first phase's peak
+    del big
+    first = phase_peaks.mark()
+    small = torch.ones(int(0.05e9 / 4))
+    second = phase_peaks.mark()
+    del small
+    assert first - second > 0.3e9  # the mark was reset between the phases
+    assert phase_peaks.peak_bytes() >= first and peak_rss_gb() * 1e9 >= first
+
+
 @pytest.mark.slow
 def test_a_run_logs_each_ranks_peak_resident_memory_every_step(char_model_dir, tmp_path):
     from common.config import load_config
@@ -48,6 +62,8 @@ def test_a_run_logs_each_ranks_peak_resident_memory_every_step(char_model_dir, t
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert 0.1 < r["memory/peak_rss_gb"] == r["memory/peak_rss_gb/rank0"] <= peak_rss_gb()
+        phases = [r[f"mem/peak_gb/{p}/rank0"] for p in ("other", "rollout", "update")]
+        assert 0.1 < max(phases) <= r["memory/peak_rss_gb"]
     assert rows[0]["memory/peak_rss_gb"] <= rows[1]["memory/peak_rss_gb"]  # a peak only grows
     logged = [x for x in (run_dir / "rank0.log").read_text().splitlines() if "peak RSS" in x]
     assert len(logged) == 2 and logged[1].endswith("GB on rank 0") and "step 2: peak RSS" in logged[1]

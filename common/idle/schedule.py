@@ -7,7 +7,9 @@ last unit (a decode step: no unit starts that would end past the budget) and whe
 is over. Pre-generation gets `share` of the expected window; with nothing after it, or before any
 window has been seen, it gets the whole window. `ScheduledIdle` runs the works by it, each in its
 part of the window; the training work is called in every window, also one with no time left,
-because its window end posts a collective every rank must join.
+because its window end posts a collective every rank must join. `shed()` stops both works for the
+rest of the run (every rank at the same step boundary, so no rank waits in a collective the others
+skip); their state still goes into checkpoints.
 """
 
 from __future__ import annotations
@@ -68,17 +70,29 @@ class ScheduledIdle(IdleWork):
             raise ValueError("ScheduledIdle: the schedule's works and the works given differ")
         self.schedule, self.pregen, self.train = schedule, pregen, train
         self.parts = [w for w in (pregen, train) if w is not None]
+        self.running = list(self.parts)  # what the moments still call: none once shed
 
     def begin(self, step: int) -> None:
-        for w in self.parts:
+        for w in self.running:
             w.begin(step)
 
     def rollouts_done(self, step: int, batch) -> None:
-        for w in self.parts:
+        for w in self.running:
             w.rollouts_done(step, batch)
+
+    def shed(self) -> list[str]:
+        """Stops both works for the rest of the run and frees what they hold; -> what stopped."""
+        stopped = [name for w, name in ((self.pregen, "bubble drafts"), (self.train, "spot training"))
+                   if w is not None and w in self.running]
+        for w in self.running:
+            w.release()
+        self.running = []
+        return stopped
 
     def work(self, window: IdleWindow) -> dict[str, float]:
         metrics: dict[str, float] = {}
+        if not self.running:
+            return metrics
         if self.pregen is not None:
             budget = self.schedule.pregen_budget(window.expected)
             metrics.update(self.pregen.work(window.part(self._pregen_ends(window), budget)))
@@ -101,7 +115,7 @@ class ScheduledIdle(IdleWork):
 
     def settle(self) -> dict[str, float]:
         metrics: dict[str, float] = {}
-        for w in self.parts:
+        for w in self.running:
             metrics.update(w.settle())
         return metrics
 

@@ -15,7 +15,9 @@ The loop calls, on every rank and every step, in this order:
                                   ranks posted as the window ended), collectives allowed
 
 and, for checkpoints, `state_dict` / `load_state_dict` and `checkpoint_files` (files written
-beside the checkpoint, by subfolder). Every method has a no-op default.
+beside the checkpoint, by subfolder); `release()` frees what the work holds once it is shed for the
+rest of the run (pipeline.memory_guard; the loop calls none of the moments after it). Every
+method has a no-op default.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ class IdleWork:
     def checkpoint_files(self) -> dict[str, Callable[[Path], None]]:
         """Subfolder name -> a function writing this work's files into that folder of a checkpoint."""
         return {}
+
+    def release(self) -> None:
+        pass
 
     def drafter(self) -> torch.nn.Module | None:
         """The drafter network this work trains, when it holds one (checkpoints save it where the

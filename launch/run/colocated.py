@@ -18,8 +18,8 @@ from common.idle import ControlPlane, IdleSchedule, ScheduledIdle
 from engine.backend import RolloutBackend
 from launch.run.problems import prompt_loader
 from launch.run.config import TrainConfig
-from launch.run.parts import (RankLog, Run, build_learner, build_rollout_side, build_update_side, finish_run, load_data,
-                              resume_state)
+from launch.run.parts import (RankLog, Run, build_learner, build_memory_guard, build_rollout_side, build_update_side,
+                              finish_run, load_data, resume_state)
 from pipeline.data import PromptLoader
 from pipeline.dist import Ranks, job_store
 from pipeline.hooks import IdleWorkHook, StepHook, WeightsFollower, load_hook_states
@@ -45,7 +45,8 @@ def build_colocated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
                             actor_features=spot.actor_features if spot is not None else None)
     trainer = Trainer(cfg.trainer, cfg.rollout, cfg.task, r, rollout.engine, learner, tokenizer, rollout.rewards, loader,
                       problems.held_out, rollout.sampling, run_dir, scope=scope, start_step=state.step,
-                      idle_work=idle_work, hooks=hooks)
+                      idle_work=idle_work, hooks=hooks, guard=build_memory_guard(cfg, r.world, log),
+                      trim_heap=cfg.memory_guard.trim_heap)
     if "length_predictor" in state.components:
         trainer.schedule.load_state_dict(state.components["length_predictor"])
     trainer.sync(version=state.step)  # the engine serves exactly the actor's weights (a resumed run's too)

@@ -15,6 +15,7 @@ from pipeline.actors.base import ActorConfig
 from pipeline.algorithms.config import AlgorithmConfig
 from pipeline.drafts.bubble import BubbleConfig
 from pipeline.config import PipelineSection, RolloutSection, TaskSection, TrainerSection
+from pipeline.memory_guard import MemoryGuardConfig
 from pipeline.metrics.config import MetricsConfig
 from spot.config import SpotConfig
 
@@ -49,6 +50,7 @@ class TrainConfig:
     bubble: BubbleConfig = field(default_factory=BubbleConfig)
     cluster: ClusterSection = field(default_factory=ClusterSection)  # Slurm jobs only (launch.slurm)
     pipeline: PipelineSection = field(default_factory=PipelineSection)
+    memory_guard: MemoryGuardConfig = field(default_factory=MemoryGuardConfig)
 
     def validate(self) -> None:
         """What spans several sections: each part's capabilities and the settings that cannot go

@@ -29,6 +29,7 @@ from pipeline.dist import Ranks
 from pipeline.drafts.history import RunHistory, run_history
 from pipeline.hooks import SpecPolicyHook, StepHook
 from pipeline.update.learner import Learner, uses_engine_logprobs
+from pipeline.memory_guard import MemoryGuard, MemoryGuardStop
 from pipeline.metrics import MetricsLogger
 from pipeline.metrics.device_memory import cuda_memory_metrics
 from pipeline.metrics.records_log import log_step, truncate_after
@@ -96,12 +97,15 @@ class Run:
                     if acc is not None:
                         metrics["eval/accuracy"] = accuracy[step] = acc
                 self.logger.log(step, metrics, lengths=result.lengths)
-                if (tc.save_every and step % tc.save_every == 0) or step == tc.steps:
+                if (tc.save_every and step % tc.save_every == 0) or step == tc.steps or result.stop:
                     trainer.save()
                     if r.main and tc.keep_checkpoints:
                         for folder in retain(self.run_dir, step, accuracy.get(step), tc.keep_checkpoints):
                             log(f"removed checkpoint {folder.name} (trainer.keep_checkpoints={tc.keep_checkpoints}: "
                                 "the latest and the best held-out stay)")
+                if result.stop:  # the memory guard's, on every rank at this step: resumable from the checkpoint
+                    log(result.stop)
+                    raise MemoryGuardStop(result.stop)
             train_s = time.perf_counter() - t0
         summary = {"run_dir": str(self.run_dir), "steps": tc.steps, "world_size": r.world, "train_seconds": round(train_s, 1),
                    "heldout_accuracy": {str(k): v for k, v in accuracy.items()}}
@@ -208,6 +212,29 @@ def build_learner(cfg: TrainConfig, ranks: Ranks, side: UpdateSide, tokenizer, e
     return Learner(cfg.trainer, build_algorithm(cfg.algorithm, cfg.rollout.max_new_tokens), cfg.actor, ranks, side.actor,
                    pad_token(tokenizer), uses_engine_logprobs(cfg.trainer, samples_policy, exact_logprobs),
                    reference=side.reference, actor_features=actor_features)
+
+
+def build_memory_guard(cfg: TrainConfig, world: int, log: RankLog) -> MemoryGuard | None:
+    """The colocated run's memory guard (None with memory_guard.mode=off): each rank held to the memory
+    plan's colocated peak on a CPU (launch.memory, as the preflight checks it), to its host's available
+    share only on a GPU (whose plan is the device's)."""
+    g = cfg.memory_guard
+    if g.mode == "off":
+        return None
+    from launch.memory.report import model_config, on_gpu, plan_for
+
+    if on_gpu(cfg):
+        log(f"memory guard ({g.mode}): the host's available memory under {g.min_available:.0%} (a GPU's plan is the device's)")
+        return MemoryGuard(g, None, log)
+    try:
+        role = plan_for(cfg, model_config(cfg, None), ranks=world).roles[0]
+    except (ValueError, FileNotFoundError) as e:  # a backend the planner does not size
+        log(f"memory guard ({g.mode}): no memory plan for this config ({e}); the host's available memory under "
+            f"{g.min_available:.0%} only")
+        return MemoryGuard(g, None, log)
+    log(f"memory guard ({g.mode}): the plan's {role.peak / 1e9:.2f} GB a rank (python -m launch.memory) "
+        f"+{g.over_plan:.0%} (at least {g.over_plan_gb:g} GB), and {g.min_available:.0%} of the host's memory available")
+    return MemoryGuard(g, [role.peak / 1e9] * world, log)
 
 
 def finish_run(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, problems: RunProblems, loader: PromptLoader,

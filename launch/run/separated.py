@@ -48,6 +48,9 @@ def build_separated(cfg: TrainConfig, r: Ranks, run_dir: Path, log: RankLog, res
     actor_rank = placement.actors is not None
     log(f"separated placement: rank {r.rank} of {r.world} is {'an actor' if actor_rank else 'a rollout'} "
         f"rank ({K} actor, {len(placement.rollout_ranks)} rollout)")
+    if cfg.memory_guard.mode != "off":
+        log(f"memory guard ({cfg.memory_guard.mode}): watches colocated runs only; a separated run's roles are "
+            "planned before it starts (python -m launch.memory) but not guarded while it runs")
     tokenizer, problems = load_data(cfg, log)
     resume, state = resume_state(cfg, r, run_dir, log)
     push_flag = spot_group = None

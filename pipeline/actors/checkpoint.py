@@ -4,7 +4,8 @@ A folder holds what a backend needs to resume bit for bit (model, optimizer) plu
 torch RNG state (`rng_rank{r}.pt`). Writing is collective: rank 0 owns the temporary folder
 (common.atomic.atomic_folder), every rank writes its files into it, and it is renamed into place
 only after all have finished. Loading first checks the files a backend names, so a malformed or
-partial folder fails with its path and the missing names instead of deep inside torch.
+partial folder fails with its path and the missing names instead of deep inside torch. A folder
+resumes on another number of ranks than saved it as far as the backend allows (load_rng: the RNG).
 """
 
 from __future__ import annotations
@@ -71,7 +72,15 @@ def save_rng(folder: Path, rank: int) -> None:
 
 
 def load_rng(folder: Path, rank: int) -> None:
-    state = torch.load(folder / rng_file(rank), weights_only=True)
+    """Restores this rank's torch RNG state from `folder`; a rank the saving run did not have (a
+    resume on more ranks) restores rank 0's.
+
+    Rank 0's because a run's ranks start from equal states (launch.run.build seeds torch with run.seed on
+    each), and a new rank's is then one the run has had; the run's sampling and data order are keyed
+    and never read this state (pipeline.rollout.stage, pipeline.data), so it moves no result.
+    """
+    file = folder / rng_file(rank)
+    state = torch.load(file if file.is_file() else folder / rng_file(0), weights_only=True)
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

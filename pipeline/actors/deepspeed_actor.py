@@ -22,12 +22,16 @@ alive), and `named_weights` gathers one decoder layer at a time (deepspeed.zero.
 Parameters under the persistence threshold (norms, biases) stay whole on every rank by design.
 
 A checkpoint is each rank's ZeRO optimizer state (`engine.optimizer.state_dict()`: its partition
-of the float32 master weights and of Adam's moments), its RNG state and, under ZeRO-1 / 2, the
-model as a Hugging Face folder (every rank holds the whole model; ZeRO-3's weights are the master
-partitions, with the model's config.json and the parameter shapes in partition order that
-DeepSpeed's zero_to_fp32 joins them by: launch.export). DeepSpeed's own `save_checkpoint` is not
-used: it runs barriers over the whole job. A checkpoint resumes on the same number of
-data-parallel ranks only.
+of the float32 master weights and of Adam's moments; pipeline.actors.zero_files), its RNG state
+and, under ZeRO-1 / 2, the model as a Hugging Face folder (every rank holds the whole model;
+ZeRO-3's weights are the master partitions, with the model's config.json and the parameter shapes
+in partition order that join them: launch.export). DeepSpeed's own `save_checkpoint` is not used:
+it runs barriers over the whole job. A checkpoint resumes on any number of data-parallel ranks
+under the ZeRO stage that saved it: on as many, each rank loads its own state; on another number
+(a preempted job back on fewer nodes), each rank reads every saved rank's state memory-mapped and
+takes its own partition of the master weights and Adam's moments in the new engine's layout
+(pipeline.actors.zero_reshard), and rank 0 logs the two numbers. A rank the saving run did not
+have restores rank 0's RNG state (pipeline.actors.checkpoint.load_rng).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,13 +48,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipeline.actors import zero_reshard
 from pipeline.actors.base import ActorCapabilities, ActorConfig, LogProbs, LossFn
 from pipeline.actors.checkpoint import collective_folder, load_rng, rank_and_world, require_files, rng_file, save_rng
 from pipeline.actors.forward import accumulate, batched_logprobs, load_policy, policy_forward
+from pipeline.actors.zero_files import ZERO3_SHAPES, optimizer_file, saved_states, saved_world_and_stage
 from common.optim import param_groups, set_lr
 from pipeline.actors.torch_actor import actor_device
 from pipeline.records import TrainBatch
 
+log = logging.getLogger(__name__)
 _LAYER = re.compile(r"^(.*?\.\d+)\.")  # "model.layers.3.mlp.up_proj.weight" -> "model.layers.3"
 
 
@@ -243,13 +252,6 @@ def layer_key(name: str) -> str:
     return m.group(1) if m else name
 
 
-ZERO3_SHAPES = "zero3_param_shapes.pt"  # a ZeRO-3 checkpoint's parameter names and shapes, in partition order
-
-
-def optimizer_file(rank: int) -> str:
-    return f"zero_rank{rank}.pt"
-
-
 class DeepSpeedActor:
     """`group`: the data-parallel ranks (None: the default process group, every rank)."""
 
@@ -328,7 +330,7 @@ class DeepSpeedActor:
                 # safetensors sees separate tensors.
                 self.engine.module.save_pretrained(tmp, state_dict={n: w.clone() for n, w in self.named_weights()})
             if self.cfg.zero_stage == 3 and self.rank == 0:
-                # what DeepSpeed's zero_to_fp32 needs to join the partitions into a model (launch.export)
+                # what joins the partitions into a model (launch.export, pipeline.actors.zero_reshard)
                 self.engine.module.config.save_pretrained(tmp)
                 shapes = [{n: list(s) for n, s in group.items()} for group in self.engine._get_zero_param_shapes()]
                 torch.save({"param_shapes": shapes}, tmp / ZERO3_SHAPES)
@@ -339,21 +341,25 @@ class DeepSpeedActor:
     def load(self, path: str | Path) -> None:
         r = self.rank
         model = ["config.json", "model.safetensors|model.safetensors.index.json"] if self.cfg.zero_stage != 3 else []
-        path = require_files(path, [*model, optimizer_file(r), rng_file(r)], "deepspeed actor")
-        saved = torch.load(path / optimizer_file(r), weights_only=False, map_location=self.device)
-        if saved["world"] != self.world:
-            raise ValueError(f"deepspeed actor checkpoint {path} was saved by {saved['world']} data-parallel ranks, "
-                             f"this run has {self.world}: resume with as many actor ranks (torchrun --nproc-per-node, "
-                             "pipeline.actor_ranks)")
+        path = require_files(path, [*model, optimizer_file(0), rng_file(0)], "deepspeed actor")
+        saved_world, stage = saved_world_and_stage(path)
+        if stage != self.cfg.zero_stage:
+            raise ValueError(f"deepspeed actor checkpoint {path} was saved under ZeRO-{stage}, this actor runs "
+                             f"ZeRO-{self.cfg.zero_stage}: resume with actor.zero_stage={stage} (a checkpoint's "
+                             "partitions are re-sharded for another number of ranks, not for another stage)")
         if model:
             from transformers import AutoModelForCausalLM
 
             weights = AutoModelForCausalLM.from_pretrained(path, dtype=self.engine.module.dtype).state_dict()
             with torch.no_grad():
                 self.engine.module.load_state_dict(weights)
-        # ZeRO's load takes every rank's state by data-parallel rank and, on as many ranks as saved
-        # them, reads its own only; it restores the float32 masters and, under ZeRO-3, the partitions.
-        states = [saved["optimizer"] if i == r else None for i in range(self.world)]
+        if saved_world == self.world:
+            state = torch.load(path / optimizer_file(r), weights_only=False, map_location=self.device)["optimizer"]
+        else:
+            state = self._resharded(path, saved_world)
+        # ZeRO's load takes every rank's state by data-parallel rank and reads its own only; it
+        # restores the float32 masters and, under ZeRO-3, the partitions.
+        states = [state if i == r else None for i in range(self.world)]
         optimizer = self.engine.optimizer
         if self.cfg.zero_stage == 3:
             optimizer.checkpoint_event_prologue()  # partitions every parameter, as engine.load_checkpoint does
@@ -361,3 +367,14 @@ class DeepSpeedActor:
         if self.cfg.zero_stage == 3:
             optimizer.checkpoint_event_epilogue()  # gathers the persistent parameters back
         load_rng(path, r)
+
+    def _resharded(self, path: Path, saved_world: int) -> dict:
+        """This rank's optimizer state from a checkpoint `saved_world` ranks saved (pipeline.actors.zero_reshard)."""
+        if self.rank == 0:
+            log.warning("deepspeed actor checkpoint %s was saved by %d data-parallel ranks and is resumed on %d: its "
+                        "ZeRO-%d partitions are re-sharded", path, saved_world, self.world, self.cfg.zero_stage)
+        saved, template = saved_states(path, saved_world), self.engine.optimizer.state_dict()
+        if self.cfg.zero_stage != 3:
+            return zero_reshard.zero12_state(saved, template, self.rank)
+        numels = [math.prod(s) for group in self.engine._get_zero_param_shapes() for s in group.values()]
+        return zero_reshard.zero3_state(saved, template, numels, self.rank, self.world)

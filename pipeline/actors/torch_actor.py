@@ -4,7 +4,9 @@ Gradients accumulate over the micro-batches under DDP's `no_sync` and are all-re
 the last backward; the loss is multiplied by the world size so that DDP's mean becomes the sum
 that globally normalised loss weights call for (pipeline.actors.base). Optimiser and step are
 common.optim's. A checkpoint is the model as a Hugging Face folder (config.json and
-safetensors, loadable by the engine), `optimizer.pt` and each rank's RNG state.
+safetensors, loadable by the engine), `optimizer.pt` and each rank's RNG state. Every rank holds
+the whole model and optimizer, so a checkpoint resumes on any number of ranks (a rank the saving
+run did not have restores rank 0's RNG state: pipeline.actors.checkpoint.load_rng).
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ class TorchActor:
         from transformers import AutoModelForCausalLM
 
         path = require_files(path, ["config.json", "model.safetensors|model.safetensors.index.json", "optimizer.pt",
-                                    rng_file(self.rank)], "torch actor")
+                                    rng_file(0)], "torch actor")
         saved = AutoModelForCausalLM.from_pretrained(path, dtype=self.model.dtype)
         with torch.no_grad():
             self.model.load_state_dict(saved.state_dict())

@@ -83,8 +83,11 @@ class BubbleStore:
         if step == self.step:
             for (pid, sample), tokens in self.drafts.items():
                 out.setdefault(pid, {})[sample] = tokens
-        self.step, self.drafts, self.tokens = None, {}, 0
+        self.clear()
         return out
+
+    def clear(self) -> None:
+        self.step, self.drafts, self.tokens = None, {}, 0
 
 
 class BubbleDrafts(StepHook):
@@ -185,6 +188,11 @@ class BubbleWork(IdleWork):
         self.local = [spent, float(len(rollouts)), float(kept), float(sum(len(r.tokens) for r in rollouts)),
                       float(sum(r.finish_reason == FinishReason.PREEMPTED for r in rollouts))]
         return {}
+
+    def release(self) -> None:
+        """Shed (pipeline.memory_guard): nothing more is pre-generated; the drafts kept are dropped."""
+        self.store.clear()
+        self.window = None
 
     def settle(self) -> dict[str, float]:
         """The last window's figures summed over ranks (one all-reduce), with this rank's window length."""

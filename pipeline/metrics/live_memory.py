@@ -9,6 +9,10 @@ cannot tell a leak from one large step. The loop logs each rank's value every st
 arenas, caches, the first checkpoint and eval fill in over the first steps) and returns its
 slope: the soak (`make soak`, bench.soak) and its shorter test fail when it passes a threshold.
 
+`heap_free_bytes()` is what glibc's malloc holds free (common.heap): resident memory can exceed
+what tensors hold by up to this much. The loop logs it beside the live value as
+`mem/heap_free_gb/rank{r}`.
+
 It knows nothing of ranks or collectives: the caller gathers every rank's value.
 """
 
@@ -18,9 +22,12 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from common import heap
+
 STATM = Path("/proc/self/statm")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 RSS_KEY = "mem/rss_gb"
+HEAP_FREE_KEY = "mem/heap_free_gb"
 MIN_FIT_STEPS = 3  # steps after the warm-up a slope is fitted to
 
 
@@ -32,10 +39,17 @@ def live_rss_bytes(statm: Path = STATM) -> int:
         raise FileNotFoundError(f"{statm} does not exist: live RSS is read from Linux's /proc") from None
 
 
-def rss_metrics(by_rank: Sequence[float]) -> dict[str, float]:
+def heap_free_bytes() -> float:
+    """Bytes glibc's heap holds free (common.heap.free_bytes; part of them resident), nan off glibc."""
+    return heap.free_bytes()
+
+
+def rss_metrics(by_rank: Sequence[float], heap_free: Sequence[float] = ()) -> dict[str, float]:
     """`mem/rss_gb` (the largest rank's: the one nearest to running out) and `mem/rss_gb/rank{r}`,
-    from every rank's live RSS in GB, indexed by rank."""
-    return {RSS_KEY: max(by_rank), **{f"{RSS_KEY}/rank{r}": gb for r, gb in enumerate(by_rank)}}
+    from every rank's live RSS in GB, indexed by rank; `mem/heap_free_gb/rank{r}` from `heap_free`
+    (GB, by rank) where given."""
+    return {RSS_KEY: max(by_rank), **{f"{RSS_KEY}/rank{r}": gb for r, gb in enumerate(by_rank)},
+            **{f"{HEAP_FREE_KEY}/rank{r}": gb for r, gb in enumerate(heap_free)}}
 
 
 def growth_per_step(steps: Sequence[int], values: Sequence[float], warmup: int) -> float:

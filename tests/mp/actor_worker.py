@@ -18,7 +18,7 @@ With --bystanders N the job has 2 + N processes: the actors train on a process g
 and 1 (a separated placement's actor ranks) while the others only wait in the job's store for
 the end, joining no collective; a collective over the whole job would leave the actor ranks
 waiting until the process group's timeout. DeepSpeed actors also report the error of loading a
-checkpoint whose files say another number of ranks saved it.
+checkpoint whose files say 3 ranks saved it, with only 2 ranks' files there.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def run(backend: str, model: str, out: Path, steps: int, budget: int, group=None
 
 
 def load_as_if_saved_by_three(actor, ckpt: Path, copy: Path, group) -> str:
-    """The error a DeepSpeed actor's load gives for a checkpoint its files say 3 ranks saved."""
+    """The error a DeepSpeed actor's load gives for a checkpoint its files say 3 ranks saved, with 2 ranks' files."""
     import shutil
 
     import torch.distributed as dist
@@ -160,10 +160,11 @@ def load_as_if_saved_by_three(actor, ckpt: Path, copy: Path, group) -> str:
     dist.barrier(group=group)
     state = torch.load(copy / optimizer_file(rank), weights_only=False)
     torch.save({**state, "world": 3}, copy / optimizer_file(rank))
+    dist.barrier(group=group)  # every rank's file says 3 before any rank reads rank 0's
     try:
         actor.load(copy)
         return ""
-    except ValueError as e:
+    except FileNotFoundError as e:
         return str(e)
 
 
