@@ -103,13 +103,13 @@ train-32b: setup
 train-32b-h200: setup
 	$(PY) -m launch.slurm --config configs/32b-h200.yaml $(ARGS)
 
-# The cluster job rehearsed here (launch/rehearse.py): the shipped config with configs/rehearse/<name>.yaml's
+# The cluster job rehearsed here (launch/slurm/rehearse.py): the shipped config with configs/rehearse/<name>.yaml's
 # sizes and devices, submitted by launch.slurm to a local Slurm of two nodes (root; apt-installs slurm-wlm).
 rehearse-7b: models
-	$(PY) -m launch.rehearse 7b $(ARGS)
+	$(PY) -m launch.slurm.rehearse 7b $(ARGS)
 
 rehearse-32b: models
-	$(PY) -m launch.rehearse 32b $(ARGS)
+	$(PY) -m launch.slurm.rehearse 32b $(ARGS)
 
 # Does a config fit its GPUs? The memory planner from the model's config.json alone (docs/CLUSTER.md):
 # make memory CONFIG=configs/32b.yaml MODEL_CONFIG=launch/model_configs/qwen2.5-32b-instruct.json

@@ -38,14 +38,14 @@ from common.text import load_tokenizer, pad_token, stop_tokens
 from engine.engine import RolloutEngine
 from engine.spec.factory import build_drafter
 from engine.types import Request
-from launch.config import load_config
-from launch.run_config import TrainConfig
-from launch.problems import problems_for, prompt_loader
+from common.config import load_config
+from launch.run.config import TrainConfig
+from launch.run.problems import problems_for, prompt_loader
 from pipeline.actors import build_actor
 from pipeline.algorithms import build_algorithm
 from pipeline.dist import Ranks, run_scope
-from pipeline.learner import Learner, uses_engine_logprobs
-from pipeline.rollouts import StepSampling, encode_problem
+from pipeline.update.learner import Learner, uses_engine_logprobs
+from pipeline.rollout.stage import StepSampling, encode_problem
 from pipeline.tasks.reward_scoring import build_rewards
 from pipeline.trainer import Trainer
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from bench.common import cpu_model, finish
 from bench.runs import bench_overrides, mean, read_metrics, same_steps, same_weights, train_runs
-from launch.config import load_config
-from launch.run_config import TrainConfig
+from common.config import load_config
+from launch.run.config import TrainConfig
 
 
 def row_passes(run_dir: Path) -> dict[int, int]:

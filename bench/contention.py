@@ -30,7 +30,7 @@ from spot.config import SpotConfig
 
 def shard(model: str, prompts: int):
     from common.text import load_tokenizer
-    from pipeline.rollouts import encode_problem
+    from pipeline.rollout.stage import encode_problem
     from pipeline.tasks import get_task
 
     tok = load_tokenizer(model)
@@ -43,8 +43,8 @@ def train_forever(model: str, drafter: str, rows: int, chunk: int | None, ready,
     torch.set_num_threads(1)
     from engine.checkpoint import load_checkpoint
     from engine.spec.eagle import EagleModel
-    from spot.features import TokenSequence, capture_features
-    from spot.trainer import SpotTrainer
+    from spot.training.features import TokenSequence, capture_features
+    from spot.training.trainer import SpotTrainer
 
     target = load_checkpoint(model)
     net = EagleModel.load(drafter, target)

@@ -60,8 +60,8 @@ from pathlib import Path
 from bench.common import cpu_model, finish, save_plot
 from bench.runs import bench_overrides, mean, plan_config, read_metrics, same_steps, same_weights, train_runs
 from engine.spec.drafter import DraftShape
-from launch.config import load_config
-from launch.run_config import TrainConfig
+from common.config import load_config
+from launch.run.config import TrainConfig
 
 ALL_OFF = ("engine.spec.enabled=false", "spot.enabled=false", "bubble.enabled=false", "rollout.work_stealing=false",
            "rollout.split_groups=false", "rollout.long_first=false")

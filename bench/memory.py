@@ -42,7 +42,7 @@ ALLOCATORS = {"glibc": {}, "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
 # What a rank imports and loads before it builds anything: the run, both actor backends' modules, the
 # decoder classes transformers builds, and the CPU kernels' library.
 BASELINE = """
-import launch.train, launch.separated, pipeline.actors.torch_actor
+import launch.train, launch.run.separated, pipeline.actors.torch_actor
 from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 from engine.kernels.library import available
 available()
@@ -127,9 +127,9 @@ def measure(case: dict, out: Path, timeout_s: float, malloc: str, *, ranks: int 
 
 def planned(case: dict, runtime: int, ranks: int = 2) -> dict[str, int]:
     """Role -> the plan's peak bytes for this case's config on `ranks` ranks (CPU, or its GPU's)."""
-    from launch.config import load_config
-    from launch.memory import model_config, plan_for
-    from launch.run_config import TrainConfig
+    from common.config import load_config
+    from launch.memory.report import model_config, plan_for
+    from launch.run.config import TrainConfig
 
     cfg = load_config(TrainConfig, REPO / case["path"], case["overrides"])
     p = plan_for(cfg, model_config(cfg, None), ranks=ranks, runtime_mb=runtime / 2**20)
@@ -156,7 +156,7 @@ def gpu_main(args, out: Path) -> int:
     """Planned against torch.cuda.max_memory_allocated on one GPU (bench/gpu_check.sh's step)."""
     import torch
 
-    from launch.memory_model import GiB
+    from launch.memory.actor import GiB
 
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to compare (bench/gpu_check.sh runs this step where a GPU is lent)")
@@ -193,7 +193,7 @@ def rank_run(folder: Path, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from launch.config import override_args
+    from common.config import override_args
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--rank-run"]:
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [m for m in mallocs if m not in ALLOCATORS]:
         ap.error(f"--malloc: unknown {bad[0]!r} (known: {', '.join(ALLOCATORS)})")
     from bench.common import cpu_model
-    from launch.memory_model import GiB
+    from launch.memory.actor import GiB
 
     out = args.out or Path(tempfile.mkdtemp(prefix="tailspec-bench-memory-"))
     out.mkdir(parents=True, exist_ok=True)

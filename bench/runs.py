@@ -1,5 +1,5 @@
 """Whole RL runs side by side, for the benches that compare ways of one run (bench.e2e,
-bench.spot, bench.bubble --steps): run a plan of configs through launch.run in this process
+bench.spot, bench.bubble --steps): run a plan of configs through launch.run.build in this process
 group, read their metrics, and check two runs were the same run."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from common import heap
-from launch.config import load_config
-from launch.run_config import TrainConfig
-from launch.run import run as train_run
+from common.config import load_config
+from launch.run.config import TrainConfig
+from launch.run.build import run as train_run
 from pipeline.dist import Ranks, init_ranks, shutdown
 
 # Per-step metrics two identical runs agree on exactly.

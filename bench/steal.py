@@ -7,7 +7,7 @@ turn (ABCDE, then BCDEA, ...) so a drifting machine speed falls on every way ali
 
 - `static`: each rank its loader shard, all admitted at once (the loop's default);
 - `steal`: units (a prompt's n samples) taken as rows free up, each rank's loader shard first,
-  then the others' not yet taken (pipeline.stealing; what long-first has in a run's first epoch:
+  then the others' not yet taken (pipeline.rollout.stealing; what long-first has in a run's first epoch:
   no prompt seen yet, every prediction the prior);
 - `steal+history`: the same over a plan from each prompt's lengths in an earlier pass (the
   static way's first repeat: a prompt seen in an earlier epoch): a token-balanced deal, longest first;
@@ -21,7 +21,7 @@ A way's time is its generation phase: from the barrier before it until the last 
 It prints per way the mean generation phase, its ratio to static (and the ratio of the sums of
 each step's fastest repeat: on shared cores contention only adds time), the idle share of rank-seconds
 over the phase, and for the stealing ways the idle share until the step's last unit was taken
-(pipeline.schedule.idle_to_last_start); every way's tokens must equal static's (exit 2 if not).
+(pipeline.rollout.schedule.idle_to_last_start); every way's tokens must equal static's (exit 2 if not).
 `--json` ends with one line of the figures.
 """
 
@@ -37,15 +37,15 @@ import torch.distributed as dist
 from bench.common import cpu_model, finish
 from common.text import load_tokenizer, stop_tokens
 from engine.backends.factory import build_rollout_engine
-from launch.config import load_config
-from launch.problems import problems_for, prompt_loader
-from launch.run_config import TrainConfig
+from common.config import load_config
+from launch.run.problems import problems_for, prompt_loader
+from launch.run.config import TrainConfig
 from pipeline.dist import init_ranks, shutdown
-from pipeline.lengths import LengthPredictor
-from pipeline.rollouts import StepSampling, requests_for
-from pipeline.schedule import idle_to_last_start
+from pipeline.rollout.lengths import LengthPredictor
+from pipeline.rollout.stage import StepSampling, requests_for
+from pipeline.rollout.schedule import idle_to_last_start
 from pipeline.shares import split_samples
-from pipeline.stealing import StealingSource, UnitQueue, default_inflight, plan_units
+from pipeline.rollout.stealing import StealingSource, UnitQueue, default_inflight, plan_units
 
 WAYS = ("static", "steal", "steal+history", "split", "bound")
 

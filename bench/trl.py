@@ -105,8 +105,8 @@ def trl_settings(cfg, micro_rows: int) -> dict:
 def job_rows(cfg, tokenizer, steps: int) -> list[dict]:
     """The rows TailSpec's run of `cfg` trains on in its first `steps` steps, in order: the prompt as
     TRL takes it (chat messages, or text), the gold answer, the prompt's token ids as TailSpec renders it."""
-    from launch.problems import problems_for, prompt_loader
-    from pipeline.rollouts import encode_problem
+    from launch.run.problems import problems_for, prompt_loader
+    from pipeline.rollout.stage import encode_problem
 
     problems = problems_for(cfg, tokenizer)
     loader = prompt_loader(cfg, problems.train)
@@ -235,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from bench.common import cpu_model, finish
-    from launch.config import load_config
-    from launch.run_config import TrainConfig
+    from common.config import load_config
+    from launch.run.config import TrainConfig
     from pipeline.tasks.reward_plugins import math_verify_format_weight
 
     cfg = load_config(TrainConfig, args.config, args.overrides)

@@ -1,6 +1,6 @@
 """Weight streams cut into buckets: the vLLM backend's pushes (engine.backends.vllm_engine's
 safetensors files, one file per bucket) and the separated placement's weight push
-(pipeline.weight_sync, one broadcast per bucket), instead of one call per tensor."""
+(pipeline.separated.weight_sync, one broadcast per bucket), instead of one call per tensor."""
 
 from __future__ import annotations
 

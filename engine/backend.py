@@ -3,7 +3,7 @@
 Two backends implement it: the native engine (engine.engine.RolloutEngine, CPU and GPU) and vLLM
 (engine.backends.vllm_engine.VllmEngine, GPU clusters). Nothing asks which one it has: a class
 declares what its backends can do (`CAPS`, and `serves` for the drafters), which a run's config is
-checked against before any backend is built (launch.capabilities); a built backend's `caps` say
+checked against before any backend is built (launch.run.capabilities); a built backend's `caps` say
 what it does with its config. The loop reads `caps` and calls the methods below, whose defaults
 do nothing where a backend has nothing to do (a native engine never sleeps).
 

@@ -65,7 +65,7 @@ class EngineConfig:
             raise ValueError(f"engine.weights must be float32 or bfloat16, got {self.weights!r}")
         if self.products not in ("float32", "bf16", "auto"):
             raise ValueError(f"engine.products must be float32, bf16 or auto, got {self.products!r}")
-        # Whether the backend has these numerics at all is its capability (bf16_kernels: launch.capabilities).
+        # Whether the backend has these numerics at all is its capability (bf16_kernels: launch.run.capabilities).
         if self.products == "bf16" and not self._float32():
             raise ValueError(f"engine.products=bf16 is the CPU kernels' float32 mode computing its products in bf16; it "
                              f"needs engine.dtype=float32 and engine.weights=float32 (got {self.dtype}, {self.weights}); "

@@ -3,7 +3,7 @@
 `target_features(out, aux_layers)` is the one definition of "the features" a drafter reads and
 the DataBuffer stores: the outputs of the target's auxiliary layers (eagle3) in the given order,
 then its final hidden state after the final norm: [..., F] with F = H * (len(aux_layers) + 1).
-The engine computes them on every decode and verify pass; drafter training (spot.features)
+The engine computes them on every decode and verify pass; drafter training (spot.training.features)
 computes them by a teacher-forced pass; both call this function.
 
 A `FeatureSink` (optional, attached to the engine) receives them as they are computed:

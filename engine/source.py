@@ -2,7 +2,7 @@
 
 A generate() call given a source asks it, before every admission, for more requests; what it
 returns is admitted like the call's own requests (after them, in the order returned), so the
-continuous batch is fed while it runs (work stealing: pipeline.stealing). The source decides how
+continuous batch is fed while it runs (work stealing: pipeline.rollout.stealing). The source decides how
 much to hand out from the rows active and free; the engine never holds requests back. Sampling
 noise is keyed by (seed, step, prompt id, sample, position), so when or where a request is
 admitted changes none of its tokens.

@@ -25,11 +25,11 @@ class Request:
     n: int = 1  # samples (a GRPO group, or a part of one: see first_sample)
     # Pre-generated responses by sample index (bubble drafts): the drafter proposes from them.
     drafts: dict[int, list[int]] | None = None
-    # The response length expected from the prompt's earlier responses (pipeline.history), or None;
+    # The response length expected from the prompt's earlier responses (pipeline.drafts.history), or None;
     # the length-aware budget drafts deeper for rows predicted long. It changes no token.
     predicted_len: int | None = None
     # The request's samples are first_sample .. first_sample + n - 1 of its prompt's group: a group
-    # split across ranks (pipeline.schedule, rollout.split_groups) asks each rank for its part.
+    # split across ranks (pipeline.rollout.schedule, rollout.split_groups) asks each rank for its part.
     # The sample index keys the noise, so a sample is the same tokens whichever request holds it.
     first_sample: int = 0
 

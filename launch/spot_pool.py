@@ -1,6 +1,6 @@
 """`torchrun --nnodes=MIN:MAX --nproc-per-node=1 --rdzv-backend=c10d ... -m launch.spot_pool`: the elastic spot pool.
 
-One worker per member (a node with an idle GPU, or a local agent on CPU); spot.pool says what a
+One worker per member (a node with an idle GPU, or a local agent on CPU); spot.pool.elastic says what a
 member does. Exit codes tell torchelastic what happened: 0 the pool finished (`--micro-steps`
 reached or `<out>/STOP` written), 3 it stopped for a membership change after checkpointing (a
 SIGTERM on any member), 1 a member vanished (state checkpointed by a survivor) or bad input.
@@ -15,9 +15,9 @@ import signal
 import sys
 from dataclasses import MISSING, fields
 
-from launch.config import from_dict
+from common.config import from_dict
 from pipeline.dist import init_ranks, shutdown
-from spot.pool import MemberLost, PoolConfig, run_pool
+from spot.pool.elastic import MemberLost, PoolConfig, run_pool
 
 PREEMPTED_EXIT = 3
 

@@ -3,7 +3,7 @@
 Alone or under `torchrun --nproc-per-node=R -m launch.train ...` (gloo on CPU, NCCL on GPU): each
 rank holds its own rollout backend (engine.backend: native or vllm) and a data-parallel replica of
 the actor, rolls out its shard of every step's prompts, then trains. The run is built by
-launch.run.build_run, which also says what the run folder holds and how to resume.
+launch.run.build.build_run, which also says what the run folder holds and how to resume.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import sys
 
 import torch.distributed as dist
 
-from launch.config import load_config, override_args, require_keys
-from launch.run import run
-from launch.run_config import TrainConfig
+from common.config import load_config, override_args, require_keys
+from launch.run.build import run
+from launch.run.config import TrainConfig
 from pipeline.dist import PeerLost, init_ranks, shutdown
 
 

@@ -2,7 +2,7 @@
 drafter warm start (spot.warmstart) on an RL run's own model and training prompts.
 
 The run's config says everything about the data: `model.path` is the target; the prompts are the
-run's training problems as launch.problems.problems_for makes them (task.file's rows by its field
+run's training problems as launch.run.problems.problems_for makes them (task.file's rows by its field
 paths, text or chat messages, task.chat with task.system_prompt and task.instruction, less the
 held-out share; or a generated task's problems), encoded as the run encodes them
 (pipeline.data.chat.encode_problem), so the drafter learns the target's responses to the prompts
@@ -18,13 +18,13 @@ from __future__ import annotations
 import sys
 
 from common.text import load_tokenizer
-from launch.config import load_config, missing_keys, override_args
-from launch.problems import problems_for
-from launch.run_config import TrainConfig
+from common.config import load_config, missing_keys, override_args
+from launch.run.problems import problems_for
+from launch.run.config import TrainConfig
 from pipeline.data.chat import encode_problem
-from spot.warmstart import WarmstartConfig, build_parser, result_line, warmstart_prompts
-from spot.warmstart_data import Prompt
-from spot.warmstart_ranks import join, leave
+from spot.warmstart.train import WarmstartConfig, build_parser, result_line, warmstart_prompts
+from spot.warmstart.data import Prompt
+from spot.warmstart.ranks import join, leave
 
 # Warm-start keys that default to the run config's: key -> the dotted config key (run_value reads it)
 FROM_RUN = {

@@ -1,7 +1,7 @@
 """The loop's config sections: `task:`, `rollout:`, `trainer:` and `pipeline:` in configs/*.yaml.
 
-Each part of the loop receives the sections it reads (pipeline.trainer, pipeline.learner, the
-separated sides, pipeline.schedule), never the whole run config: launch.run_config.TrainConfig
+Each part of the loop receives the sections it reads (pipeline.trainer, pipeline.update.learner, the
+separated sides, pipeline.rollout.schedule), never the whole run config: launch.run.config.TrainConfig
 assembles these with the other parts' sections (engine.config, pipeline.actors.base,
 pipeline.algorithms.config, spot.config, ...) and checks what spans several of them. Each
 section's `validate()` checks its own keys, raising ValueError naming the key.
@@ -141,18 +141,18 @@ class RolloutSection:
     top_p: float = 1.0
     top_k: int = 0
     # Ranks take the step's prompt groups from one queue in the job's store as their rows free up,
-    # instead of each rolling out its loader shard (pipeline.stealing); the tokens are the same.
+    # instead of each rolling out its loader shard (pipeline.rollout.stealing); the tokens are the same.
     work_stealing: bool = False
     # Rows a rank keeps active while groups remain in the queue; 0: 7/8 of its share of the step's
-    # rows (pipeline.stealing.default_inflight).
+    # rows (pipeline.rollout.stealing.default_inflight).
     steal_inflight: int = 0
     # Groups start in order of predicted length, longest first (their responses the last time the
-    # prompt was seen, else the running mean: pipeline.lengths); the tokens are the same.
+    # prompt was seen, else the running mean: pipeline.rollout.lengths); the tokens are the same.
     long_first: bool = False
     # Every rank generates its part of every prompt's group (rank r: samples r*n/w .. (r+1)*n/w - 1
     # of each, w ranks; a separated run's w rollout ranks likewise), instead of whole groups of its
     # share: the step's longest group is spread over all ranks, so they finish together (Seer's
-    # divided rollout; pipeline.schedule, pipeline.separated_rollout). Each rank prefills every
+    # divided rollout; pipeline.rollout.schedule, pipeline.separated.rollout). Each rank prefills every
     # prompt. The tokens are the same; the groups are joined before the update.
     split_groups: bool = False
 
@@ -179,13 +179,13 @@ class TrainerSection:
     mini_batches: int = 1  # optimizer steps per PPO epoch
     eval_every: int = 5  # held-out accuracy every N steps (and before the first, after the last); 0 = only those
     save_every: int = 0  # checkpoint every N steps (and after the last); 0 = only after the last
-    # Checkpoints kept on disk: the K latest and the one of best held-out accuracy (pipeline.checkpoint_keep);
+    # Checkpoints kept on disk: the K latest and the one of best held-out accuracy (pipeline.checkpoint.keep);
     # 0 keeps every one. The preflight sizes the run folder's disk by it.
     keep_checkpoints: int = 0
     # A checkpoint folder (runs/<run>/checkpoints/step-N) to continue from, or "auto": the run folder's
     # (run.dir's) latest complete checkpoint if it has one, else a fresh start (requeued Slurm jobs).
     resume: str | None = None
-    # Old log-probs of the PPO ratio (pipeline/old_logprobs.py): engine, the engine's own (the
+    # Old log-probs of the PPO ratio (pipeline/update/old_logprobs.py): engine, the engine's own (the
     # behaviour policy's, free: exactly the old policy in synchronous mode when the sampling
     # distribution is the policy's: temperature 1, no top-k / top-p); update, the update's own
     # forward, detached, for the rows it passes before any optimizer step (all of them with one
@@ -203,7 +203,7 @@ class TrainerSection:
     # step takes one problem of each size stratum, a problem's size being the length of its reference
     # response, so every step has the whole set's spread of lengths (its longest from the top stratum).
     # auto: stratified where every training problem has a reference response (generated tasks, a file
-    # with task.response_field), else shuffled; the run's log says which (launch.problems).
+    # with task.response_field), else shuffled; the run's log says which (launch.run.problems).
     prompt_order: Literal["auto", "shuffled", "stratified"] = "shuffled"
     # Rows whose advantage is 0 on every token (a GRPO / RLOO group whose rewards are all equal)
     # give the policy loss no gradient when algorithm.kl_coef is 0: the update's forward and
@@ -234,7 +234,7 @@ class TrainerSection:
 @dataclass(frozen=True)
 class PlacementCapabilities:
     """What a placement's loops can run, declared per placement (PLACEMENTS) as the actor and engine
-    backends declare theirs; the run's validation (launch.capabilities) reads them."""
+    backends declare theirs; the run's validation (launch.run.capabilities) reads them."""
 
     pregenerates: bool  # a rank idles between its rollouts and its update (bubble drafts fill that wait)
     refills: bool  # the ranks that train also roll out more rounds of a step (algorithm.dynamic_sampling)

@@ -62,7 +62,7 @@ _RUNS = itertools.count()  # runs built in this process: part of their store sco
 def run_scope(run_dir: str | Path) -> str:
     """The prefix of a run's keys in the job's store, `tailspec/<run folder>/<n>`: the same on every
     rank (each builds its runs in the same order, once each), distinct from an earlier run of the
-    job (the store outlives a run). launch.run.build_run takes it once and hands it to every part
+    job (the store outlives a run). launch.run.build.build_run takes it once and hands it to every part
     that keeps keys there (idle windows, work queues, push announcements)."""
     return f"tailspec/{Path(run_dir).name}/{next(_RUNS)}"
 

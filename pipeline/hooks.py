@@ -1,9 +1,9 @@
 """Step hooks: the optional parts of a run, run by the loop around every RL step.
 
 A config turns parts on (bubble drafts, spot training, history drafts, a learning speculation
-policy, a drafter that follows the policy's LM head); the run's builder (launch.colocated,
-launch.separated) makes one hook for each part that is on, and the loop (pipeline.trainer's
-Trainer; on a separated run's rollout ranks pipeline.separated_rollout) calls every hook at each
+policy, a drafter that follows the policy's LM head); the run's builder (launch.run.colocated,
+launch.run.separated) makes one hook for each part that is on, and the loop (pipeline.trainer's
+Trainer; on a separated run's rollout ranks pipeline.separated.rollout) calls every hook at each
 moment of the step, in list order, without asking which parts the run has. Every method is a
 no-op by default; a hook overrides the moments it acts at. In the order of a step:
 
@@ -37,8 +37,8 @@ Checkpoints: `name` is a hook's key in a run checkpoint's components ("" keeps n
 `state_dict` / `load_state_dict` are its state there, `checkpoint_files` the files it writes
 beside it, `drafters()` the drafter networks it trains, saved where the engine holds none.
 
-It knows the hooks' moments only; what a part does in them lives with the part (pipeline.bubble,
-pipeline.history) or, for parts outside the loop, in the small adapters below.
+It knows the hooks' moments only; what a part does in them lives with the part (pipeline.drafts.bubble,
+pipeline.drafts.history) or, for parts outside the loop, in the small adapters below.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from engine.types import Request
 
 if TYPE_CHECKING:
     from engine.spec.policy import SpecPolicy
-    from pipeline.rollouts import ScoredRollouts
+    from pipeline.rollout.stage import ScoredRollouts
 
 Reduce = Literal["mean", "sum"]
 
@@ -187,7 +187,7 @@ class IdleWorkHook(StepHook):
 
 
 class UpdateIdleWorkHook(IdleWorkHook):
-    """The idle work of a separated run's rollout ranks (spot.separated, spot.separated_pool): also
+    """The idle work of a separated run's rollout ranks (spot.separated, spot.pool.separated_follower): also
     through the actor ranks' update, until actor rank 0 announces the push in the job's store
     (common.idle.PushFlag), which ends that window."""
 
@@ -219,7 +219,7 @@ class SpecPolicyHook(StepHook):
 
 
 class WeightsFollower(StepHook):
-    """Something that copies weights as they go by on every sync (spot.actor_features.HeadTarget:
+    """Something that copies weights as they go by on every sync (spot.buffer.actor_features.HeadTarget:
     the out-of-process drafter's embedding and LM head follow the policy's)."""
 
     def __init__(self, follow: Callable[[NamedTensors], NamedTensors]) -> None:

@@ -24,11 +24,11 @@ order whichever way the rollout was placed, and the run stays bit for bit the sa
   parts of a mini-batch stay short of balanced, dealt by rows they are nearly even (the run's
   `train/update_balance`; docs/BENCHMARKS.md, "The update"). A
   group's samples may then train on different ranks; advantages are per group, so each rank
-  holds the whole groups of its rows (pipeline.schedule) and trains only its rows.
+  holds the whole groups of its rows (pipeline.rollout.schedule) and trains only its rows.
 - `update_balance`: how evenly the ranks' update tokens fall in each mini-batch (the learner's
   `train/update_balance`).
 - `update_tokens`: what a group weighs in `token_shares`: its response tokens, or 0 when the
-  update leaves it out (rewards all equal: advantage 0, pipeline.learner).
+  update leaves it out (rewards all equal: advantage 0, pipeline.update.learner).
 - `generation_shares`: which groups each rollout rank of a separated placement generates.
 - `split_samples`: which samples of every group a rank generates when groups are split over the
   ranks (rollout.split_groups).

@@ -1,22 +1,22 @@
 """The RL loop: orchestration only; every stage lives in its own module.
 
 One step on every rank of a colocated placement (each rank rolls out, then trains; a separated
-placement runs the same stages on separate ranks: pipeline.separated_actor, pipeline.separated_rollout):
+placement runs the same stages on separate ranks: pipeline.separated.actor, pipeline.separated.rollout):
 
     prompts (pipeline.data: this rank's shard of the step)
-    -> rollouts (pipeline.schedule: the engine on this rank's shard or on units taken from a shared
-       queue, pipeline.rollouts: noise keyed by run seed, RL step, prompt, sample); each rollout
+    -> rollouts (pipeline.rollout.schedule: the engine on this rank's shard or on units taken from a shared
+       queue, pipeline.rollout.stage: noise keyed by run seed, RL step, prompt, sample); each rollout
        scored once, as it is made (pipeline.tasks.reward_scoring); DAPO's dynamic sampling rolls
        out more rounds first
     -> idle window (common.idle: wait for the slowest rank, or pre-generate / train the drafter)
-    -> the rows this rank trains (pipeline.schedule.share: its shard, exchanged if made elsewhere)
-    -> advantages -> old (and reference) log-probs -> PPO epochs (pipeline.learner)
+    -> the rows this rank trains (pipeline.rollout.schedule.share: its shard, exchanged if made elsewhere)
+    -> advantages -> old (and reference) log-probs -> PPO epochs (pipeline.update.learner)
     -> weight sync (engine.load_weights(actor.named_weights(), version=step))
     -> metrics -> eval every N steps -> checkpoint every N steps.
 
 The run's optional parts (bubble drafts, spot training, history drafts, the speculation policy's
 state, a drafter that follows the policy's LM head) are step hooks (pipeline.hooks), built by
-launch.colocated for what the config turns on: the Trainer calls every hook at each moment of
+launch.run.colocated for what the config turns on: the Trainer calls every hook at each moment of
 the step (its start, each generation round's requests and rollouts, the idle window's close, the
 weight sync, the step's end), reduces their metrics over the ranks as each declares, and saves
 their state, without asking which parts the run has.
@@ -25,9 +25,9 @@ The engine is a rollout backend (engine.backend.RolloutBackend: native or vLLM) 
 reads what it can do from its capabilities: where its log-probs are not exactly the served
 policy's (vLLM's numerics, bf16 weight copies) the old log-probs are the actor's and
 `train/mismatch_kl` measures the gap; where it returns no hidden states, spot training's
-DataBuffer is filled from that same actor forward (`actor_features`, spot.actor_features). The
+DataBuffer is filled from that same actor forward (`actor_features`, spot.buffer.actor_features). The
 backend sleeps from the rollouts' end to the weight sync while the colocated actor works (a no-op
-for the native engine). The parts are built and connected by launch.run.build_run.
+for the native engine). The parts are built and connected by launch.run.build.build_run.
 
 Synchronous by default; `trainer.async_steps: 1` rolls out step t+1 with the
 policy before step t's update (one step off-policy) and corrects with a truncated importance
@@ -53,14 +53,14 @@ from pipeline.config import RolloutSection, TaskSection, TrainerSection
 from pipeline.data import PromptLoader
 from pipeline.dist import Ranks, all_sum, gather_floats, gather_objects, job_store
 from pipeline.hooks import StepHook, hook_metrics
-from pipeline.learner import Learner
+from pipeline.update.learner import Learner
 from pipeline.memory_guard import Action, MemoryGuard, available_share
 from pipeline.metrics import phase_peaks
 from pipeline.metrics.live_memory import heap_free_bytes, live_rss_bytes, rss_metrics
-from pipeline.rollouts import ScoredRollouts, StepSampling, held_out_accuracy
-from pipeline.run_state import RunState, checkpoint_dir, save_run
-from pipeline.schedule import RolloutSchedule
-from pipeline.step_metrics import RolloutReport, rollout_metrics
+from pipeline.rollout.stage import ScoredRollouts, StepSampling, held_out_accuracy
+from pipeline.checkpoint.state import RunState, checkpoint_dir, save_run
+from pipeline.rollout.schedule import RolloutSchedule
+from pipeline.rollout.report import RolloutReport, rollout_metrics
 from pipeline.tasks import Problem
 from pipeline.tasks.reward_scoring import Rewards
 
@@ -82,8 +82,8 @@ class StepResult:
 
 
 class StepDriver(Protocol):
-    """What launch.run's loop drives on every rank: this Trainer (colocated), or a separated
-    placement's actor or rollout side (pipeline.separated_actor, pipeline.separated_rollout)."""
+    """What launch.run.build's loop drives on every rank: this Trainer (colocated), or a separated
+    placement's actor or rollout side (pipeline.separated.actor, pipeline.separated.rollout)."""
 
     step_index: int  # RL steps completed
 

@@ -1,7 +1,7 @@
 """`python -m sim.calibrate --from runs/<run>/metrics.jsonl [--plain runs/<run0>] [--out FILE.yaml]`: fit a scenario.
 
 Fits the latency model, accept lengths, prompt length and phase costs of a measured run
-(`sim.fit`; with `--plain`, a run of the same model on the same machine without a drafter joins
+(`sim.calibration.fit`; with `--plain`, a run of the same model on the same machine without a drafter joins
 the latency fit, so that a drafter-less engine's passes are priced as measured) and writes them as a complete scenario (default runs/<run>/calibrated.yaml) that
 `python -m sim.run --scenario` projects, e.g. with `cluster.devices=[64]`.
 """
@@ -12,9 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from launch.config import save_config
-from sim.fit import calibrate
-from sim.runs import read_run
+from common.config import save_config
+from sim.calibration.fit import calibrate
+from sim.calibration.runs import read_run
 
 
 def main(argv: list[str] | None = None) -> int:

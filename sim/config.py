@@ -8,7 +8,7 @@ filling the bubble (spot training of the drafter, pre-generation of the next ste
 the non-rollout phases of a step, the one-step asynchronous mode, and the placement (every
 device rolls out and trains, or separate actor and rollout devices).
 
-Loaded with `launch.config.load_config`: unknown keys and bad values raise `ValueError` naming
+Loaded with `common.config.load_config`: unknown keys and bad values raise `ValueError` naming
 the dotted key. `load_scenario` also resolves relative paths against the scenario's folder.
 This module knows nothing about how a step is simulated.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from launch.config import load_config
+from common.config import load_config
 
 
 @dataclass(kw_only=True)
@@ -292,7 +292,7 @@ class PhaseSpec:
     micro_batch_tokens: int = 0
     # With mini_batches: how the trainer ranks split the step's rows. False: each rank its contiguous
     # shard, cut into even mini-batches (trainer.train_shares=shard); True: the token shares'
-    # deal, each mini-batch's rows balanced over the ranks (sim.lengths.row_deal; sim.calibrate
+    # deal, each mini-batch's rows balanced over the ranks (sim.model.lengths.row_deal; sim.calibrate
     # sets it from a run's trainer.train_shares=tokens).
     row_deal: bool = False
     logprob_s_per_token: float | None = None

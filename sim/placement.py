@@ -2,7 +2,7 @@
 
 Every row is a (device count, layout, techniques) with its step time and its step speedup over
 the *colocated baseline* (synchronous, no speculation) on the same devices and lengths (common
-random numbers, as in `sim.project`). Layouts:
+random numbers, as in `sim.projection.project`). Layouts:
 
 - `colocated`: every device rolls out, then trains (TLT's layout), synchronous;
 - `separated`: `actor_share` of the devices train, the rest roll out, synchronous;
@@ -28,13 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
-from launch.config import override_args
+from common.config import override_args
 from sim.config import Scenario, load_scenario
-from sim.latency import build_latency
-from sim.plots import plot_placement, plot_timeline
-from sim.project import simulate_steps
-from sim.separated import device_split
-from sim.step import Techniques
+from sim.model.latency import build_latency
+from sim.projection.plots import plot_placement, plot_timeline
+from sim.projection.project import simulate_steps
+from sim.model.separated import device_split
+from sim.model.parts import Techniques
 
 TECHNIQUES = {"baseline": Techniques(), "spec+spot": Techniques(spec=True, spot=True)}
 LAYOUTS = ("colocated", "separated", "separated+async")

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 from common.atomic import atomic_file
-from launch.config import override_args
+from common.config import override_args
 from sim.config import load_scenario
-from sim.report import scenario_report
+from sim.projection.report import scenario_report
 
 
 def main(argv: list[str] | None = None) -> int:

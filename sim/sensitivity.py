@@ -16,9 +16,9 @@ import argparse
 import sys
 from dataclasses import replace
 
-from launch.config import override_args
+from common.config import override_args
 from sim.config import Scenario, load_scenario
-from sim.project import COMBOS, SPLIT_COMBOS, project
+from sim.projection.project import COMBOS, SPLIT_COMBOS, project
 
 TECHNIQUES = ("spec", "spec+spot")
 WITH_SPLIT = (*TECHNIQUES, "spec+spot+split")

@@ -1,7 +1,7 @@
 """`python -m sim.validate --calibrate-on RUN [--plain RUN0] --predict RUN2 [RUN3 ...] [--tolerance 0.15]`.
 
 Calibrates on RUN (with RUN0, a run without a drafter, in the latency fit: `sim.calibrate --plain`), replays each step of RUN itself (the fit's own error, the first row) and of
-every predicted run (`sim.validation`), prints the errors as a Markdown table, and exits 1 when
+every predicted run (`sim.calibration.validation`), prints the errors as a Markdown table, and exits 1 when
 a predicted run's rollout, step or step-speedup error exceeds the tolerance.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sim.fit import calibrate
-from sim.runs import read_run
-from sim.validation import TOLERANCE, report_table, validate
+from sim.calibration.fit import calibrate
+from sim.calibration.runs import read_run
+from sim.calibration.validation import TOLERANCE, report_table, validate
 
 
 def main(argv: list[str] | None = None) -> int:

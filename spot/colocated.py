@@ -5,11 +5,11 @@
 first), and wraps a SpotTrainer around a *copy* of the engine's EAGLE drafter: the engine's own
 drafter only ever changes through `load_drafter_weights`, so it never serves half-trained weights.
 With `spot.mode: pool` the rank only fills the buffer and follows an
-external pool's publications (spot.follower). `SpotRun.close()` detaches, and the creator removes the segment (also at interpreter exit).
+external pool's publications (spot.pool.follower). `SpotRun.close()` detaches, and the creator removes the segment (also at interpreter exit).
 
 An engine that returns no hidden states (engine.backend=vllm: its drafter lives in vLLM's workers)
 gets no sink: the buffer is filled from the actor's log-prob forward (`SpotRun.actor_features`,
-spot.actor_features, which the loop calls), and the trained copy starts from the drafter folder
+spot.buffer.actor_features, which the loop calls), and the trained copy starts from the drafter folder
 (engine.spec.drafter_path) over a HeadTarget that follows the policy's weight syncs.
 """
 
@@ -24,22 +24,22 @@ import torch.distributed as dist
 
 from engine.checkpoint import parse_dtype, read_config
 from engine.spec.eagle import EagleModel
-from spot.actor_features import ActorFeatures, HeadTarget
-from spot.buffer import DataBuffer
-from spot.segment import node_segment, reclaim_stale, segment_name
+from spot.buffer.actor_features import ActorFeatures, HeadTarget
+from spot.buffer.ring import DataBuffer
+from spot.buffer.segment import node_segment, reclaim_stale, segment_name
 from spot.config import SpotConfig
 from common.idle import ControlPlane, IdleWork
 from engine.backend import RolloutBackend
 from spot.coordinator import SpotSettings, SpotWork
-from spot.sink import DataBufferSink
-from spot.trainer import SpotTrainer
+from spot.buffer.sink import DataBufferSink
+from spot.training.trainer import SpotTrainer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
 class SpotRun:
-    work: IdleWork  # a SpotWork, or a spot.follower.PoolFollower (spot.mode: pool)
+    work: IdleWork  # a SpotWork, or a spot.pool.follower.PoolFollower (spot.mode: pool)
     engine: RolloutBackend
     buffer: DataBuffer
     owner: bool
@@ -86,7 +86,7 @@ def build_spot_work(cfg: SpotConfig, engine: RolloutBackend, *, run_name: str, r
         sink = DataBufferSink(buffer, max_new_tokens=max_new_tokens, feature_layers=net.config.aux_layers)
         engine.sink = sink
     if cfg.mode == "pool":
-        from spot.follower import PoolFollower
+        from spot.pool.follower import PoolFollower
 
         return SpotRun(work=PoolFollower(engine, buffer, sink, cfg.pool_dir, store, rank), engine=engine, buffer=buffer,
                        owner=owner, actor_features=features)
@@ -105,7 +105,7 @@ def node_buffer(cfg: SpotConfig, net: EagleModel, default_name: str, owner: bool
     """The node's DataBuffer (this node's segment of spot.buffer_name, else `default_name`): the owner reclaims a crashed
     run's segments and creates it, the other ranks of the node attach after `barrier()` (a
     collective of every rank that builds it; None alone). `gate_ranks`: the node's ranks that
-    gate a spot pool's members (spot.gate; 0: ungated)."""
+    gate a spot pool's members (spot.buffer.gate; 0: ungated)."""
     name = node_segment(cfg.buffer_name) if cfg.buffer_name else default_name
     if owner:
         reclaim_stale()

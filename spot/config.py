@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from spot.drafter_training import DrafterOptim
+from spot.training.step import DrafterOptim
 
 
 @dataclass(kw_only=True)
@@ -13,13 +13,13 @@ class SpotConfig:
     enabled: bool = False  # train the engine's EAGLE drafter online
     # colocated: the rollout ranks train it in their idle windows (spot.coordinator); pool: an
     # external elastic pool (launch.spot_pool) trains it from this job's buffer, and the ranks
-    # load its newest publication from pool_dir every step (spot.follower).
+    # load its newest publication from pool_dir every step (spot.pool.follower).
     mode: Literal["colocated", "pool"] = "colocated"
     pool_dir: str | None = None  # the pool's --out folder (mode: pool)
-    # The job's buffer name: each node's segment in /dev/shm is <buffer_name>-<node> (spot.segment);
+    # The job's buffer name: each node's segment in /dev/shm is <buffer_name>-<node> (spot.buffer.segment);
     # None: tailspec-<run folder>-<node>.
     buffer_name: str | None = None
-    # The node's DataBuffer (spot.buffer): a ring of rollouts' features in /dev/shm.
+    # The node's DataBuffer (spot.buffer.ring): a ring of rollouts' features in /dev/shm.
     buffer_mb: int = 256
     buffer_entries: int = 4096  # header slots (entries held at most)
     feature_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -31,7 +31,7 @@ class SpotConfig:
     # window's end stops training in, and the activations held while another rank still generates.
     chunk_windows: int = 1
     max_micro_steps: int | None = None  # per idle window; None: until the window ends
-    # The drafter's optimiser (`optim()`): warmup, then constant (spot.trainer); the rest is TLT's recipe.
+    # The drafter's optimiser (`optim()`): warmup, then constant (spot.training.trainer); the rest is TLT's recipe.
     lr: float = 1.0e-4
     warmup_steps: int = 0
     weight_decay: float = DrafterOptim.weight_decay
@@ -39,7 +39,7 @@ class SpotConfig:
     ce_weight: float = DrafterOptim.ce_weight
 
     def optim(self) -> DrafterOptim:
-        """The drafter's optimiser (spot.pool.PoolConfig builds a pool's from keys of the same names)."""
+        """The drafter's optimiser (spot.pool.elastic.PoolConfig builds a pool's from keys of the same names)."""
         return DrafterOptim.from_config(self, "spot.")
 
     def validate(self) -> None:

@@ -12,7 +12,7 @@ engine's feature sink collects the target's features (stashed when its rollouts 
 the rank that finished last (common.idle.rules). In the window the rank trains its copy of the
 drafter on buffer samples (the current step's finished responses mixed with the previous step's
 long ones) and checks before each micro-step and after each chunk's forward and backward inside
-it (spot.trainer) whether every rank is done, so it stops within about half a chunk of the
+it (spot.training.trainer) whether every rank is done, so it stops within about half a chunk of the
 window's end; the micro-step in flight is kept on its chunks done (the chunk in flight is
 dropped). Then the replicas are averaged, each weighted by the micro-steps it ran (one
 all-reduce: gloo on CPU, NCCL on GPU; a rank that ran none counts zero), and every rank loads the
@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from common.idle import ControlPlane, IdleWindow, IdleWork, RankState
-from spot.buffer import DataBuffer
-from spot.sink import put_as_window_opens
-from spot.trainer import SpotTrainer
+from spot.buffer.ring import DataBuffer
+from spot.buffer.sink import put_as_window_opens
+from spot.training.trainer import SpotTrainer
 
 
 STATS = ("micro_steps", "train_s", "idle_s", "loss_sum", "top1_sum", "aborted", "dropped_s", "overrun_s")  # per rank

@@ -1,6 +1,6 @@
 """Spot training on a separated placement's rollout ranks: the drafter trained in all their idle time.
 
-A rollout rank of a separated placement (pipeline.separated_rollout) is idle twice per RL step:
+A rollout rank of a separated placement (pipeline.separated.rollout) is idle twice per RL step:
 in the *tail window* (its rollouts are done, another rollout rank's are not: common.idle.window)
 and in the *update window* (it has sent its rollouts and waits through the actor's update for the
 next weight push: common.idle.update). `SeparatedSpotWork` trains the rank's copy of the drafter
@@ -41,13 +41,13 @@ import torch.distributed as dist
 from common.idle import ControlPlane, IdleWindow, IdleWork, RankState, UpdateWindow
 from engine.backend import RolloutBackend
 from engine.spec.eagle import EagleModel
-from spot.buffer import DataBuffer
+from spot.buffer.ring import DataBuffer
 from spot.colocated import SpotRun, drafter_copy, node_buffer, spot_trainer
 from spot.config import SpotConfig
 from spot.coordinator import FilledTime, PendingAverage, ServedDrafterState, SpotSettings, post_average
-from spot.segment import node_name, segment_name
-from spot.sink import DataBufferSink, put_as_window_opens
-from spot.trainer import SpotTrainer
+from spot.buffer.segment import node_name, segment_name
+from spot.buffer.sink import DataBufferSink, put_as_window_opens
+from spot.training.trainer import SpotTrainer
 
 # Per rank and step, summed over the step's windows; gathered with the average.
 STATS = ("micro_steps", "train_s", "idle_s", "loss_sum", "top1_sum", "aborted", "dropped_s", "overrun_s",
@@ -166,7 +166,7 @@ def eagle_net(engine: RolloutBackend) -> EagleModel:
 
 def node_slot(group) -> tuple[int, int]:
     """(this rank's index among the group's ranks on its node, how many the node has), by node name
-    (spot.segment.node_name; collective over `group`)."""
+    (spot.buffer.segment.node_name; collective over `group`)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     hosts = [None] * world
     dist.all_gather_object(hosts, node_name(), group=group)

@@ -1,6 +1,6 @@
 """Simulated steps written as a measured run (metrics / decode_steps / rollouts JSONL).
 
-The same format the RL loop writes (see `sim.runs`), so a simulated run can be calibrated and
+The same format the RL loop writes (see `sim.calibration.runs`), so a simulated run can be calibrated and
 validated like a real one: the round trip fit(trace(latency)) = latency is a test of both.
 Each group is one rank (tensor_parallel 1). Every decode pass of a segment becomes one record,
 its context at that pass; `noise` multiplies each pass's times by (1 + noise x N(0, 1)), drawn
@@ -16,10 +16,10 @@ import numpy as np
 
 from common.atomic import atomic_file
 from sim.config import Scenario
-from sim.events import Segment
-from sim.latency import LatencyModel
-from sim.runs import parse_shape
-from sim.step import StepResult
+from sim.model.events import Segment
+from sim.model.latency import LatencyModel
+from sim.calibration.runs import parse_shape
+from sim.model.parts import StepResult
 
 
 def _passes(seg: Segment, latency: LatencyModel) -> list[tuple[float, float]]:

@@ -367,8 +367,8 @@ def test_zero3_on_two_ranks_of_a_three_rank_job_trains_and_resumes_exactly_as_on
 
 
 def test_megatron_trains_on_every_rank_of_the_job_so_a_separated_run_refuses_it():
-    from launch.config import load_config
-    from launch.run_config import TrainConfig
+    from common.config import load_config
+    from launch.run.config import TrainConfig
 
     separated = ["pipeline.placement=separated", "pipeline.actor_ranks=1", "trainer.train_shares=shard",
                  "rollout.split_groups=false", "actor.device=cuda"]
@@ -379,11 +379,11 @@ def test_megatron_trains_on_every_rank_of_the_job_so_a_separated_run_refuses_it(
 
 def zero_advantage_update(model_dir, batch, skip: bool):
     """One Learner update (2 mini-batches) of `batch` on a fresh actor -> (actor, metrics)."""
-    from launch.config import load_config
-    from launch.run_config import TrainConfig
+    from common.config import load_config
+    from launch.run.config import TrainConfig
     from pipeline.algorithms import build_algorithm
     from pipeline.dist import Ranks
-    from pipeline.learner import Learner, mini_batch_cut
+    from pipeline.update.learner import Learner, mini_batch_cut
 
     cfg = load_config(TrainConfig, None, ["model.path=unused", "trainer.mini_batches=2",
                                           f"trainer.skip_zero_advantage={str(skip).lower()}"])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from launch.config import from_dict
+from common.config import from_dict
 from pipeline.algorithms import (
     AlgorithmConfig, build_algorithm, fill_groups, grpo_advantages, informative_groups, kl_per_token, loss_weights,
     mismatch_kl, overlong_penalty, policy_loss, rloo_advantages, token_advantages,

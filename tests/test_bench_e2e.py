@@ -14,8 +14,8 @@ import pytest
 
 from bench import e2e
 from bench.e2e import WayTimes, ceiling, headline, levers
-from launch.config import load_config
-from launch.run_config import TrainConfig
+from common.config import load_config
+from launch.run.config import TrainConfig
 from pipeline.tasks import TASKS, Task, arith
 from tests.conftest import digit_share
 

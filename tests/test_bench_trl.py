@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from bench.trl import StepFigures, Side, tailspec_figures, trl_figures, trl_settings
-from launch.config import load_config
-from launch.run_config import TrainConfig
+from common.config import load_config
+from launch.run.config import TrainConfig
 from tests.conftest import REPO, make_hf_model
 
 SMOLLM2 = REPO / "configs" / "smollm2.yaml"

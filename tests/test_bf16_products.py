@@ -17,7 +17,7 @@ from engine.kernels import skinny
 from engine.kernels.library import available
 from engine.packed import Product
 from engine.runtime import TargetRuntime
-from pipeline.learner import uses_engine_logprobs
+from pipeline.update.learner import uses_engine_logprobs
 from tests.conftest import engine_error_without_kernels
 from tests.spec_drafters import eagle_against_autoregressive
 

@@ -17,7 +17,7 @@ from engine.spec.eagle import EagleConfig, EagleModel
 from engine.spec.eagle_drafter import EagleDrafter
 from engine.spec.pregenerated import PregeneratedDrafter
 from engine.types import FinishReason, Request, Rollout
-from pipeline.bubble import BubbleConfig, BubbleStore, BubbleWork, common_prefix, coverage_metrics
+from pipeline.drafts.bubble import BubbleConfig, BubbleStore, BubbleWork, common_prefix, coverage_metrics
 from common.idle import IdleWindow
 
 DEPTH = 6
@@ -61,7 +61,7 @@ def test_drafts_pregenerated_with_the_next_steps_noise_are_accepted_in_full_unde
     batch = bubble_engine(target).generate(requests(as_drafts(pre)), params(step=4))
     assert by_key(batch) == pre
     assert all(s.accepted == s.drafted for s in batch.steps)  # every drafted token accepted
-    from pipeline.bubble import draft_metrics
+    from pipeline.drafts.bubble import draft_metrics
 
     m = draft_metrics(batch.steps)  # every row drafted by the pregenerated part (source 0), none by EAGLE
     assert all(src == 0 for s in batch.steps for src in s.source)
@@ -150,8 +150,8 @@ def test_coverage_counts_rows_tokens_and_the_matching_prefix():
 
 
 def test_bubble_needs_a_pregenerated_drafter_and_synchronous_steps():
-    from launch.config import load_config
-    from launch.run_config import TrainConfig
+    from common.config import load_config
+    from launch.run.config import TrainConfig
     from tests.conftest import REPO
 
     with pytest.raises(ValueError, match="pregenerated"):

@@ -1,4 +1,4 @@
-"""A run's config against what its parts declare (launch.capabilities): the rollout backend, the
+"""A run's config against what its parts declare (launch.run.capabilities): the rollout backend, the
 actor backend and the placement. A setting a part cannot run is refused naming the setting, the
 capability and the key, before anything is built; a built backend does no more than its class
 declares."""
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from engine.backend import BackendCapabilities
-from launch import capabilities
-from launch.capabilities import NEEDS, PARTS, validate_run
-from launch.config import load_config
-from launch.run_config import TrainConfig
+from launch.run import capabilities
+from launch.run.capabilities import NEEDS, PARTS, validate_run
+from common.config import load_config
+from launch.run.config import TrainConfig
 from pipeline import config as pipeline_config
 from pipeline.actors.base import ActorCapabilities
 from pipeline.config import PlacementCapabilities

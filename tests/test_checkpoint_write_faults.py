@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from common.atomic import WriteError, atomic_file, atomic_folder, atomic_write
-from launch.run import run
+from launch.run.build import run
 from pipeline.dist import Ranks
-from pipeline.run_state import STATE, CheckpointWriteError, latest_checkpoint
+from pipeline.checkpoint.state import STATE, CheckpointWriteError, latest_checkpoint
 from pipeline.trainer import Trainer
 from tests.test_trainer import LEARNED, config, digits_task, step_rows, weights  # noqa: F401 (a fixture)
 

@@ -1,4 +1,4 @@
-"""Tests for launch/config.py on small hand-written config trees."""
+"""Tests for common/config.py on small hand-written config trees."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Literal
 
 import pytest
 
-from launch.config import (
+from common.config import (
     apply_overrides,
     from_dict,
     load_config,
@@ -280,7 +280,7 @@ def test_override_args_splits_overrides_from_other_args() -> None:
     (["spot.enabled=true", "engine.spec.drafter=ngram"], ("spot.enabled", "engine.spec.drafter")),
 ])
 def test_what_the_vllm_backend_cannot_do_is_refused_naming_the_keys(overrides, keys):
-    from launch.run_config import TrainConfig
+    from launch.run.config import TrainConfig
 
     base = ["engine.backend=vllm", "engine.spec.enabled=true", "engine.spec.drafter_path=checkpoints/tiny-drafter"]
     with pytest.raises(ValueError) as e:
@@ -301,7 +301,7 @@ def test_building_a_vllm_engine_without_vllm_says_how_to_get_it():
 
 
 def test_spot_training_without_speculation_is_refused_naming_both_keys() -> None:
-    from launch.run_config import TrainConfig
+    from launch.run.config import TrainConfig
 
     with pytest.raises(ValueError, match=r"spot.enabled.*engine.spec.enabled is false"):
         load_config(TrainConfig, Path(__file__).parents[1] / "configs" / "tiny.yaml", ["spot.enabled=true", "engine.spec.enabled=false"])

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from launch.config import load_config, read_yaml
-from launch.run_config import TrainConfig
+from common.config import load_config, read_yaml
+from launch.run.config import TrainConfig
 from tests.conftest import REPO
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

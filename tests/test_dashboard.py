@@ -24,7 +24,7 @@ RATIO_PANEL = "Step-time ratio: reference / this run"
 
 
 def write_run(run_dir: Path, step_s: list[float], lengths: list[list[int]] | None = None) -> Path:
-    """A run as launch.run logs it: the eval of step 0, then trained steps 1..N with their times."""
+    """A run as launch.run.build logs it: the eval of step 0, then trained steps 1..N with their times."""
     with MetricsLogger(run_dir, [JsonlSink(run_dir)]) as logger:
         logger.log(0, {"eval/accuracy": 0.25})
         for step, seconds in enumerate(step_s, 1):

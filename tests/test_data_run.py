@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from launch.run import build_run
+from launch.run.build import build_run
 from pipeline.data.files import prompt_id
 from pipeline.data.split import is_held_out
 from pipeline.dist import Ranks

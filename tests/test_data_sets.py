@@ -1,5 +1,5 @@
 """A run's problem sets: the held-out split by a hash of the id (disjoint, stable, nested, the same
-at every world size), held-out files, and the run's errors for rows it cannot use (launch.problems.problems_for)."""
+at every world size), held-out files, and the run's errors for rows it cannot use (launch.run.problems.problems_for)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from launch.config import load_config
-from launch.problems import problems_for, prompt_loader
-from launch.run_config import TrainConfig
+from common.config import load_config
+from launch.run.problems import problems_for, prompt_loader
+from launch.run.config import TrainConfig
 from pipeline.data.files import prompt_id
 from pipeline.data.sets import file_sets
 from pipeline.data.split import first_by_position, hold_out, position

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from launch.config import load_config
-from launch.run import build_run
-from launch.run_config import TrainConfig
+from common.config import load_config
+from launch.run.build import build_run
+from launch.run.config import TrainConfig
 from pipeline.data.prepare import main as prepare
 from pipeline.data.split import is_held_out
 from pipeline.dist import Ranks

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from launch.config import load_config
-from launch.memory import main as memory_main
-from launch.run_config import TrainConfig
+from common.config import load_config
+from launch.memory.report import main as memory_main
+from launch.run.config import TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted(p.parent for p in (REPO / "examples").glob("*/config.yaml"))
@@ -73,7 +73,8 @@ def test_the_modules_a_recipe_runs_exist(example):
     modules = set(re.findall(r"-m ([a-z_]+(?:\.[a-z_]+)+)", text))
     assert {"launch.memory"} <= modules
     for module in modules:
-        assert (REPO / (module.replace(".", "/") + ".py")).is_file(), f"{example.name}: no module {module}"
+        path = REPO / module.replace(".", "/")
+        assert path.with_suffix(".py").is_file() or (path / "__main__.py").is_file(), f"{example.name}: no module {module}"
 
 
 def test_the_cpu_recipe_reads_the_files_its_readme_prepares_into_a_run(smollm2_dir, tmp_path):
@@ -81,7 +82,7 @@ def test_the_cpu_recipe_reads_the_files_its_readme_prepares_into_a_run(smollm2_d
     GSM8K's layout, `prepare --format gsm8k`, then the recipe's config with the files in place builds
     its training problems, held-out set and prompt order (stratified, by GSM8K's worked solutions)."""
     from common.text import load_tokenizer
-    from launch.problems import prompt_loader, problems_for
+    from launch.run.problems import prompt_loader, problems_for
 
     raw, data = tmp_path / "gsm8k-raw.jsonl", tmp_path / "gsm8k"
     for cmd in (["pipeline.data.stand_in", "--layout", "gsm8k", str(raw), "--rows", "200"],

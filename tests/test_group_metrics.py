@@ -8,8 +8,8 @@ import torch
 
 from engine.types import Rollout, RolloutBatch
 from pipeline.algorithms import AlgorithmConfig, build_algorithm
-from pipeline.learner import UpdatePart, combine_group_metrics, combine_update_metrics, owned_group_metrics
-from pipeline.rollouts import ScoredRollouts
+from pipeline.update.learner import UpdatePart, combine_group_metrics, combine_update_metrics, owned_group_metrics
+from pipeline.rollout.stage import ScoredRollouts
 
 REWARDS = {"g0": [1.0, 0.0, 0.0, 0.0], "g1": [1.0, 1.0, 1.0, 1.0], "g2": [0.0, 1.0, 1.0, 0.0]}
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch.run import build_run, run
+from launch.run.build import build_run, run
 from pipeline.dist import Ranks
 from tests.test_trainer import LEARNED, config, digits_task, step_rows, weights  # noqa: F401 (a fixture)
 

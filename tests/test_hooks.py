@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from launch.run import build_run
+from launch.run.build import build_run
 from pipeline.dist import Ranks
 from pipeline.hooks import StepHook, hook_metrics, load_hook_states
 from tests.test_trainer import config, digits_task  # noqa: F401 (a fixture)

@@ -8,7 +8,7 @@ import pytest
 
 from common.idle import IdleSchedule, IdleWindow, IdleWork, Phase, ScheduledIdle
 from engine.types import FinishReason, Request, Rollout, RolloutBatch
-from pipeline.bubble import BubbleConfig, BubbleStore, BubbleWork
+from pipeline.drafts.bubble import BubbleConfig, BubbleStore, BubbleWork
 
 
 class FakeClock:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.lengths import LengthPredictor, correlation, long_first
+from pipeline.rollout.lengths import LengthPredictor, correlation, long_first
 
 
 def test_a_prompt_seen_before_is_predicted_from_its_last_responses_else_the_running_mean():

@@ -136,9 +136,9 @@ def test_the_default_instruction_asks_for_a_boxed_answer_after_the_question():
 
 
 def test_stratified_prompt_order_needs_reference_responses():
-    from launch.config import load_config
-    from launch.problems import prompt_loader
-    from launch.run_config import TrainConfig
+    from common.config import load_config
+    from launch.run.problems import prompt_loader
+    from launch.run.config import TrainConfig
 
     cfg = load_config(TrainConfig, None, ["model.path=unused", "trainer.prompts_per_step=4",
                                           "trainer.prompt_order=stratified"])

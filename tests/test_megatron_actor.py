@@ -138,8 +138,8 @@ def test_unsupported_models_and_weights_raise_naming_them():
 
 
 def test_megatron_backend_on_cpu_raises_naming_actor_device():
-    from launch.config import load_config
-    from launch.run_config import TrainConfig
+    from common.config import load_config
+    from launch.run.config import TrainConfig
 
     tiny = REPO / "configs" / "tiny.yaml"
     with pytest.raises(ValueError, match=r"actor\.device=cpu .* capability cpu that actor\.backend=megatron lacks"):

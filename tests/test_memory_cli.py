@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from launch import memory
-from launch.config import load_config
-from launch.preflight import submit_checks
-from launch.run_config import TrainConfig
+from launch.memory import report as memory
+from common.config import load_config
+from launch.slurm.preflight import submit_checks
+from launch.run.config import TrainConfig
 from tests.conftest import REPO
 
 Q7 = str(REPO / "launch/model_configs/qwen2.5-7b-instruct.json")
@@ -97,7 +97,7 @@ def test_the_preflight_warns_when_there_is_no_config_json_to_size_by(tmp_path):
 
 
 def test_a_dry_run_prints_the_memory_plan(tmp_path, capsys, monkeypatch):
-    from launch import slurm
+    from launch.slurm import submit as slurm
 
     folder = _model_folder(tmp_path, Q7)
     monkeypatch.setenv("DRY_RUN", "1")
@@ -123,5 +123,5 @@ def test_a_spot_pool_member_is_planned_on_the_gpu_of_its_nodes_first_rollout_ran
                         "pipeline.actor_ranks=16", "spot.mode=pool", "spot.pool_dir=runs/pool"]) == 0
     out = capsys.readouterr().out
     member = out.split("rollout + pool member (the node's first GPU) rank (2 in the job):", 1)[1]
-    assert re.search(r"pool: target weights \(float32\) +all +28\.37", member)  # spot.pool loads the target in float32
+    assert re.search(r"pool: target weights \(float32\) +all +28\.37", member)  # spot.pool.elastic loads the target in float32
     assert "engine weights" in member  # beside the rollout rank's own engine

@@ -97,7 +97,7 @@ def test_shed_idle_work_stops_both_works_frees_the_drafts_and_keeps_their_state(
 
 
 def test_a_host_running_out_stops_the_run_with_a_checkpoint_that_resumes_to_the_same_run(char_model_dir, digits_task, tmp_path):
-    from launch.run import run
+    from launch.run.build import run
     from pipeline.dist import Ranks
     from pipeline.memory_guard import MemoryGuardStop
     from tests.test_trainer import LEARNED, config, step_rows, weights

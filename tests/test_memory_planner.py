@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from engine.model_config import ModelConfig
-from launch.memory_model import (ModelStates, activation_parts, head_bytes, layer_activation_bytes, param_counts,
+from launch.memory.actor import (ModelStates, activation_parts, head_bytes, layer_activation_bytes, param_counts,
                                  zero_model_states)
 from tests.conftest import FAMILIES, make_hf_model
 
@@ -200,7 +200,7 @@ def test_the_updates_planned_activations_are_the_peak_of_its_live_tensors(tmp_pa
 
 
 def test_the_planners_zero3_live_parameters_are_the_actors_setting():
-    from launch.memory_model import ZERO3_MAX_LIVE_PARAMETERS
+    from launch.memory.actor import ZERO3_MAX_LIVE_PARAMETERS
     from pipeline.actors.deepspeed_actor import zero3_settings
 
     assert zero3_settings(576)["stage3_max_live_parameters"] == ZERO3_MAX_LIVE_PARAMETERS
@@ -210,7 +210,7 @@ def test_the_cost_tuners_one_time_measurement_is_planned_at_build():
     """engine.spec.tuner=cost measures passes on a private KV cache of max_batch rows: the build phase holds it."""
     from engine.config import EngineConfig
     from engine.spec.config import SpecConfig
-    from launch.memory_engine import engine_parts
+    from launch.memory.rollout import engine_parts
 
     from tests.conftest import hf_config
 

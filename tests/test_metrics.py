@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from launch.config import from_dict
+from common.config import from_dict
 from pipeline.metrics import MetricsConfig, MetricsLogger
 from pipeline.metrics.dashboard import dashboard_figure, main, render_dashboard
 from pipeline.metrics.history import load_history

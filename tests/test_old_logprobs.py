@@ -1,4 +1,4 @@
-"""Old log-probs from the update's own forward (pipeline.old_logprobs): auto picks it where it holds,
+"""Old log-probs from the update's own forward (pipeline.update.old_logprobs): auto picks it where it holds,
 it runs no actor pass over the rows it covers, and it learns what the separate pass learns (losses,
 gradient norms and weights within float32 rounding, step by step), with speculation on or off alike."""
 
@@ -10,17 +10,17 @@ import pytest
 import torch
 
 from engine.types import FinishReason, Rollout, RolloutBatch
-from launch.config import load_config
-from launch.run_config import TrainConfig
+from common.config import load_config
+from launch.run.config import TrainConfig
 from pipeline.algorithms import build_algorithm
 from pipeline.config import TrainerSection
 from pipeline.actors import ActorConfig, build_actor
 from pipeline.dist import Ranks
-from pipeline.learner import Learner
-from pipeline.old_logprobs import UpdateLogprobs, old_logprobs_source
+from pipeline.update.learner import Learner
+from pipeline.update.old_logprobs import UpdateLogprobs, old_logprobs_source
 from pipeline.records import TrainBatch
-from pipeline.reference import ReferencePolicy
-from pipeline.rollouts import ScoredRollouts
+from pipeline.update.reference import ReferencePolicy
+from pipeline.rollout.stage import ScoredRollouts
 from tests.conftest import make_hf_model
 from tests.test_trainer import LEARNED, config, digits_task, step_rows, weights  # noqa: F401  (a fixture)
 
@@ -194,7 +194,7 @@ SHORTCUT = ["rollout.temperature=0.8"]  # T != 1: the engine's log-probs are not
 @pytest.mark.slow
 def test_with_the_update_forwards_old_logprobs_speculation_on_and_off_learn_exactly_the_same_run(
         char_model_dir, digits_task, tmp_path):
-    from launch.run import run
+    from launch.run.build import run
 
     off = run(config(char_model_dir, tmp_path / "off", *SHORTCUT, "engine.spec.enabled=false"), Ranks())
     on = run(config(char_model_dir, tmp_path / "on", *SHORTCUT, "engine.spec.enabled=true", "engine.spec.drafter=ngram",
@@ -211,7 +211,7 @@ def test_with_the_update_forwards_old_logprobs_speculation_on_and_off_learn_exac
 @pytest.mark.slow
 def test_a_run_with_the_update_forwards_old_logprobs_equals_the_actor_pass_run_within_float32_rounding(
         char_model_dir, digits_task, tmp_path):
-    from launch.run import run
+    from launch.run.build import run
 
     runs = {s: run(config(char_model_dir, tmp_path / s, *SHORTCUT, "engine.spec.enabled=false",
                           f"trainer.old_logprobs={s}"), Ranks()) for s in ("actor", "auto")}

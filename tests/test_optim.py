@@ -78,11 +78,11 @@ def test_set_lr_governs_the_next_updates_and_lr_zero_moves_no_weight(model_dir):
 
 
 def test_the_learner_takes_each_steps_learning_rate_from_the_schedule_over_the_runs_steps():
-    from launch.config import load_config
-    from launch.run_config import TrainConfig
+    from common.config import load_config
+    from launch.run.config import TrainConfig
     from pipeline.algorithms import build_algorithm
     from pipeline.dist import Ranks
-    from pipeline.learner import Learner
+    from pipeline.update.learner import Learner
 
     def learner(cfg):
         algo = build_algorithm(cfg.algorithm, cfg.rollout.max_new_tokens)

@@ -43,9 +43,9 @@ def test_each_phase_reads_its_own_peak_and_the_peak_so_far_keeps_every_phases():
 
 @pytest.mark.slow
 def test_a_run_logs_each_ranks_peak_resident_memory_every_step(char_model_dir, tmp_path):
-    from launch.config import load_config
-    from launch.run import run
-    from launch.run_config import TrainConfig
+    from common.config import load_config
+    from launch.run.build import run
+    from launch.run.config import TrainConfig
     from pipeline.dist import Ranks
 
     repo = Path(__file__).resolve().parent.parent

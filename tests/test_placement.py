@@ -10,12 +10,12 @@ import torch
 import torch.multiprocessing as mp
 
 from common.buckets import buckets_of
-from launch.config import load_config
-from launch.run_config import TrainConfig
+from common.config import load_config
+from launch.run.config import TrainConfig
 from pipeline.config import PipelineSection
-from pipeline.rollouts import ScoredRollouts
+from pipeline.rollout.stage import ScoredRollouts
 from pipeline.shares import generation_shares, shard_shares
-from pipeline.shipment import RolloutShipment, pack_shipments, unpack
+from pipeline.separated.shipment import RolloutShipment, pack_shipments, unpack
 from tests.mp import free_port
 from tests.mp.sync_tensors import tensors
 
@@ -162,8 +162,8 @@ def test_a_rollout_rank_rolls_out_only_with_the_steps_expected_policy_version(mo
 
     from pipeline.data import PromptLoader
     from pipeline.dist import Ranks
-    from pipeline.placement import Placement
-    from pipeline.separated_rollout import SeparatedRollout
+    from pipeline.separated.placement import Placement
+    from pipeline.separated.rollout import SeparatedRollout
     from pipeline.tasks import TASKS
     from pipeline.tasks.reward_scoring import build_rewards
 

@@ -92,8 +92,8 @@ def test_auto_picks_bf16_mixed_only_where_the_cpu_multiplies_bf16(monkeypatch):
 
 
 def test_bf16_mixed_off_the_torch_backends_float32_weights_is_refused_with_the_fix():
-    from launch.config import load_config
-    from launch.run_config import TrainConfig
+    from common.config import load_config
+    from launch.run.config import TrainConfig
 
     with pytest.raises(ValueError, match="set actor.precision=float32"):
         ActorConfig(precision="bf16-mixed", dtype="bfloat16", attention="sdpa").validate()

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from launch.config import load_config
-from launch.preflight import checkpoint_bytes, submit_checks
-from launch.run_config import TrainConfig
-from pipeline.checkpoint_keep import kept_steps, retain
+from common.config import load_config
+from launch.slurm.preflight import checkpoint_bytes, submit_checks
+from launch.run.config import TrainConfig
+from pipeline.checkpoint.keep import kept_steps, retain
 from tests.test_data_files import write_jsonl, write_parquet
 
 REPO = Path(__file__).resolve().parent.parent

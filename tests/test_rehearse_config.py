@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch.config import load_config, to_dict
-from launch.rehearse import CONFIGS, OVERLAY_KEYS, job_overrides
-from launch.run_config import TrainConfig
-from launch.slurm import render
+from common.config import load_config, to_dict
+from launch.slurm.rehearse import CONFIGS, OVERLAY_KEYS, job_overrides
+from launch.run.config import TrainConfig
+from launch.slurm.submit import render
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -63,8 +63,8 @@ def test_the_rehearsals_script_is_the_shipped_scripts_code_path_on_two_nodes(nam
     script = render(cfg, str(CONFIGS[name]), [])
     shipped = render(load_config(TrainConfig, REPO / f"configs/{name}.yaml", []), f"configs/{name}.yaml", [])
     assert "#SBATCH --nodes=2" in script and "--gpus-per-node" not in script
-    for line in ("-m launch.preflight --in-job --rdzv-port \"$PORT\"", "--rdzv-backend=c10d --rdzv-endpoint=\"$HEAD_ADDR:$PORT\"",
+    for line in ("-m launch.slurm.preflight --in-job --rdzv-port \"$PORT\"", "--rdzv-backend=c10d --rdzv-endpoint=\"$HEAD_ADDR:$PORT\"",
                  f"--rdzv-conf=join_timeout={cfg.cluster.rdzv_timeout_s}", "trainer.resume=auto"):
         assert line in script and line in shipped
-    reclaim = "-m spot.segment --reclaim"
+    reclaim = "-m spot.buffer.segment --reclaim"
     assert (reclaim in script) == (reclaim in shipped) == cfg.spot.enabled

@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-from launch.config import load_config
-from launch.preflight import job_checks
-from launch.run_config import TrainConfig
-from launch.slurm import render
+from common.config import load_config
+from launch.slurm.preflight import job_checks
+from launch.run.config import TrainConfig
+from launch.slurm.submit import render
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -59,7 +59,7 @@ def test_a_node_that_never_arrives_fails_the_job_after_the_rendezvous_timeout(tm
 
 
 def test_a_port_whose_last_connection_is_in_time_wait_is_free_for_a_requeued_job():
-    from launch.preflight import port_free
+    from launch.slurm.preflight import port_free
 
     with socket.socket() as server:
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

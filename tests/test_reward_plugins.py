@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from launch.config import load_config
-from launch.run_config import TrainConfig
+from common.config import load_config
+from launch.run.config import TrainConfig
 from pipeline.tasks import TASKS
 from pipeline.tasks.reward_plugins import BuiltinReward, PluginReward, TaskReward, reward_functions
 from pipeline.tasks.reward_scoring import RewardRow, read_result

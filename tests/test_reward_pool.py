@@ -181,10 +181,10 @@ def test_step_metrics_sum_the_counts_over_ranks_and_average_a_plugins_metrics_ov
 
 
 def test_a_reward_that_does_not_load_stops_the_build_before_the_engine(char_model_dir, tmp_path, monkeypatch):
-    from launch.run import run
+    from launch.run.build import run
     from pipeline.dist import Ranks
 
-    monkeypatch.setattr("launch.colocated.build_rollout_engine", lambda *a, **k: pytest.fail("the engine was built"))
+    monkeypatch.setattr("launch.run.parts.build_rollout_engine", lambda *a, **k: pytest.fail("the engine was built"))
     with pytest.raises(ValueError, match=r"task.reward=nowhere/reward.py:score: no file"):
         run(run_config(char_model_dir, tmp_path, "task.reward=nowhere/reward.py:score"), Ranks())
 
@@ -208,8 +208,8 @@ def score(prompt, response, answer, extra):
 
 
 def run_config(model_dir: Path, out: Path, *overrides: str):
-    from launch.config import load_config
-    from launch.run_config import TrainConfig
+    from common.config import load_config
+    from launch.run.config import TrainConfig
 
     base = [f"model.path={model_dir}", f"run.out_dir={out}", "task.name=arith", "task.train_problems=64",
             "task.eval_problems=4", "task.eval_max_new_tokens=24", "rollout.n=4", "rollout.max_new_tokens=24",
@@ -222,7 +222,7 @@ def run_config(model_dir: Path, out: Path, *overrides: str):
 
 @pytest.mark.slow
 def test_a_run_with_a_flaky_plugin_finishes_with_the_counts_and_stops_past_the_share(char_model_dir, tmp_path):
-    from launch.run import run
+    from launch.run.build import run
     from pipeline.dist import Ranks
     from pipeline.tasks.eval import EVAL_SEED
 

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from launch.config import load_config
-from launch.run_config import TrainConfig
+from common.config import load_config
+from launch.run.config import TrainConfig
 from pipeline.tasks import TASKS, Problem
 from pipeline.tasks.reward_plugins import PluginReward, WeightedReward, reward_functions
 from pipeline.tasks.reward_pool import RewardPool
@@ -179,7 +179,7 @@ def test_reward_weights_that_do_not_fit_the_rewards_are_refused_naming_the_key(o
 
 
 def test_prompt_order_auto_stratifies_problems_with_reference_responses_and_else_shuffles_saying_why():
-    from launch.problems import prompt_loader
+    from launch.run.problems import prompt_loader
 
     cfg = load_config(TrainConfig, TINY, ["trainer.prompts_per_step=4"])
     assert cfg.trainer.prompt_order == "auto"

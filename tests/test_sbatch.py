@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch.config import load_config, missing_keys, override_args, to_dict
-from launch.preflight import Check, checkpoint_bytes, report, submit_checks
-from launch.run_config import TrainConfig
-from launch.sbatch import ARGS_SEPARATOR
-from launch.slurm import render
-from pipeline.run_state import latest_checkpoint
+from common.config import load_config, missing_keys, override_args, to_dict
+from launch.slurm.check import Check
+from launch.slurm.preflight import checkpoint_bytes, report, submit_checks
+from launch.run.config import TrainConfig
+from launch.slurm.sbatch import ARGS_SEPARATOR
+from launch.slurm.submit import render
+from pipeline.checkpoint.state import latest_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 # sbatch's long options the renderer may write (sbatch(1), Slurm 22.05+), with whether they take a value.

@@ -93,13 +93,13 @@ def assert_same_run(a: Path, b: Path, steps: int, final_weights: bool = True) ->
 
 @pytest.mark.timeout(300)
 # split true: each rollout rank makes half of every group; temperature 0.8: the old log-probs of the
-# first mini-batch are the update's own forward's, the second's one actor pass (pipeline.old_logprobs)
+# first mini-batch are the update's own forward's, the second's one actor pass (pipeline.update.old_logprobs)
 @pytest.mark.parametrize("split, temperature", [("false", "1.0"), ("true", "1.0"), ("false", "0.8")])
 def test_one_actor_and_two_rollout_ranks_equal_the_one_rank_colocated_run_bit_for_bit(char_model_dir, tmp_path,
                                                                                       monkeypatch, split, temperature):
-    from launch.config import load_config
-    from launch.run import run
-    from launch.run_config import TrainConfig
+    from common.config import load_config
+    from launch.run.build import run
+    from launch.run.config import TrainConfig
     from pipeline.dist import Ranks
 
     monkeypatch.setenv("TAILSPEC_CPU_TUNE", "0")

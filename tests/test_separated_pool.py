@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from spot.segment import SHM, node_segment
+from spot.buffer.segment import SHM, node_segment
 from tests.test_separated import REPO, assert_same_run, base, separated, step_rows, torchrun
 from tests.test_separated_spot import spot
 from tests.test_spot_pool import (PROGRESS, START, STOP, Inputs, descendants, free_port, kill_node, matches,

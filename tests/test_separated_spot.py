@@ -75,13 +75,13 @@ class OneRank:
         from engine.spec.config import SpecConfig
         from engine.spec.eagle import EagleConfig, EagleModel
         from engine.spec.eagle_drafter import EagleDrafter
-        from spot.buffer import DataBuffer
+        from spot.buffer.ring import DataBuffer
         from spot.colocated import drafter_copy
         from spot.coordinator import SpotSettings
-        from spot.drafter_training import DrafterOptim
+        from spot.training.step import DrafterOptim
         from spot.separated import SeparatedSpotWork
-        from spot.sink import DataBufferSink
-        from spot.trainer import SpotTrainer
+        from spot.buffer.sink import DataBufferSink
+        from spot.training.trainer import SpotTrainer
 
         target = load_checkpoint(model_dir)
         torch.manual_seed(0)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.learner import mini_batch_cut
+from pipeline.update.learner import mini_batch_cut
 from pipeline.shares import (mini_batch_shares, row_shares, shard_shares, split_samples, token_shares,
                              update_balance, update_tokens)
 
@@ -69,7 +69,7 @@ def test_split_samples_give_each_rank_an_equal_run_of_every_groups_samples():
 def test_group_split_splits_every_group_over_several_ranks_and_leaves_whole_groups_to_one():
     from pipeline.config import RolloutSection
     from pipeline.data import PromptLoader
-    from pipeline.schedule import GroupSplit
+    from pipeline.rollout.schedule import GroupSplit
     from pipeline.tasks import Problem
 
     split = RolloutSection(n=4, split_groups=True)

@@ -10,20 +10,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launch.config import save_config
+from common.config import save_config
 from sim import calibrate as calibrate_cli
 from sim import run as run_cli
 from sim import validate as validate_cli
 from sim.config import (ArmSpec, ClusterSpec, LatencySpec, LengthSpec, PhaseSpec, RolloutSpec, Scenario, SpecSpec,
                         load_scenario)
-from sim.fit import TABLE_MIN_PASSES, calibrate, fit_latency, fit_schedule, forward_table, nnls, step_cut
-from sim.latency import Fitted, build_latency
-from sim.lengths import deal
-from sim.project import step_lengths
-from sim.runs import DecodeStep, read_run
-from sim.step import Techniques, chunks, padded_tokens, phase_times, simulate_step
+from sim.calibration.fit import TABLE_MIN_PASSES, calibrate, fit_latency, fit_schedule, forward_table, nnls, step_cut
+from sim.model.latency import Fitted, build_latency
+from sim.model.lengths import deal
+from sim.projection.project import step_lengths
+from sim.calibration.runs import DecodeStep, read_run
+from sim.model.parts import Techniques, chunks, padded_tokens, phase_times
+from sim.model.step import simulate_step
 from tests.sim_trace import write_run
-from sim.validation import validate
+from sim.calibration.validation import validate
 from tests.test_sim_model import small_scenario
 
 TRUTH = LatencySpec(kind="fitted", base_s=0.004, query_s=1e-5, kv_s=2e-7, attn_s=1e-7, draft_base_s=3e-4, draft_token_s=1e-5,
@@ -212,7 +213,7 @@ def test_micro_batch_padding_is_the_actors_cut(budget):
     import torch
 
     from pipeline.actors.forward import micro_batches
-    from sim.step import micro_padded
+    from sim.model.parts import micro_padded
 
     rng = np.random.default_rng(budget)
     for _ in range(20):
@@ -325,7 +326,7 @@ def test_the_replayed_update_cuts_mini_batches_where_the_run_recorded_them(tmp_p
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_simulators_row_deal_is_the_rl_loops(seed):
     from pipeline.shares import row_shares
-    from sim.lengths import row_deal
+    from sim.model.lengths import row_deal
 
     rng = np.random.default_rng(seed)
     lengths = np.clip(rng.lognormal(np.log(40), 1.0, size=16 * 4).astype(np.int64), 1, 800)  # 16 prompts x 4

@@ -10,12 +10,13 @@ import pytest
 
 from sim.config import (ArmSpec, BubbleSpec, BucketSpec, ClusterSpec, HardwareSpec, LatencySpec, LengthSpec,
                         ModelSpec, PhaseSpec, RolloutSpec, Scenario, SpecSpec, load_scenario)
-from sim.events import simulate_group
-from sim.latency import Fitted, Roofline
-from sim.project import COMBOS, project
-from sim.schedule import OFF, Schedule, boost, build_schedule, chain_accept_len
-from sim.step import Techniques, simulate_step, spread_mask
-from sim.sweeps import analytic_ceiling, ceiling_limit, depth_sweep, tail_sweep
+from sim.model.events import simulate_group
+from sim.model.latency import Fitted, Roofline
+from sim.projection.project import COMBOS, project
+from sim.model.schedule import OFF, Schedule, boost, build_schedule, chain_accept_len
+from sim.model.parts import Techniques, spread_mask
+from sim.model.step import simulate_step
+from sim.projection.sweeps import analytic_ceiling, ceiling_limit, depth_sweep, tail_sweep
 
 REPO = Path(__file__).resolve().parent.parent
 PASS = Fitted(LatencySpec(kind="fitted", base_s=0.01))  # every pass 10 ms, nothing else costs

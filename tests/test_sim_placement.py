@@ -10,11 +10,12 @@ import pytest
 
 from sim.config import (ArmSpec, ClusterSpec, HardwareSpec, LatencySpec, LengthSpec, ModelSpec, PhaseSpec,
                         PlacementSpec, RolloutSpec, Scenario, SpecSpec, SpotSpec, SweepSpec, load_scenario)
-from sim.latency import Fitted
+from sim.model.latency import Fitted
 from sim.placement import best, compare, placement_report
-from sim.project import step_lengths
-from sim.separated import push_sync_s, split_devices, transfer_s
-from sim.step import Techniques, simulate_step
+from sim.projection.project import step_lengths
+from sim.model.separated import push_sync_s, split_devices, transfer_s
+from sim.model.parts import Techniques
+from sim.model.step import simulate_step
 
 REPO = Path(__file__).resolve().parent.parent
 PASS = Fitted(LatencySpec(kind="fitted", base_s=0.01))  # every pass 10 ms, nothing else costs
@@ -148,7 +149,7 @@ def test_comparison_speedups_are_over_the_colocated_baseline_and_best_keeps_the_
 
 
 def test_a_separated_scenario_runs_its_report_checks_and_timeline(tmp_path, capsys):
-    from launch.config import save_config
+    from common.config import save_config
     from sim import run as run_cli
 
     scn = replace(scenario(), sweep=SweepSpec(accept_lens=[2.0], depths=[1, 3], tail_sigmas=[1.0]))
@@ -160,7 +161,7 @@ def test_a_separated_scenario_runs_its_report_checks_and_timeline(tmp_path, caps
 
 
 def test_sensitivity_varies_one_key_and_can_grow_the_batch_with_the_devices(tmp_path):
-    from launch.config import save_config
+    from common.config import save_config
     from sim.sensitivity import speedups, variation_rows
 
     scn = scenario("colocated", cluster=ClusterSpec(devices=[2, 4], max_batch=64))
@@ -175,7 +176,7 @@ def test_sensitivity_varies_one_key_and_can_grow_the_batch_with_the_devices(tmp_
 
 
 def test_sensitivity_shows_split_groups_paying_only_once_a_prompts_samples_are_alike(tmp_path):
-    from launch.config import save_config
+    from common.config import save_config
     from sim.sensitivity import WITH_SPLIT, variation_rows
 
     path = tmp_path / "s.yaml"

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 from sim.config import LatencySpec, LengthSpec, load_scenario
-from sim.fit import calibrate
-from sim.latency import Fitted
-from sim.lengths import draw_lengths, read_lengths_by_prompt, split_deal
-from sim.project import project
-from sim.runs import read_run
-from sim.step import Techniques, simulate_step
-from sim.sweeps import prompt_share_sweep
+from sim.calibration.fit import calibrate
+from sim.model.latency import Fitted
+from sim.model.lengths import draw_lengths, read_lengths_by_prompt, split_deal
+from sim.projection.project import project
+from sim.calibration.runs import read_run
+from sim.model.parts import Techniques
+from sim.model.step import simulate_step
+from sim.projection.sweeps import prompt_share_sweep
 from tests.test_sim_calibrate import make_run, measured_scenario
 from tests.test_sim_model import small_scenario
 

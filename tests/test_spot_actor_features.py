@@ -21,11 +21,11 @@ from engine.spec.eagle import EagleConfig, EagleModel
 from engine.spec.eagle_drafter import EagleDrafter
 from engine.types import Request
 from pipeline.actors import ActorConfig, build_actor
-from pipeline.train_batch import pack_rollouts
-from spot.actor_features import ActorFeatures, HeadTarget
-from spot.buffer import DataBuffer
-from spot.segment import node_segment
-from spot.sink import DataBufferSink
+from pipeline.update.train_batch import pack_rollouts
+from spot.buffer.actor_features import ActorFeatures, HeadTarget
+from spot.buffer.ring import DataBuffer
+from spot.buffer.segment import node_segment
+from spot.buffer.sink import DataBufferSink
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
-"""spot.buffer: the shared-memory DataBuffer under several producer and reader processes.
+"""spot.buffer.ring: the shared-memory DataBuffer under several producer and reader processes.
 
 Entries carry content derived from their key (`_entry`), so a reader can tell a torn copy from a
-whole one (`_intact`). Child processes come from a forkserver that preloads spot.buffer (fast to
+whole one (`_intact`). Child processes come from a forkserver that preloads spot.buffer.ring (fast to
 start, and no fork of a parent whose OpenMP pool is running); each test uses its own segment name
 and the `seg` fixture removes it whatever happens.
 """
@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from spot import buffer as sb
-from spot.buffer import BufferEntry, DataBuffer
-from spot.segment import reclaim_stale, segment_name
+from spot.buffer import ring as sb
+from spot.buffer.ring import BufferEntry, DataBuffer
+from spot.buffer.segment import reclaim_stale, segment_name
 
 F = 32
 TIMEOUT = 30.0
@@ -54,7 +54,7 @@ def seg():
 @pytest.fixture(scope="module")
 def ctx():
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["spot.buffer", "tests.test_spot_buffer"])
+    ctx.set_forkserver_preload(["spot.buffer.ring", "tests.test_spot_buffer"])
     return ctx
 
 
@@ -334,7 +334,7 @@ def test_attached_reader_sees_the_creators_entries_and_unlink_removes_the_segmen
 
 
 def test_the_creator_removes_its_segment_at_exit(seg):
-    code = (f"from spot.buffer import DataBuffer; DataBuffer.create({seg!r}, capacity_bytes=4096, feature_size=4); "
+    code = (f"from spot.buffer.ring import DataBuffer; DataBuffer.create({seg!r}, capacity_bytes=4096, feature_size=4); "
             f"import os; assert os.path.exists('/dev/shm/{seg}')")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=Path(__file__).parent.parent)
     assert not (sb.SHM / seg).exists()

@@ -24,11 +24,11 @@ import torch.distributed as dist
 
 from engine.checkpoint import load_checkpoint
 from engine.spec.eagle import EagleConfig, EagleModel
-from spot.pool import (LEFTOVER, MANIFEST, PUBLISHED, STOP, VERSION, WEIGHTS_FILE, publish, published_weights,
+from spot.pool.elastic import (LEFTOVER, MANIFEST, PUBLISHED, STOP, VERSION, WEIGHTS_FILE, publish, published_weights,
                        remove_leftovers, retire)
-from spot.segment import SHM, node_segment
-from spot.trainer import CKPT, SpotTrainer, checkpoints
-from spot.drafter_training import DrafterOptim
+from spot.buffer.segment import SHM, node_segment
+from spot.training.trainer import CKPT, SpotTrainer, checkpoints
+from spot.training.step import DrafterOptim
 from tests.conftest import REPO
 from tests.mp import free_port
 from tests.test_separated import assert_same_run, base, separated, step_rows, torchrun

@@ -11,9 +11,9 @@ import uuid
 import pytest
 
 from common.idle import RankState
-from spot.buffer import DataBuffer
-from spot.gate import GATE_SLOTS, NodeGate
-from spot.segment import SHM, segment_name
+from spot.buffer.ring import DataBuffer
+from spot.buffer.gate import GATE_SLOTS, NodeGate
+from spot.buffer.segment import SHM, segment_name
 from tests.conftest import REPO
 
 
@@ -91,7 +91,7 @@ def test_an_ungated_buffer_is_always_trainable_and_too_many_gating_ranks_are_ref
 
 def test_a_gate_whose_run_died_is_not_trainable_though_its_ranks_said_idle(name):
     # The creator sets its rank idle and dies without cleaning up (os._exit skips atexit).
-    code = ("import os; from common.idle import RankState; from spot.buffer import DataBuffer; from spot.gate import "
+    code = ("import os; from common.idle import RankState; from spot.buffer.ring import DataBuffer; from spot.buffer.gate import "
             f"NodeGate; b = DataBuffer.create({name!r}, capacity_bytes=1 << 16, feature_size=4, gate_ranks=1); "
             "NodeGate(b).set(0, 1, RankState.IDLE); os._exit(0)")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True,

@@ -22,10 +22,10 @@ from engine.spec.config import SpecConfig
 from engine.spec.eagle import EagleConfig, EagleModel
 from engine.spec.eagle_drafter import EagleDrafter
 from engine.types import Request
-from spot.buffer import DataBuffer
+from spot.buffer.ring import DataBuffer
 from common.idle import RankState
-from spot.features import TokenSequence, capture_features
-from spot.sink import DataBufferSink
+from spot.training.features import TokenSequence, capture_features
+from spot.buffer.sink import DataBufferSink
 from tests.conftest import REPO
 from tests.test_trainer import step_rows
 from tests.mp.spot_worker import worker
@@ -92,7 +92,7 @@ def fill(buf: DataBuffer, target, count: int, step: int) -> None:
     g = torch.Generator().manual_seed(step)
     seqs = [TokenSequence(f"q{i}", 0, torch.randint(3, target.config.vocab_size, (12 + i % 5,), generator=g).tolist(), 4)
             for i in range(count)]
-    from spot.buffer import BufferEntry
+    from spot.buffer.ring import BufferEntry
 
     for s, row in zip(seqs, capture_features(target, seqs)):
         buf.put(BufferEntry(key=f"{s.prompt_id}/0", step=step, policy_version=0, finished=True, prompt_len=4,
@@ -179,9 +179,9 @@ def test_a_two_rank_run_with_spot_training_trains_its_drafter_online(char_model_
 def test_pool_mode_ranks_load_the_pools_newest_publication_once_and_skip_one_pruned_as_it_is_read(
         hf_folders, buffer_name, tmp_path, monkeypatch):
     from common.idle import IdleWindow
-    import spot.follower as follower_module
-    from spot.follower import PoolFollower
-    from spot.pool import publish, retire
+    import spot.pool.follower as follower_module
+    from spot.pool.follower import PoolFollower
+    from spot.pool.elastic import publish, retire
 
     target = load_checkpoint(hf_folders["llama"])
     torch.manual_seed(0)
@@ -211,8 +211,8 @@ def test_pool_mode_ranks_load_the_pools_newest_publication_once_and_skip_one_pru
 
 
 def test_pool_mode_without_a_pool_folder_is_refused():
-    from launch.config import load_config
-    from launch.run_config import TrainConfig
+    from common.config import load_config
+    from launch.run.config import TrainConfig
 
     with pytest.raises(ValueError, match="spot.pool_dir"):
         load_config(TrainConfig, REPO / "configs" / "tiny.yaml", ["spot.enabled=true", "spot.mode=pool"])

@@ -23,12 +23,12 @@ from engine.checkpoint import load_checkpoint
 from engine.spec.eagle import EagleConfig, EagleModel
 from pipeline.dist import Ranks
 from common.idle import RankState
-from spot.buffer import BufferEntry, DataBuffer
-from spot.gate import NodeGate
-from spot.segment import node_segment
-from spot.features import TokenSequence, capture_features
-from spot.pool import LATEST, PUBLISHED, STOP, PoolConfig, latest_published, published_weights, run_pool
-from spot.trainer import SpotTrainer, latest_checkpoint
+from spot.buffer.ring import BufferEntry, DataBuffer
+from spot.buffer.gate import NodeGate
+from spot.buffer.segment import node_segment
+from spot.training.features import TokenSequence, capture_features
+from spot.pool.elastic import LATEST, PUBLISHED, STOP, PoolConfig, latest_published, published_weights, run_pool
+from spot.training.trainer import SpotTrainer, latest_checkpoint
 from tests.conftest import REPO
 
 
@@ -48,7 +48,7 @@ class Inputs:
 
 def filled_buffer(target, gate_ranks: int = 0) -> tuple[str, DataBuffer]:
     """(a job's buffer name, this node's new segment of it: 12 rows of the target's features (step 1),
-    gated by `gate_ranks` ranks); a pool given the name attaches the segment (spot.segment.node_segment)."""
+    gated by `gate_ranks` ranks); a pool given the name attaches the segment (spot.buffer.segment.node_segment)."""
     job_buffer = f"pooltest-{uuid.uuid4().hex[:8]}"
     g = torch.Generator().manual_seed(0)
     V = target.config.vocab_size

@@ -18,13 +18,13 @@ from engine.checkpoint import load_checkpoint
 from engine.spec.eagle import EagleConfig, EagleModel
 from engine.spec.eagle_drafter import EagleDrafter
 from spot.config import SpotConfig
-from spot.drafter_training import DrafterOptim, evaluate
-from spot.features import TokenSequence, capture_features
-from spot.pairs import PackedPairs
-from spot.records import HiddenStateRows
-from spot.trainer import SpotTrainer, checkpoint_path, latest_checkpoint, prune_checkpoints
-from spot.pool import PoolConfig
-from spot.warmstart import WarmstartConfig
+from spot.training.step import DrafterOptim, evaluate
+from spot.training.features import TokenSequence, capture_features
+from spot.training.pairs import PackedPairs
+from spot.training.records import HiddenStateRows
+from spot.training.trainer import SpotTrainer, checkpoint_path, latest_checkpoint, prune_checkpoints
+from spot.pool.elastic import PoolConfig
+from spot.warmstart.train import WarmstartConfig
 
 TOTAL, EVERY = 8, 2  # micro-steps of a preemption run, and its checkpoint interval
 OPTIM = DrafterOptim(lr=3e-3, warmup_steps=3)

@@ -6,8 +6,8 @@ import pytest
 import torch.distributed as dist
 
 from engine.types import FinishReason, Request, Rollout
-from pipeline.schedule import idle_to_last_start, join_groups
-from pipeline.stealing import StealingSource, UnitQueue, plan_units
+from pipeline.rollout.schedule import idle_to_last_start, join_groups
+from pipeline.rollout.stealing import StealingSource, UnitQueue, plan_units
 
 
 def requests(k: int, n: int = 4) -> list[Request]:

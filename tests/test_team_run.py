@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from launch.config import load_config
-from launch.run import run
-from launch.run_config import TrainConfig
+from common.config import load_config
+from launch.run.build import run
+from launch.run.config import TrainConfig
 from pipeline.dist import Ranks
 from tests.test_data_files import write_parquet
 from tests.test_preflight_data import verl_rows

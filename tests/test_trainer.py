@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch.config import load_config
-from launch.run_config import TrainConfig
-from launch.run import build_run, run
+from common.config import load_config
+from launch.run.config import TrainConfig
+from launch.run.build import build_run, run
 from pipeline.dist import Ranks
 from pipeline.tasks import TASKS, Task, arith
 from tests.conftest import digit_share
@@ -30,7 +30,7 @@ def digits_task(monkeypatch):
 
 @contextlib.contextmanager
 def built_run(cfg: TrainConfig):
-    """The run of `cfg` built on one rank (launch.run.build_run), released afterwards."""
+    """The run of `cfg` built on one rank (launch.run.build.build_run), released afterwards."""
     built = build_run(cfg, Ranks())
     try:
         yield built

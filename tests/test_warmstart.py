@@ -11,14 +11,14 @@ import torch
 
 from engine.checkpoint import load_checkpoint
 from engine.spec.eagle import EagleConfig, EagleModel
-from spot.draft_vocab import most_frequent
-from spot.features import TokenSequence, capture_features
-from spot.loss import acceptance_metrics, eagle_loss
-from spot.pairs import PackedPairs
+from spot.warmstart.draft_vocab import most_frequent
+from spot.training.features import TokenSequence, capture_features
+from spot.training.loss import acceptance_metrics, eagle_loss
+from spot.training.pairs import PackedPairs
 from pipeline.tasks.prompts import make_prompts
-from spot.records import HiddenStateRows, RowStore
-from spot.drafter_training import batch_loss, train
-from spot.warmstart import WarmstartConfig, warmstart
+from spot.training.records import HiddenStateRows, RowStore
+from spot.training.step import batch_loss, train
+from spot.warmstart.train import WarmstartConfig, warmstart
 from common.text import load_tokenizer
 from tests.conftest import REPO, make_hf_model
 
@@ -256,9 +256,9 @@ def verl_run(chat_model_dir, tmp_path) -> list[str]:
 
 
 def test_the_warm_start_of_a_run_config_reads_the_runs_training_prompts_as_the_run_renders_them(chat_model_dir, tmp_path):
-    from launch.config import load_config
-    from launch.problems import problems_for
-    from launch.run_config import TrainConfig
+    from common.config import load_config
+    from launch.run.problems import problems_for
+    from launch.run.config import TrainConfig
     from launch.warmstart import run_prompts
 
     cfg = load_config(TrainConfig, REPO / "configs" / "tiny.yaml", verl_run(chat_model_dir, tmp_path))

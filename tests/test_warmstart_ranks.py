@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 
 from engine.checkpoint import load_checkpoint
 from engine.spec.eagle import EagleConfig, EagleModel
-from spot.drafter_training import batch_loss, chain_expectation
-from spot.features import TokenSequence, capture_features
-from spot.pairs import PackedPairs
-from spot.warmstart_ranks import Ranks, rank_device, shard
+from spot.training.step import batch_loss, chain_expectation
+from spot.training.features import TokenSequence, capture_features
+from spot.training.pairs import PackedPairs
+from spot.warmstart.ranks import Ranks, rank_device, shard
 from tests.conftest import REPO
 
 

@@ -3,7 +3,7 @@
 No Redis, ZMQ or Ray: a rank sets its own key, anyone reads all of them without a collective.
 The states of one RL step on a rank:
 
-    GENERATING --rollouts done--> IDLE --> PREGENERATING (bubble drafts, pipeline.bubble)
+    GENERATING --rollouts done--> IDLE --> PREGENERATING (bubble drafts, pipeline.drafts.bubble)
                                        --> TRAINING (spot training, spot.coordinator)
                                        --last rank done--> BARRIER
 """

@@ -14,7 +14,7 @@ What differs from the native engine, and how it shows:
 - no per-step records: the batch's speculation figures come from vLLM's counters (drafts, draft
   tokens, accepted tokens), read before and after the call (`RolloutBatch.counters`);
 - no hidden states while it speculates: spot training's DataBuffer is filled from the actor's
-  log-prob forward instead (spot.actor_features), and `sink` must stay None;
+  log-prob forward instead (spot.buffer.actor_features), and `sink` must stay None;
 - no preemption mid-call (`should_stop`), so bubble pre-generation needs the native engine;
 - the drafter is exported to vLLM's EAGLE format (engine.backends.vllm_export); an `mtp` drafter
   is served as the policy's own MTP head (vLLM's mtp method): the policy and the head are exported

@@ -17,7 +17,7 @@ class SpecConfig:
     # eagle3_vllm: EAGLE-3 in vLLM's network, mtp: a MiMo-style multi-token-prediction head, which
     # vLLM serves with its mtp method), ngram (model-free), or a
     # fallback composition "ngram+eagle": n-gram drafts where a match exists, eagle elsewhere;
-    # "pregenerated+...": a row's pre-generated response first (bubble drafts, pipeline.bubble);
+    # "pregenerated+...": a row's pre-generated response first (bubble drafts, pipeline.drafts.bubble);
     # "history+...": the prompt's earlier responses and finished siblings (engine.spec.history).
     # Read it parsed: `drafter_spec` (engine.spec.drafter_spec).
     drafter: str = "eagle"

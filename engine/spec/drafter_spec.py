@@ -2,7 +2,7 @@
 
 A drafter is one part, or a fallback composition of parts joined by '+' that are asked in order
 per row (engine.spec.compose.FallbackDrafter): `pregenerated` (a row's pre-generated response,
-pipeline.bubble), `history` (suffix match over the prompt's responses of earlier steps and its
+pipeline.drafts.bubble), `history` (suffix match over the prompt's responses of earlier steps and its
 finished siblings, engine.spec.history), `ngram` (suffix match over the prompt and its sibling
 responses), and at most one *learned* drafter, a network at `engine.spec.drafter_path` of one of
 engine.spec.eagle's kinds (eagle, eagle3, mtp, eagle3_vllm). The order is fixed: pregenerated,

@@ -15,7 +15,7 @@ and `out` (pre-norm) is fed back as the next draft step's g. The network takes e
 target's features (F = 4H wide: the three levels, then the final hidden, which only the loss
 reads) or its own predictions (H wide), told apart by width. Its LM head is a parameter of its
 own (EAGLE-3 trains it; vLLM loads it with `d2t`, the draft-to-target id offsets), initialised
-from the target's rows of the draft vocabulary. Training (spot.drafter_training) also runs one
+from the target's rows of the draft vocabulary. Training (spot.training.step) also runs one
 fed-back step, EAGLE-3's training-time test one level deep (`fed_back`): each pair again with
 its feature replaced by the drafter's own prediction of it, attending to the target-fed pairs
 before it as a fed-back draft does; and the feature loss regresses `out` onto the next

@@ -38,7 +38,7 @@ def build_actor(cfg: ActorConfig, model_path: str | Path, group=None) -> Actor:
     """The actor of cfg.backend over the Hugging Face folder model_path (collective under torch.distributed).
 
     `group`: the data-parallel ranks (None: every rank of the job; a separated placement's actor
-    group, pipeline.placement), for a backend whose CAPS have subgroup (launch.capabilities refuses
+    group, pipeline.placement), for a backend whose CAPS have subgroup (launch.run.capabilities refuses
     the others on a separated run)."""
     cfg.validate()
     if cfg.backend == "megatron":

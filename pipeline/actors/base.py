@@ -35,7 +35,7 @@ LossFn = Callable[[torch.Tensor, "torch.Tensor | None", TrainBatch], "tuple[torc
 
 # Update metrics that add up over micro-batches and over ranks (a share of the mini-batch's loss, a
 # token count); every other loss metric is a mean over its call's response tokens, and the gradient
-# norm is the same on every rank (pipeline.algorithms.policy_loss, pipeline.learner).
+# norm is the same on every rank (pipeline.algorithms.policy_loss, pipeline.update.learner).
 ADDITIVE_METRICS = frozenset({"train/loss", "train/pg_loss", "train/response_tokens"})
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -44,7 +44,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 @dataclass(frozen=True)
 class ActorCapabilities:
     """What an actor backend can do, declared on its class (`CAPS`, as engine.backend's backends
-    declare theirs) and read before one is built (pipeline.actors.actor_class; launch.capabilities)."""
+    declare theirs) and read before one is built (pipeline.actors.actor_class; launch.run.capabilities)."""
 
     offloads: bool  # optimizer states / parameters in CPU memory (actor.offload_optimizer, actor.offload_params)
     model_parallel: bool  # each layer's matrices or the layers split over ranks (actor.tensor_parallel, pipeline_parallel)
@@ -116,7 +116,7 @@ class ActorConfig:
 
     def validate(self) -> None:
         """The section's own values; what needs a capability of actor.backend is checked with the run's
-        other needs (launch.capabilities)."""
+        other needs (launch.run.capabilities)."""
         if not self.lr > 0:
             raise ValueError(f"actor.lr must be > 0, got {self.lr}")
         if not all(0 <= b < 1 for b in self.betas):

@@ -75,9 +75,9 @@ def load_rng(folder: Path, rank: int) -> None:
     """Restores this rank's torch RNG state from `folder`; a rank the saving run did not have (a
     resume on more ranks) restores rank 0's.
 
-    Rank 0's because a run's ranks start from equal states (launch.run seeds torch with run.seed on
+    Rank 0's because a run's ranks start from equal states (launch.run.build seeds torch with run.seed on
     each), and a new rank's is then one the run has had; the run's sampling and data order are keyed
-    and never read this state (pipeline.rollouts, pipeline.data), so it moves no result.
+    and never read this state (pipeline.rollout.stage, pipeline.data), so it moves no result.
     """
     file = folder / rng_file(rank)
     state = torch.load(file if file.is_file() else folder / rng_file(0), weights_only=True)

@@ -79,7 +79,7 @@ def policy_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     """
     if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
         raise ValueError("policy_forward needs right-padded rows (every row's real tokens first, then pads); "
-                         "a row has a real token after a pad: build rows with pipeline.train_batch")
+                         "a row has a real token after a pad: build rows with pipeline.update.train_batch")
     want_states = hidden or bool(hidden_layers)
     scored = attention_mask if scored is None else scored * attention_mask
     with picking(model, input_ids, scored, entropy, ActorConfig.head_chunk_tokens):

@@ -77,11 +77,11 @@ def render(tokenizer: Any, turns: Sequence[tuple[str, str]]) -> list[int]:
 
 def encode_problem(tokenizer: Any, problem: Problem, chat: bool) -> list[int]:
     """The prompt's token ids: in a chat run its conversation (`problem.messages`, which
-    launch.problems.problems_for gives every problem of a chat run) rendered, else its text encoded."""
+    launch.run.problems.problems_for gives every problem of a chat run) rendered, else its text encoded."""
     if chat:
         if not problem.messages:
             raise ValueError(f"problem {problem.id!r} has no conversation to render in a chat run: build the run's "
-                             "problems with launch.problems.problems_for, which gives each its turns")
+                             "problems with launch.run.problems.problems_for, which gives each its turns")
         return render(tokenizer, problem.messages)
     if problem.messages:
         raise ValueError(f"problem {problem.id!r} is chat messages, which only a chat run renders: set task.chat=true")

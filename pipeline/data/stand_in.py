@@ -3,7 +3,7 @@
     python -m pipeline.data.stand_in --layout gsm8k|verl OUT [--rows 200] [--seed 0]
 
 A recipe (examples/) starts from a dataset the user downloads; on a machine without one, or in a
-rehearsal of the cluster job (launch.rehearse), this writes `pipeline.tasks.make_math`'s problems
+rehearsal of the cluster job (launch.slurm.rehearse), this writes `pipeline.tasks.make_math`'s problems
 in the layout that dataset has, so that the recipe's own `prepare` step reads them exactly as it
 reads the real file:
 

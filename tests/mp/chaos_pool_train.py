@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-import pipeline.separated_rollout as separated_rollout
+import pipeline.separated.rollout as separated_rollout
 
 HOLD = Path(os.environ["TAILSPEC_TEST_HOLD"])
 _receive = separated_rollout.SeparatedRollout.receive_policy

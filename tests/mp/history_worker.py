@@ -1,4 +1,4 @@
-"""Spawned worker for tests/test_history.py: two gloo ranks keep the run's history store (pipeline.history).
+"""Spawned worker for tests/test_history.py: two gloo ranks keep the run's history store (pipeline.drafts.history).
 
 Each rank remembers its own share of a step's rollouts (rank r: prompts p{r}, and one sample of the
 shared prompt "both"), then sums one speculative step record per rank into the history metrics.
@@ -26,7 +26,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
     from engine.spec.history_index import HistoryStore
     from engine.types import StepRecord
     from pipeline.dist import Ranks
-    from pipeline.history import RunHistory
+    from pipeline.drafts.history import RunHistory
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-import pipeline.separated_rollout as separated_rollout
+import pipeline.separated.rollout as separated_rollout
 
 rank = os.environ.get("RANK", "0")
 Path(os.environ["TAILSPEC_TEST_PIDS"], f"rank{rank}.pid").write_text(str(os.getpid()))

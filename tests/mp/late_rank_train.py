@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-import pipeline.stealing as stealing
+import pipeline.rollout.stealing as stealing
 
 if os.environ.get("RANK") in ("0", "1"):
     _take = stealing.UnitQueue.take

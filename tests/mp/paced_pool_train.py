@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-import pipeline.separated_rollout as separated_rollout
+import pipeline.separated.rollout as separated_rollout
 
 HOLD, VERSION = Path(os.environ["TAILSPEC_TEST_HOLD"]), int(os.environ["TAILSPEC_TEST_HOLD_VERSION"])
 _receive = separated_rollout.SeparatedRollout.receive_policy

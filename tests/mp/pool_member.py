@@ -23,9 +23,9 @@ def worker(rank: int, world: int, port: int, out: str, cfg_kw: dict, idle: str, 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from spot.buffer import DataBuffer
-        from spot.pool import Members, PoolConfig, make_trainer, open_inputs, sample_rows, train_members
-        from spot.segment import node_segment
+        from spot.buffer.ring import DataBuffer
+        from spot.pool.elastic import Members, PoolConfig, make_trainer, open_inputs, sample_rows, train_members
+        from spot.buffer.segment import node_segment
         from pipeline.dist import Ranks
 
         cfg = PoolConfig(**cfg_kw, buffer=idle if rank < 2 else busy, out=f"{out}/pool", micro_steps=1)

@@ -23,9 +23,9 @@ BUCKET = 4096
 def worker(rank: int, world: int, port: int, out: str) -> None:
     from pipeline.config import PipelineSection
     from pipeline.dist import Ranks, all_sum
-    from pipeline.placement import build_placement
-    from pipeline.shipment import RolloutShipment, receive_shipments, send_shipments
-    from pipeline.weight_sync import push_weights, receive_weights
+    from pipeline.separated.placement import build_placement
+    from pipeline.separated.shipment import RolloutShipment, receive_shipments, send_shipments
+    from pipeline.separated.weight_sync import push_weights, receive_weights
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

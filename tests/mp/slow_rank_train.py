@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from pipeline.schedule import RolloutSchedule
+from pipeline.rollout.schedule import RolloutSchedule
 
 DELAY = float(os.environ.get("TAILSPEC_TEST_DELAY", "0.3"))
 

@@ -31,14 +31,14 @@ def worker(rank: int, world: int, port: int, out: str, model_dir: str, buffer_na
         from engine.spec.eagle_drafter import EagleDrafter
         from engine.sampling import SamplingParams
         from engine.types import Request
-        from spot.sink import DataBufferSink
+        from spot.buffer.sink import DataBufferSink
         from common.idle import IdleWindows, RankState
-        from spot.buffer import DataBuffer
+        from spot.buffer.ring import DataBuffer
         from spot.colocated import drafter_copy
         from common.idle import ControlPlane
         from spot.coordinator import SpotSettings, SpotWork
-        from spot.drafter_training import DrafterOptim
-        from spot.trainer import SpotTrainer
+        from spot.training.step import DrafterOptim
+        from spot.training.trainer import SpotTrainer
 
         target = load_checkpoint(model_dir)
         torch.manual_seed(0)  # the same drafter on every rank, as after a load

@@ -1,4 +1,4 @@
-"""The cluster rehearsals (`make rehearse-7b`, `make rehearse-32b`; launch.rehearse) as two-node Slurm
+"""The cluster rehearsals (`make rehearse-7b`, `make rehearse-32b`; launch.slurm.rehearse) as two-node Slurm
 jobs on this machine, and a node lost mid-step.
 
 configs/7b.yaml's rehearsal runs twice: once straight through, once with the second node's processes
@@ -9,7 +9,7 @@ final weights equal the uninterrupted job's. configs/32b.yaml's rehearsal (separ
 DAPO) runs straight through.
 
 Needs root on Debian (it apt-installs slurm-wlm and munge if missing) and starts its own two-node
-cluster under a temporary folder (launch.local_slurm), which it stops and removes.
+cluster under a temporary folder (launch.slurm.local), which it stops and removes.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch.local_slurm import LocalSlurm, SlurmUnavailable
-from launch.rehearse import Job, follow, metrics, prepare_inputs, submit
-from spot.segment import SHM
+from launch.slurm.local import LocalSlurm, SlurmUnavailable
+from launch.slurm.rehearse import Job, follow, metrics, prepare_inputs, submit
+from spot.buffer.segment import SHM
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 # The metrics of what is learned: the same rows, rewards, losses and updates. Speculation's and spot

@@ -4,7 +4,7 @@
 the same config and seed started with torchrun directly.
 
 Needs root on Debian (it apt-installs slurm-wlm and munge if missing) and starts its own one-node
-cluster under a temporary folder (launch.local_slurm), which it stops and removes.
+cluster under a temporary folder (launch.slurm.local), which it stops and removes.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.local_slurm import LocalSlurm, SlurmUnavailable
+from launch.slurm.local import LocalSlurm, SlurmUnavailable
 from tests.slurm.test_slurm_job import tiny_job_args
 
 REPO = Path(__file__).resolve().parents[2]

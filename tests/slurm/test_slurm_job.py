@@ -3,7 +3,7 @@ as `make train-7b` (launch.slurm), signalled as at its time limit so that it req
 resumed from its checkpoint, run to the end.
 
 Needs root on Debian (it apt-installs slurm-wlm and munge if missing) and starts its own one-node
-cluster under a temporary folder (launch.local_slurm), which it stops and removes.
+cluster under a temporary folder (launch.slurm.local), which it stops and removes.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.local_slurm import LocalSlurm, SlurmUnavailable
+from launch.slurm.local import LocalSlurm, SlurmUnavailable
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

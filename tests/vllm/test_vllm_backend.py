@@ -50,7 +50,7 @@ def served(models):
 @pytest.fixture(scope="module")
 def requests(models) -> list[Request]:
     from common.text import load_tokenizer
-    from pipeline.rollouts import encode_problem
+    from pipeline.rollout.stage import encode_problem
     from pipeline.tasks import get_task
 
     tok = load_tokenizer(models[0])

@@ -1,0 +1,1 @@
+"""Run checkpoints: what a resumed run needs (`state`), and which checkpoints stay on disk (`keep`)."""
