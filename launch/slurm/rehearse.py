@@ -1,4 +1,4 @@
-"""`python -m launch.slurm.rehearse 7b|32b [--dir runs/rehearse] [section.key=value ...]`: the cluster job,
+"""`python -m launch.slurm.rehearse 7b|32b|pool [--dir runs/rehearse] [section.key=value ...]`: the cluster job,
 rehearsed on this machine as a two-node Slurm job.
 
 `make train-7b` / `make train-32b` submit configs/7b.yaml / configs/32b.yaml. The rehearsal runs that
@@ -6,6 +6,9 @@ very code path here with only sizes and devices changed (configs/rehearse/<name>
 test keeps to sizes and devices): the model SmolLM2-135M-Instruct (`make models`) on CPU, a short
 `max_len`, a few rows and steps. Everything else is as shipped: the actor backend and ZeRO stage, the
 placement, spot training, the tuner, the algorithm, W&B (offline), checkpoints and the sbatch script.
+`pool` is the 7B rehearsal in another layout (LAYOUT_KEYS as well): the separated placement on two
+ranks per node, its drafter trained by an elastic spot pool with an agent on each node
+(spot.mode: pool, launch.slurm.sbatch), so that the pool's part of the script runs on a real Slurm too.
 
 1. Its inputs, made once under `--dir` and kept: data/raw.parquet, word problems in verl's layout
    (pipeline.data.stand_in), converted by `pipeline.data.prepare --format verl` into
@@ -42,7 +45,8 @@ from launch.slurm.local import NOT_ENDED, LocalSlurm, SlurmUnavailable
 from launch.run.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIGS = {"7b": REPO / "configs/rehearse/7b.yaml", "32b": REPO / "configs/rehearse/32b.yaml"}
+CONFIGS = {name: REPO / f"configs/rehearse/{name}.yaml" for name in ("7b", "32b", "pool")}
+SHIPPED = {"7b": "7b", "32b": "32b", "pool": "7b"}  # the configs/<shipped>.yaml each rehearses
 DEFAULT_DIR = REPO / "runs/rehearse"
 # What an overlay may change: sizes (rows, lengths, steps, buffers, nodes), devices and dtypes, where the
 # inputs and outputs are, and W&B's mode. tests/test_rehearse_config.py holds the overlays to this list
@@ -60,6 +64,9 @@ OVERLAY_KEYS = frozenset({
     "cluster.nodes", "cluster.gpus_per_node", "cluster.procs_per_node", "cluster.cpus_per_task", "cluster.time",
     "cluster.log_dir",
 })
+# What a rehearsal in another layout than its shipped config's (`pool`) changes as well: where the
+# actor trains and who trains the drafter. tests/test_rehearse_config.py holds it to these.
+LAYOUT_KEYS = frozenset({"pipeline.placement", "pipeline.actor_ranks", "spot.mode", "spot.pool_dir"})
 DATA_ROWS = 200  # enough for 3 steps of 4 prompts and the held-out set
 WARMSTART = ["--max-prompts", "8", "--steps", "16", "--max-minutes", "4"]  # a drafter to run, not a good one
 
@@ -78,7 +85,7 @@ def job_overrides(root: Path) -> list[str]:
     root = Path(root).resolve()
     return [f"task.file={root / 'data/train.jsonl'}", f"task.eval_file={root / 'data/test.jsonl'}",
             f"engine.spec.drafter_path={root / 'drafter'}", f"run.out_dir={root / 'runs'}",
-            f"cluster.log_dir={root / 'slurm'}", f"cluster.python={sys.executable}"]
+            f"spot.pool_dir={root / 'pool'}", f"cluster.log_dir={root / 'slurm'}", f"cluster.python={sys.executable}"]
 
 
 def prepare_inputs(root: Path, name: str = "7b") -> None:
@@ -178,7 +185,8 @@ def memory_table(name: str, root: Path, run_dir: Path) -> str:
 def rehearse(name: str, root: Path = DEFAULT_DIR, extra: list[str] = (), timeout_s: float = 900) -> int:
     root = Path(root).resolve()
     started = time.monotonic()
-    print(f"rehearsal of configs/{name}.yaml: configs/rehearse/{name}.yaml as a two-node Slurm job on this machine", flush=True)
+    print(f"rehearsal of configs/{SHIPPED[name]}.yaml: configs/rehearse/{name}.yaml as a two-node Slurm job on this machine",
+          flush=True)
     prepare_inputs(root, name)
     with LocalSlurm(root / "cluster", nodes=2) as slurm:
         print(f"cluster: nodes {', '.join(slurm.nodes)} (one slurmd each, on this host)", flush=True)
@@ -195,8 +203,8 @@ def rehearse(name: str, root: Path = DEFAULT_DIR, extra: list[str] = (), timeout
         print("peak memory of the rehearsal's ranks (resident, GB) beside the planner's "
               f"(python -m launch.memory --config configs/rehearse/{name}.yaml):\n{memory_table(name, root, job.run_dir)}",
               flush=True)
-    print(f"the real sizes' plan: python -m launch.memory --config configs/{name}.yaml --model-config "
-          f"launch/model_configs/qwen2.5-{name}-instruct.json", flush=True)
+    print(f"the real sizes' plan: python -m launch.memory --config configs/{SHIPPED[name]}.yaml --model-config "
+          f"launch/model_configs/qwen2.5-{SHIPPED[name]}-instruct.json", flush=True)
     return 0 if ok else 1
 
 
@@ -204,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides, rest = override_args(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m launch.slurm.rehearse", description=__doc__.splitlines()[0],
                                 epilog="Any section.key=value argument overrides the rehearsal's config.")
-    p.add_argument("name", choices=sorted(CONFIGS), help="the shipped config to rehearse: configs/<name>.yaml")
+    p.add_argument("name", choices=sorted(CONFIGS), help="the rehearsal: configs/rehearse/<name>.yaml")
     p.add_argument("--dir", default=str(DEFAULT_DIR), help="inputs, runs and job logs (default: runs/rehearse)")
     p.add_argument("--timeout-s", type=float, default=900, help="cancel the job past this many seconds")
     args = p.parse_args(rest)

@@ -22,10 +22,13 @@ script names the split (a job with no rollout rank is refused at rendering).
 A separated placement with `spot.mode: pool` also starts the elastic spot pool (launch.spot_pool,
 docs/SPOT_POOL.md) as a second job step beside the run: one torchrun agent on each node that has
 rollout ranks (`srun --overlap`: it shares the node with the run's step, its one member on the
-node's first GPU), meeting in a rendezvous of its own on the first of those nodes, attaching to
-the node's DataBuffer (`spot.buffer_name`, `tailspec-<job id>` unless set) once the run has made
-it. When the run's step ends, the script writes `<spot.pool_dir>/STOP` and waits for the pool;
-a requeued job removes STOP first, so its pool resumes from its checkpoints.
+node's first GPU), attaching to the node's DataBuffer (`spot.buffer_name`, `tailspec-<job id>`
+unless set) once the run has made it. The agents meet in a rendezvous of their own whose store the
+script itself holds on the batch host (launch.pool_job store), so no agent's death takes it down,
+and each node's agent runs under launch.pool_job agent, which starts it again when a signal kills
+it: the pool shrinks and grows back. When the run's step ends, the script writes
+`<spot.pool_dir>/STOP`, waits for the pool and stops the store; a requeued job removes STOP first,
+so its pool resumes from its checkpoints.
 
 The ranks' process group is the control plane (pipeline.dist, common.idle.states): its store is the
 rendezvous's, at HEAD_ADDR:PORT, the first node's address as Slurm reaches it (`scontrol show node`'s
@@ -106,14 +109,14 @@ def pool_start_lines(cfg: TrainConfig) -> list[str]:
             f"POOL_DIR={shlex.quote(cfg.spot.pool_dir)}",
             f"POOL_BUFFER={buffer}",
             f'POOL_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n +{first + 1} | paste -sd, -)',
-            'POOL_HEAD="${POOL_NODES%%,*}"',
-            'POOL_ADDR=$(node_addr "$POOL_HEAD")',
+            'POOL_ADDR=$(node_addr "$SLURMD_NODENAME")  # the pool\'s rendezvous store runs in this script',
             'rm -f "$POOL_DIR/STOP"  # a requeued job: the pool resumes from its checkpoints',
             'mkdir -p "$RUN_DIR"']
 
 
 def pool_step_lines(cfg: TrainConfig) -> list[str]:
-    """The spot pool's job step (in the background, `POOL`): one agent per rollout node."""
+    """The spot pool's rendezvous store (`POOL_STORE`) and job step (`POOL`), both in the background:
+    one agent per rollout node, started again by launch.pool_job when a signal kills it."""
     c, s = cfg.cluster, cfg.spot
     actors, _ = cfg.pipeline.roles(c.world_size)
     nodes = c.nodes - actors // c.ranks_per_node
@@ -125,11 +128,14 @@ def pool_step_lines(cfg: TrainConfig) -> list[str]:
                  "--lr", str(s.lr), "--warmup-steps", str(s.warmup_steps), "--weight-decay", str(s.weight_decay),
                  "--grad-clip", str(s.grad_clip), "--ce-weight", str(s.ce_weight), "--seed", str(cfg.run.seed)]
     return [
+        '"$PY" -m launch.pool_job store --port $(( PORT + 1 )) &',
+        "POOL_STORE=$!",
         f'srun --overlap --nodes={nodes} --ntasks-per-node=1 --nodelist="$POOL_NODES" \\',
         '    --output="$RUN_DIR/spot-pool-%N.log" \\',
+        '    "$PY" -m launch.pool_job agent --stop "$POOL_DIR/STOP" -- \\',
         '    env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "$PY" -m torch.distributed.run --nproc-per-node=1 \\',
         f'    --nnodes=1:{nodes} --rdzv-backend=c10d --rdzv-endpoint="$POOL_ADDR:$(( PORT + 1 ))" \\',
-        '    --rdzv-id="$SLURM_JOB_ID-pool" \\',
+        '    --rdzv-id="$SLURM_JOB_ID-pool" --rdzv-conf=is_host=false \\',
         "    --max-restarts=100 --monitor-interval=5 \\",
         f'    -m launch.spot_pool {" ".join(q(a) for a in pool_args)} --buffer "$POOL_BUFFER" --out "$POOL_DIR" &',
         "POOL=$!",
@@ -209,7 +215,8 @@ def render_sbatch(cfg: TrainConfig, config_path: str, overrides: list[str], repo
     ]
     if pool_agents(cfg):
         lines += ['touch "$POOL_DIR/STOP"  # the pool checkpoints, publishes and exits',
-                  'set +e; wait "$POOL"; echo "job $SLURM_JOB_ID: the spot pool exited with status $?"; set -e']
+                  'set +e; wait "$POOL"; echo "job $SLURM_JOB_ID: the spot pool exited with status $?"',
+                  'kill "$POOL_STORE"; wait "$POOL_STORE"; set -e']
     if cfg.spot.enabled:  # a rank killed mid-step (a lost node, the OOM killer) leaves its node's DataBuffer segment
         lines.append(f'{srun} "$PY" -m spot.buffer.segment --reclaim || true  # each node: remove the dead ranks\' segments')
     lines += ['exit "$rc"']
