@@ -14,7 +14,14 @@ from tests.test_trainer import digits_task  # noqa: F401 (a fixture)
 
 
 def guard(mode="shed", planned=(8.0, 8.0), **kw) -> MemoryGuard:
+    kw = {"over_plan": 0.15, "over_plan_gb": 0.5} | kw
     return MemoryGuard(MemoryGuardConfig(mode=mode, **kw), planned, log=lambda msg: None)
+
+
+def test_by_default_a_rank_may_run_a_third_over_its_plan_as_glibcs_heap_makes_it():
+    default = MemoryGuard(MemoryGuardConfig(), [7.5], log=lambda msg: None)
+    assert default.verdict([9.9], [0.5], can_shed=True).action is Action.NONE  # the GSM8K recipe's rank 0, +32%
+    assert default.verdict([12.9], [0.5], can_shed=True).action is Action.SHED  # with bubble drafts' 3-5 GB
 
 
 def test_within_the_plan_and_with_memory_available_nothing_happens():
